@@ -1,0 +1,138 @@
+"""HF checkpoint -> Megatron-Bridge -> megatron-core model chunks (TP/PP/VPP, DDP or Megatron-FSDP), and back to HF.
+
+This is the one place where parallelism is applied to the model and where the layer spec is chosen.
+"""
+
+import importlib.util
+import logging
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def _stand_in_for_bridge_lora_layers() -> None:
+    """Let `import megatron.bridge` succeed without Transformer Engine.
+
+    Of the GPT load/export path, only `megatron.bridge.peft.lora_layers` imports
+    `transformer_engine.pytorch` at import time (for LoRA, which this trainer does not use).
+    A stand-in for `transformer_engine` itself would make megatron-core believe TE is installed,
+    so the stand-in replaces that one module, and its classes refuse to be built.
+    """
+    name = "megatron.bridge.peft.lora_layers"
+    if HAVE_TRANSFORMER_ENGINE or name in sys.modules:
+        return
+
+    class _NeedsTransformerEngine:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("Megatron-Bridge LoRA layers need Transformer Engine, which is not installed.")
+
+    stand_in = types.ModuleType(name)
+    for class_name in ("LoRALinear", "LoRATopKRouter", "TEFusedLoRALinear", "LinearAdapter"):
+        setattr(stand_in, class_name, type(class_name, (_NeedsTransformerEngine,), {}))
+    sys.modules[name] = stand_in
+
+
+def auto_bridge(hf_path: str | Path):
+    """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
+    _stand_in_for_bridge_lora_layers()
+    from megatron.bridge import AutoBridge
+
+    return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
+
+
+def layer_spec_name() -> str:
+    """Which transformer layer implementation is used: Transformer Engine when installed, else megatron-core's local layers."""
+    return "transformer_engine" if HAVE_TRANSFORMER_ENGINE else "local"
+
+
+def _layer_spec():
+    """The provider callable that builds the chosen layer spec."""
+    from megatron.bridge.models import gpt_provider
+
+    if HAVE_TRANSFORMER_ENGINE:
+        return gpt_provider.transformer_engine_layer_spec
+    return gpt_provider.local_layer_spec
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
+                       load_weights: bool = True, transformer_overrides: dict | None = None):
+    """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set."""
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.transformer_layer_spec = _layer_spec()
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.virtual_pipeline_model_parallel_size = vpp
+    # Sequence parallelism needs TE-style fused comms; keep it off so every layer spec behaves alike.
+    provider.sequence_parallel = False
+    provider.seq_length = seq_length
+    provider.params_dtype = DTYPES[dtype]
+    provider.pipeline_dtype = DTYPES[dtype]
+    provider.bf16 = dtype == "bf16"
+    provider.fp16 = dtype == "fp16"
+    # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
+    provider.gradient_accumulation_fusion = HAVE_TRANSFORMER_ENGINE and torch.cuda.is_available()
+    provider.use_cpu_initialization = not torch.cuda.is_available()
+    for key, value in (transformer_overrides or {}).items():
+        setattr(provider, key, value)
+    provider.finalize()
+    return provider
+
+
+def build_chunks(provider, ddp_config=None) -> list:
+    """Instantiate the model chunks (one per virtual pipeline stage) with HF weights, then wrap each for data parallelism.
+
+    `ddp_config=None` leaves them unwrapped (inference, parity checks).
+    """
+    from megatron.core.transformer.module import Float16Module
+
+    chunks = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        mixed_precision_wrapper=Float16Module,
+    )
+    log.info("layer spec: %s", layer_spec_name())
+    if ddp_config is None:
+        return chunks
+    return wrap_for_data_parallel(chunks, provider, ddp_config)
+
+
+def wrap_for_data_parallel(chunks: list, transformer_config, ddp_config) -> list:
+    """Wrap every chunk in megatron-core DDP, or in Megatron-FSDP when the DDP config asks, and synchronise all of them."""
+    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
+
+    wrapper = FullyShardedDataParallel if ddp_config.use_megatron_fsdp else DistributedDataParallel
+    wrapped = [
+        # Bucketing only for the first chunk: later chunks' gradients are ready late in backward anyway
+        # (megatron-core's own convention for virtual pipeline stages).
+        wrapper(config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    broadcast_parameters(wrapped)
+    return wrapped
+
+
+def broadcast_parameters(chunks: list) -> None:
+    """Make every data-parallel rank hold rank 0's parameters, for every model chunk (not only the first)."""
+    for chunk in chunks:
+        chunk.broadcast_params()
+
+
+def unwrap(chunk):
+    """The bare megatron-core model inside DDP/FSDP and Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
+    """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
+    bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)

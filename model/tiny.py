@@ -1,0 +1,144 @@
+"""The embedded default model: a ~1M parameter Qwen2 with its own arithmetic tokenizer, built offline."""
+
+import hashlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from data.arithmetic import training_text
+
+# Bump when the build code changes in a way the recipe below does not capture.
+RECIPE_VERSION = 1
+COMPLETE_MARKER = ".complete"
+WEIGHT_SEED = 0
+
+PAD_TOKEN, TURN_START, TURN_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Role lines the chat template emits; repeated so they clear min_frequency and become merges.
+CHAT_LITERALS = ["system\n", "user\n", "assistant\n"] * 2
+
+TOKENIZER_SETTINGS = {
+    "vocab_size": 512,
+    "min_frequency": 2,
+    "special_tokens": [PAD_TOKEN, TURN_START, TURN_END],
+    "training_problems": 2000,
+    "chat_template": CHAT_TEMPLATE,
+    "split_pattern": PRETOKENIZE_REGEX,
+}
+
+# Qwen2.5-0.5B's shape family, scaled down; vocab_size is filled in from the tokenizer.
+MODEL_CONFIG = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 352,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "max_position_embeddings": 512,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "dtype": "float32",
+}
+# Embedding rows are split across tensor-parallel ranks, so the padded vocab must divide evenly.
+VOCAB_MULTIPLE = 64
+
+
+def default_cache_dir() -> pathlib.Path:
+    """Return `$TRAINER_CACHE_DIR`, or `~/.cache/megatron-trainer` when it is unset."""
+    return pathlib.Path(os.environ.get("TRAINER_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-trainer")
+
+
+def recipe_hash() -> str:
+    """Return a short hash of everything that determines the built checkpoint."""
+    recipe = {"version": RECIPE_VERSION, "seed": WEIGHT_SEED, "model": MODEL_CONFIG, "tokenizer": TOKENIZER_SETTINGS}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer on arithmetic text and wrap it with the chat template."""
+    tokenizer = Tokenizer(models.BPE())
+    # AutoTokenizer loads every qwen2 checkpoint as Qwen2Tokenizer, which rebuilds this exact
+    # pipeline (NFC, Qwen2's split with one token per digit, then bytes) around our vocab and merges;
+    # training with the same pipeline keeps the merges valid for the tokens it will produce.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_SETTINGS["vocab_size"],
+        min_frequency=TOKENIZER_SETTINGS["min_frequency"],
+        special_tokens=TOKENIZER_SETTINGS["special_tokens"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [training_text(TOKENIZER_SETTINGS["training_problems"]), *CHAT_LITERALS]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=TURN_END, pad_token=PAD_TOKEN, bos_token=None
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_checkpoint(directory: pathlib.Path) -> None:
+    """Write the tokenizer, config and seeded weights of the tiny model into `directory`."""
+    tokenizer = build_tokenizer()
+    vocab_size = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    end_of_turn = tokenizer.convert_tokens_to_ids(TURN_END)
+    config = transformers.Qwen2Config(
+        **MODEL_CONFIG,
+        vocab_size=vocab_size,
+        eos_token_id=end_of_turn,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    # Seed a forked RNG so building the model never shifts the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(WEIGHT_SEED)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.generation_config = transformers.GenerationConfig(eos_token_id=end_of_turn, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(directory, safe_serialization=True)
+    # Keep the chat template inside tokenizer_config.json, where older readers look for it.
+    tokenizer.save_pretrained(directory, save_jinja_files=False)
+
+
+def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return the directory of the tiny Hugging Face checkpoint, building it once per recipe."""
+    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"tiny-qwen2-{recipe_hash()}"
+    if (target / COMPLETE_MARKER).exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Several torchrun ranks may get here at once: each builds privately and renames into place,
+    # which is atomic on one filesystem, so readers never see a half-written checkpoint.
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    try:
+        build_checkpoint(staging)
+        (staging / COMPLETE_MARKER).touch()
+        os.rename(staging, target)
+    except OSError:
+        if not (target / COMPLETE_MARKER).exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -38,6 +38,22 @@ def _stand_in_for_bridge_lora_layers() -> None:
     sys.modules[name] = stand_in
 
 
+def resolve_model_path(path: str) -> Path:
+    """`tiny` -> the embedded default checkpoint (built offline on first use); anything else is an HF directory."""
+    if path == "tiny":
+        from model.tiny import ensure_tiny_checkpoint
+
+        return ensure_tiny_checkpoint()
+    return Path(path)
+
+
+def environment_ddp_defaults() -> dict:
+    """DDP settings the machine imposes (gloo on CPU lacks a reduction Megatron-FSDP fuses); empty on GPUs."""
+    from model import cpu_compat
+
+    return {} if torch.cuda.is_available() else dict(cpu_compat.DDP_CONFIG_OVERRIDES)
+
+
 def auto_bridge(hf_path: str | Path):
     """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
     _stand_in_for_bridge_lora_layers()
@@ -124,6 +140,17 @@ def broadcast_parameters(chunks: list) -> None:
     """Make every data-parallel rank hold rank 0's parameters, for every model chunk (not only the first)."""
     for chunk in chunks:
         chunk.broadcast_params()
+
+
+def attach_training_hooks(transformer_config, chunks: list, optimizer) -> None:
+    """Tell megatron-core's pipeline schedule how to finalise gradients, scale the loss and delay DP syncs."""
+    from megatron.core.distributed import finalize_model_grads
+
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    transformer_config.grad_scale_func = optimizer.scale_loss
+    # With overlapped reduction (Megatron-FSDP), gradient syncs must wait for the last microbatch.
+    no_sync = [chunk.no_sync for chunk in chunks]
+    transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
 
 
 def unwrap(chunk):

@@ -1,0 +1,360 @@
+"""SFT data: load rows, turn them into chat conversations, tokenize with a loss mask, batch and order them.
+
+Truncation policy: a tokenized sample longer than `max_seq_len + 1` tokens is cut from the right to
+`max_seq_len + 1` tokens (inputs are `ids[:-1]`, labels `ids[1:]`, so both then fit in `max_seq_len`)
+and counted as truncated; if the cut leaves no loss token among the labels the sample is dropped and
+counted. Every row read is either used or counted in the `DropReport` under one reason.
+"""
+
+import collections
+import dataclasses
+import pathlib
+
+import datasets
+import torch
+
+from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
+from trainer.errors import UserError
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+ARITHMETIC_SPLITS = {"train": (2000, TRAIN_SEED), "test": (200, EVAL_SEED), "eval": (200, EVAL_SEED)}
+DROP_EXAMPLES_KEPT = 5
+TOKENIZE_CHUNK = 1024
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load_rows(path: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
+    """Return the rows of the bundled arithmetic set, a local json/jsonl/parquet file or folder, or a hub dataset."""
+    if path == "arithmetic":
+        if split not in ARITHMETIC_SPLITS:
+            raise UserError(f"The arithmetic data set has splits {sorted(ARITHMETIC_SPLITS)}, not {split!r}.")
+        return generate_problems(*ARITHMETIC_SPLITS[split])
+    local = pathlib.Path(path).expanduser()
+    looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS
+    if local.exists():
+        return load_local(local, split)
+    if looks_local:
+        raise UserError(f"data.path points to {path!r}, which does not exist. Set data.path to an existing "
+                        ".json, .jsonl or .parquet file, a folder of them, 'arithmetic', or a hub dataset name.")
+    try:
+        return datasets.load_dataset(path, hub_config, split=split).to_list()
+    except Exception as error:
+        raise UserError(f"data.path {path!r} (config {hub_config!r}, split {split!r}) was not found locally and "
+                        f"could not be loaded from the Hugging Face hub ({error}). Machines without internet "
+                        "cannot download; set data.path to a local .json, .jsonl or .parquet file or folder.") from error
+
+
+def load_local(path: pathlib.Path, split: str) -> list[dict]:
+    """Load a local data file, or the files in a folder (those named after `split` when there are any)."""
+    files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
+    # A folder holding train.jsonl and test.jsonl must not mix the two splits.
+    files = [file for file in files if file.stem.startswith(split)] or files
+    formats = {LOCAL_FORMATS.get(file.suffix) for file in files}
+    if not files or len(formats) != 1 or None in formats:
+        raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
+                        f"files of one of those formats; found {[file.name for file in files]}.")
+    try:
+        loaded = datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train")
+    except Exception as error:
+        raise UserError(f"data.path {str(path)!r} could not be read as a table ({error}). Fix the file, or set "
+                        "data.path to another one.") from error
+    return loaded.to_list()
+
+
+# --- conversations ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DropReport:
+    """Counts of rows read, kept and dropped (by reason), plus the first few dropped rows."""
+
+    rows_read: int = 0
+    kept_rows: list[int] = dataclasses.field(default_factory=list)
+    dropped_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    first_drops: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    truncated: int = 0
+
+    @property
+    def used(self) -> int:
+        """Return how many rows survived every stage so far."""
+        return len(self.kept_rows)
+
+    @property
+    def dropped(self) -> int:
+        """Return how many rows were dropped, over all reasons."""
+        return sum(self.dropped_by_reason.values())
+
+    def drop(self, row: int, reason: str) -> None:
+        """Count row `row` as dropped for `reason`."""
+        self.dropped_by_reason[reason] += 1
+        if len(self.first_drops) < DROP_EXAMPLES_KEPT:
+            self.first_drops.append((row, reason))
+
+    def summary(self) -> str:
+        """Return a one-line account of the rows used, dropped and truncated."""
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.dropped_by_reason.items()))
+        first = ", ".join(f"row {row} ({reason})" for row, reason in self.first_drops)
+        return (f"{self.used} of {self.rows_read} rows used, {self.dropped} dropped ({reasons or 'none'}), "
+                f"{self.truncated} truncated" + (f"; first dropped: {first}" if first else ""))
+
+
+def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
+                     messages_field: str | None = None) -> tuple[list[list[dict]], DropReport]:
+    """Map rows to chat messages, skipping malformed rows and counting them in a `DropReport`."""
+    columns = sorted({key for row in rows for key in row})
+    wanted = {"data.messages_field": messages_field} if messages_field else {
+        "data.prompt_field": prompt_field, "data.response_field": response_field}
+    for key, field in wanted.items():
+        if field not in columns:
+            raise UserError(f"{key} is {field!r}, but the data has no such column; its columns are {columns}. "
+                            f"Set {key} to one of them.")
+    report = DropReport(rows_read=len(rows))
+    conversations = []
+    for index, row in enumerate(rows):
+        if messages_field:
+            messages, reason = row.get(messages_field), messages_problem(row.get(messages_field))
+        else:
+            messages = [{"role": "user", "content": row.get(prompt_field)},
+                        {"role": "assistant", "content": row.get(response_field)}]
+            reason = pair_problem(row.get(prompt_field), row.get(response_field))
+        if reason:
+            report.drop(index, reason)
+            continue
+        conversations.append([{"role": message["role"], "content": message["content"]} for message in messages])
+        report.kept_rows.append(index)
+    if not conversations:
+        raise UserError(f"data.path gave no usable rows: {report.summary()}. Point data.path at data with "
+                        "non-empty prompts and responses, or fix the field settings.")
+    return conversations, report
+
+
+def pair_problem(prompt, response) -> str | None:
+    """Return why a prompt/response pair is unusable, or None when it is fine."""
+    if prompt is None or response is None:
+        return "missing field"
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        return "not a string"
+    return "empty response" if not response.strip() else None
+
+
+def messages_problem(messages) -> str | None:
+    """Return why a list of chat messages is unusable, or None when it is fine."""
+    if messages is None:
+        return "missing field"
+    if not isinstance(messages, list) or not all(
+        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+        for message in messages
+    ):
+        return "malformed messages"
+    if not any(message["role"] == "assistant" and message["content"].strip() for message in messages):
+        return "no assistant turn"
+    # The assistant header is found by rendering the turns before it, so there must be some.
+    return "starts with assistant turn" if messages[0]["role"] == "assistant" else None
+
+
+# --- tokenization -----------------------------------------------------------------------------
+
+
+def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """Return `(input_ids, loss_mask)` with 1 exactly on assistant content and the end-of-turn token that closes it."""
+    return tokenize_conversations([messages], tokenizer)[0]
+
+
+def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Tokenize many conversations as `tokenize_conversation` does, in two batched tokenizer calls."""
+    split = [split_turns(messages, tokenizer) for messages in conversations]
+    texts = [text for pieces, _ in split for text, _ in pieces]
+    piece_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    whole_ids = tokenizer([rendered for _, rendered in split], add_special_tokens=False)["input_ids"]
+    tokenized = []
+    for (pieces, _), expected in zip(split, whole_ids):
+        input_ids, loss_mask = [], []
+        # zip asks `pieces` first, so it stops without taking the next conversation's first piece.
+        for (_, flag), ids in zip(pieces, piece_ids):
+            input_ids += ids
+            loss_mask += [flag] * len(ids)
+        if input_ids != expected:
+            raise template_error(tokenizer, "tokenizing the turns one by one differs from tokenizing the whole text")
+        tokenized.append((input_ids, loss_mask))
+    return tokenized
+
+
+def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]], str]:
+    """Return the rendered conversation as `(text, loss flag)` pieces, and the whole rendering they concatenate to."""
+    pieces = []
+    rendered = ""
+    for index, message in enumerate(messages):
+        text = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        if not text.startswith(rendered):
+            raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
+        turn = text[len(rendered) :]
+        if message["role"] != "assistant":
+            pieces.append((turn, 0))
+        else:
+            header = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            header = header[len(rendered) :]
+            content, closing = turn[len(header) :], turn[len(header) + len(message["content"]) :]
+            if not (turn.startswith(header) and content.startswith(message["content"])
+                    and tokenizer.eos_token and tokenizer.eos_token in closing):
+                raise template_error(tokenizer, "an assistant turn is not header + content + end-of-turn token")
+            # Learn the content and the token that ends the turn, so generation knows when to stop.
+            learned = len(message["content"]) + closing.index(tokenizer.eos_token) + len(tokenizer.eos_token)
+            pieces += [(header, 0), (content[:learned], 1), (content[learned:], 0)]
+        rendered = text
+    return pieces, rendered
+
+
+def template_error(tokenizer, problem: str) -> UserError:
+    """Return the error for a chat template the loss mask cannot be derived from."""
+    return UserError(f"The chat template of tokenizer {tokenizer.name_or_path!r} cannot be split into turns for "
+                     f"the SFT loss mask: {problem}. Use a model whose template renders each turn as a plain suffix "
+                     "of the previous turns, with assistant turns closed by the eos token.")
+
+
+@dataclasses.dataclass
+class Example:
+    """One tokenized sample: `input_ids` and a same-length 0/1 `loss_mask`."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> list[Example]:
+    """Tokenize conversations, truncate them to `max_seq_len + 1` tokens and drop those left with no loss token."""
+    if not report.kept_rows:
+        # A report that did not come from `to_conversations` counts conversations as its rows.
+        report.rows_read, report.kept_rows = len(conversations), list(range(len(conversations)))
+    examples, kept_rows = [], []
+    # Chunks keep the batched tokenizer calls fast without holding every rendering at once.
+    tokenized = (pair for start in range(0, len(conversations), TOKENIZE_CHUNK)
+                 for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
+    for row, (input_ids, loss_mask) in zip(report.kept_rows, tokenized, strict=True):
+        if len(input_ids) > max_seq_len + 1:
+            input_ids, loss_mask = input_ids[: max_seq_len + 1], loss_mask[: max_seq_len + 1]
+            report.truncated += 1
+        # The first token is never a label, so its mask does not count.
+        if not any(loss_mask[1:]):
+            report.drop(row, "no loss tokens after truncation")
+            continue
+        examples.append(Example(input_ids, loss_mask))
+        kept_rows.append(row)
+    report.kept_rows = kept_rows
+    if not examples:
+        raise UserError(f"No SFT example keeps a response token within data.max_seq_len={max_seq_len}: "
+                        f"{report.summary()}. Raise data.max_seq_len or use shorter data.")
+    return examples
+
+
+# --- batching ---------------------------------------------------------------------------------
+
+
+def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:
+    """Right-pad examples into `tokens`, `labels`, `loss_mask` and `position_ids` of shape [batch, seq]."""
+    batch, _ = fill_rows([[example] for example in examples], seq_len, pad_id)
+    # Plain causal attention is the model's default, and right padding never precedes a real token.
+    return batch | {"attention_mask": None}
+
+
+def pack(examples: list[Example], seq_len: int) -> list[list[Example]]:
+    """Group examples into rows of at most `seq_len` input tokens, first fit, in order."""
+    rows: list[list[Example]] = []
+    free: list[int] = []  # input tokens still free in each row
+    for example in examples:
+        length = len(example.input_ids) - 1
+        if length > seq_len:
+            raise ValueError(f"an example of {length} input tokens does not fit seq_len={seq_len}")
+        row = next((index for index, space in enumerate(free) if space >= length), None)
+        if row is None:
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append(example)
+        free[row] -= length
+    return rows
+
+
+def collate_packed(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) -> dict:
+    """Collate packed rows: positions restart per sample and a block-diagonal causal `attention_mask` (True = masked)."""
+    batch, segment_ids = fill_rows(rows_of_examples, seq_len, pad_id)
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [batch, query, key]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # [query, key]
+    return batch | {"attention_mask": ~(same_segment & causal)[:, None]}  # mask: [batch, 1, query, key]
+
+
+def fill_rows(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) -> tuple[dict, torch.Tensor]:
+    """Lay samples out left to right in each row; return the tensors and each position's sample index (-1 = pad)."""
+    batch = len(rows_of_examples)
+    tokens = torch.full((batch, seq_len), pad_id, dtype=torch.int64)  # [batch, seq]
+    labels = torch.full((batch, seq_len), pad_id, dtype=torch.int64)  # [batch, seq]
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.float32)  # [batch, seq]
+    position_ids = torch.zeros(batch, seq_len, dtype=torch.int64)  # [batch, seq]
+    # Padding is one more segment that attends only to itself, so no attention row is fully masked.
+    segment_ids = torch.full((batch, seq_len), -1, dtype=torch.int64)  # [batch, seq]
+    for row, examples in enumerate(rows_of_examples):
+        start = 0
+        for segment, example in enumerate(examples):
+            # Each sample is shifted on its own, so its last input predicts its own last token, never
+            # the next sample's first: per-token losses match the unpacked batch exactly.
+            end = start + len(example.input_ids) - 1
+            if end > seq_len:
+                raise ValueError(f"samples of {end} input tokens do not fit seq_len={seq_len}")
+            tokens[row, start:end] = torch.tensor(example.input_ids[:-1])
+            labels[row, start:end] = torch.tensor(example.input_ids[1:])
+            loss_mask[row, start:end] = torch.tensor(example.loss_mask[1:], dtype=torch.float32)
+            position_ids[row, start:end] = torch.arange(end - start)
+            segment_ids[row, start:end] = segment
+            start = end
+        position_ids[row, start:] = torch.arange(seq_len - start)
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}, segment_ids
+
+
+# --- order ------------------------------------------------------------------------------------
+
+
+class BatchSchedule:
+    """Seeded, per-epoch reshuffled order of example indices, split into this data-parallel rank's microbatches."""
+
+    def __init__(self, num_examples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 seed: int):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise UserError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
+                            f"train.micro_batch_size ({micro_batch_size}) times the data-parallel size ({dp_size}).")
+        if num_examples < global_batch_size:
+            raise UserError(f"The data has {num_examples} usable examples, fewer than one global batch; lower "
+                            f"train.global_batch_size (now {global_batch_size}) or add data.")
+        self.micro_batch_size, self.dp_rank, self.dp_size, self.seed = micro_batch_size, dp_rank, dp_size, seed
+        self.num_examples, self.global_batch_size = num_examples, global_batch_size
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        # The incomplete tail of each epoch is dropped so that every global batch is full.
+        self.batches_per_epoch = num_examples // global_batch_size
+        self.epoch, self.batches_consumed_in_epoch = 0, 0
+        self.order_epoch, self.order = -1, []
+
+    def next_global_batch(self) -> list[list[int]]:
+        """Return this rank's microbatches of the next global batch, as lists of example indices."""
+        if self.batches_consumed_in_epoch == self.batches_per_epoch:
+            self.epoch, self.batches_consumed_in_epoch = self.epoch + 1, 0
+        if self.order_epoch != self.epoch:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            self.order, self.order_epoch = torch.randperm(self.num_examples, generator=generator).tolist(), self.epoch
+        start = self.batches_consumed_in_epoch * self.global_batch_size
+        share = self.global_batch_size // self.dp_size
+        mine = self.order[start + self.dp_rank * share : start + (self.dp_rank + 1) * share]
+        self.batches_consumed_in_epoch += 1
+        size = self.micro_batch_size
+        return [mine[index : index + size] for index in range(0, share, size)]
+
+    def state_dict(self) -> dict:
+        """Return the position in the order, for a checkpoint."""
+        return {"epoch": self.epoch, "batches_consumed_in_epoch": self.batches_consumed_in_epoch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the order from a checkpoint's position, with the checkpoint's seed."""
+        if state["batches_consumed_in_epoch"] > self.batches_per_epoch:
+            raise UserError(f"The checkpoint's data position ({state['batches_consumed_in_epoch']} batches into the "
+                            f"epoch) is past this data's {self.batches_per_epoch} batches per epoch; resume with the "
+                            "same data.path and train.global_batch_size it was saved with.")
+        self.epoch, self.batches_consumed_in_epoch, self.seed = (
+            state["epoch"], state["batches_consumed_in_epoch"], state["seed"])
+        self.order_epoch = -1  # the seed may have changed, so the cached order is stale

@@ -1,0 +1,92 @@
+"""Batched generation by the megatron-core policy itself, with megatron-core's KV cache (StaticInferenceContext).
+
+Prompts of different lengths share one batch the way megatron-core's static generation does it:
+the common prefix is prefilled at once, then every row advances one token per step, and rows
+still inside their prompt take the prompt token instead of the sampled one. No padding ever enters
+the KV cache, so no attention mask is needed.
+"""
+
+import torch
+
+from model.build import unwrap
+
+
+def _full_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gather tensor-parallel vocab shards (the output layer is column-parallel) and drop vocab padding."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :vocab_size]
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> torch.Tensor:
+    """Next tokens from last-position logits: greedy at temperature 0, else top-k / top-p sampling."""
+    # logits: [batch, vocab]
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [batch, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # [batch, vocab]
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    probabilities = logits.softmax(dim=-1)
+    # Sample on the CPU with our own generator so results do not depend on the device's RNG.
+    return torch.multinomial(probabilities.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> list[list[int]]:
+    """Completions (token ids, up to and including EOS) for each prompt. Needs pipeline size 1; TP-aware.
+
+    Every tensor-parallel rank must call it with the same prompts and seed (they sample identically).
+    """
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    if len(chunks) != 1:
+        raise ValueError("generation runs on a single model chunk (pipeline-parallel size 1)")
+    model = chunks[0]
+    device = next(unwrap(model).parameters()).device
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [batch]
+    batch, total = len(prompts), int(lengths.max()) + max_new_tokens
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)  # [batch, total]
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    generator = torch.Generator().manual_seed(seed)
+    context = StaticInferenceContext(batch, total)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # [batch]
+    start = int(lengths.min())
+    previous = 0
+    was_training = model.training
+    model.eval()
+    for position in range(start, total):
+        window = tokens[:, previous:position]  # [batch, new tokens]
+        positions = torch.arange(previous, position, device=device).unsqueeze(0).expand(batch, -1)
+        if previous > 0:
+            context.enable_decode_mode()
+        logits = model(input_ids=window, position_ids=positions, attention_mask=None, inference_context=context)
+        context.sequence_len_offset += window.size(1)
+        previous = position
+        # Only the last position's logits are materialised: [batch, 1, vocab shard].
+        next_tokens = sample_next(_full_vocab_logits(logits[:, -1], vocab_size), temperature, top_p, top_k, generator)
+        in_prompt = position < lengths  # [batch]
+        tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
+        done |= ~in_prompt & (tokens[:, position] == eos_id)
+        if bool(done.all()):
+            total = position + 1
+            break
+    model.train(was_training)
+    completions = []
+    for row, prompt in enumerate(prompts):
+        completion = tokens[row, len(prompt) : min(total, len(prompt) + max_new_tokens)].tolist()
+        if eos_id in completion:
+            completion = completion[: completion.index(eos_id) + 1]
+        completions.append(completion)
+    return completions

@@ -1,0 +1,5 @@
+"""The one exception type for mistakes a user can fix by changing a setting."""
+
+
+class UserError(Exception):
+    """A bad setting or input: printed as one paragraph (no traceback) and the process exits non-zero."""

@@ -42,7 +42,8 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None)
     except Exception as error:
         raise UserError(f"data.path {path!r} (config {hub_config!r}, split {split!r}) was not found locally and "
                         f"could not be loaded from the Hugging Face hub ({error}). Machines without internet "
-                        "cannot download; set data.path to a local .json, .jsonl or .parquet file or folder.") from error
+                        "cannot download; set data.path to a local .json, .jsonl or .parquet file or folder."
+                        ) from error
 
 
 def load_local(path: pathlib.Path, split: str) -> list[dict]:
@@ -102,6 +103,8 @@ class DropReport:
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
                      messages_field: str | None = None) -> tuple[list[list[dict]], DropReport]:
     """Map rows to chat messages, skipping malformed rows and counting them in a `DropReport`."""
+    if not rows:
+        raise UserError("data.path holds no rows; point data.path at a non-empty data set.")
     columns = sorted({key for row in rows for key in row})
     wanted = {"data.messages_field": messages_field} if messages_field else {
         "data.prompt_field": prompt_field, "data.response_field": response_field}
@@ -158,11 +161,14 @@ def messages_problem(messages) -> str | None:
 
 def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """Return `(input_ids, loss_mask)` with 1 exactly on assistant content and the end-of-turn token that closes it."""
-    return tokenize_conversations([messages], tokenizer)[0]
+    tokenized = tokenize_conversations([messages], tokenizer)[0]
+    if tokenized is None:
+        raise template_error(tokenizer, "tokenizing the turns one by one differs from tokenizing the whole text")
+    return tokenized
 
 
-def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """Tokenize many conversations as `tokenize_conversation` does, in two batched tokenizer calls."""
+def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | None]:
+    """Tokenize like `tokenize_conversation` in two batched calls; None where the pieces tokenize differently."""
     split = [split_turns(messages, tokenizer) for messages in conversations]
     texts = [text for pieces, _ in split for text, _ in pieces]
     piece_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
@@ -174,9 +180,9 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[t
         for (_, flag), ids in zip(pieces, piece_ids):
             input_ids += ids
             loss_mask += [flag] * len(ids)
-        if input_ids != expected:
-            raise template_error(tokenizer, "tokenizing the turns one by one differs from tokenizing the whole text")
-        tokenized.append((input_ids, loss_mask))
+        # Text at a turn boundary can merge into one token (a response starting with a newline joins
+        # the header's newline); such a token belongs to neither side, so the caller must not guess.
+        tokenized.append((input_ids, loss_mask) if input_ids == expected else None)
     return tokenized
 
 
@@ -192,15 +198,16 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]],
         if message["role"] != "assistant":
             pieces.append((turn, 0))
         else:
-            header = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            header = header[len(rendered) :]
-            content, closing = turn[len(header) :], turn[len(header) + len(message["content"]) :]
-            if not (turn.startswith(header) and content.startswith(message["content"])
+            prompted = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            header = prompted[len(rendered) :]
+            after_header, closing = turn[len(header) :], turn[len(header) + len(message["content"]) :]
+            if not (prompted.startswith(rendered) and turn.startswith(header)
+                    and after_header.startswith(message["content"])
                     and tokenizer.eos_token and tokenizer.eos_token in closing):
                 raise template_error(tokenizer, "an assistant turn is not header + content + end-of-turn token")
             # Learn the content and the token that ends the turn, so generation knows when to stop.
             learned = len(message["content"]) + closing.index(tokenizer.eos_token) + len(tokenizer.eos_token)
-            pieces += [(header, 0), (content[:learned], 1), (content[learned:], 0)]
+            pieces += [(header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
         rendered = text
     return pieces, rendered
 
@@ -229,20 +236,25 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
     # Chunks keep the batched tokenizer calls fast without holding every rendering at once.
     tokenized = (pair for start in range(0, len(conversations), TOKENIZE_CHUNK)
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
-    for row, (input_ids, loss_mask) in zip(report.kept_rows, tokenized, strict=True):
-        if len(input_ids) > max_seq_len + 1:
-            input_ids, loss_mask = input_ids[: max_seq_len + 1], loss_mask[: max_seq_len + 1]
-            report.truncated += 1
+    for row, pair in zip(report.kept_rows, tokenized, strict=True):
+        if pair is None:
+            report.drop(row, "tokens merge across a turn boundary")
+            continue
+        input_ids, loss_mask = pair
+        truncated = len(input_ids) > max_seq_len + 1
+        input_ids, loss_mask = input_ids[: max_seq_len + 1], loss_mask[: max_seq_len + 1]
         # The first token is never a label, so its mask does not count.
         if not any(loss_mask[1:]):
             report.drop(row, "no loss tokens after truncation")
             continue
+        report.truncated += truncated
         examples.append(Example(input_ids, loss_mask))
         kept_rows.append(row)
     report.kept_rows = kept_rows
     if not examples:
-        raise UserError(f"No SFT example keeps a response token within data.max_seq_len={max_seq_len}: "
-                        f"{report.summary()}. Raise data.max_seq_len or use shorter data.")
+        raise UserError(f"No usable SFT example is left after tokenizing: {report.summary()}. Raise data.max_seq_len "
+                        f"(now {max_seq_len}) if samples lost every response token, or change data.path (or the "
+                        "model, when its chat template merges tokens across every turn boundary).")
     return examples
 
 
@@ -275,7 +287,7 @@ def pack(examples: list[Example], seq_len: int) -> list[list[Example]]:
 
 
 def collate_packed(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) -> dict:
-    """Collate packed rows: positions restart per sample and a block-diagonal causal `attention_mask` (True = masked)."""
+    """Collate packed rows: positions restart per sample; `attention_mask` is block-diagonal causal, True = masked."""
     batch, segment_ids = fill_rows(rows_of_examples, seq_len, pad_id)
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [batch, query, key]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # [query, key]

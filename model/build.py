@@ -57,6 +57,9 @@ def environment_ddp_defaults() -> dict:
 def auto_bridge(hf_path: str | Path):
     """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
     _stand_in_for_bridge_lora_layers()
+    # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
+    # and forces its own level and handler at import; disabling the logger is the only switch.
+    logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
     from megatron.bridge import AutoBridge
 
     return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)

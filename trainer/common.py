@@ -5,6 +5,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,6 +20,10 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 def setup_logging(is_main: bool) -> None:
     """Our loggers print on rank 0 only; other libraries' INFO chatter is silenced."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    # Deprecation and "X is not installed, falling back" notices from the stack are not actionable here.
+    warnings.filterwarnings("ignore", module=r"(megatron|transformers|torch|modelopt)\b")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     for name in ("trainer", "model", "data", "ckpt"):
         logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
     for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers", "datasets", "py.warnings"):

@@ -9,7 +9,6 @@ import difflib
 import json
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,9 +117,14 @@ def _coerce(key: str, value, annotation):
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}[origin]
     if origin is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if origin is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-3` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if origin is int and isinstance(value, bool) or not isinstance(value, origin):
+    if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:
         return [_coerce(key, item, typing.get_args(annotation)[0]) for item in value]
@@ -130,7 +134,7 @@ def _coerce(key: str, value, annotation):
 def _set(config, key: str, value, keys: dict) -> None:
     """Set one dotted key, rejecting unknown keys with the closest known ones."""
     if key not in keys:
-        close = difflib.get_close_matches(key, keys, n=3)
+        close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
         hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
         raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")
     section, name = key.split(".")
@@ -182,7 +186,7 @@ def parse_args(config_class, argv: list[str], program: str):
         elif name == "resume-from-checkpoint":
             resume = value
         else:
-            pairs.append((name, yaml.safe_load(value) if value != "" else "")
+            pairs.append((name, yaml.safe_load(value) if value != "" else ""))
         position += 1
     config = config_class()
     if config_file:
@@ -257,6 +261,3 @@ def run_cli(main) -> None:
             print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 
-
-# Exposed so tests can freeze the public surface.
-SECTIONS = types.MappingProxyType({field_.name: field_.type for field_ in dataclasses.fields(SFTConfig)})

@@ -59,8 +59,10 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
     """Collated microbatches for one step, all padded to one length (pipeline stages exchange fixed shapes)."""
     groups = [[examples[index] for index in indices] for indices in microbatch_indices]
     if config.data.pack:
+        # A microbatch's samples share as few rows as fit; the row count varies, which only the
+        # non-pipelined schedule allows (validated at start-up).
         seq_len = config.data.max_seq_len
-        batches = [sft_data.collate_packed([[example] for example in group], seq_len, pad_id) for group in groups]
+        batches = [sft_data.collate_packed(sft_data.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
         longest = max(len(example.input_ids) - 1 for group in groups for example in group)
         seq_len = min(config.data.max_seq_len, 8 * math.ceil(longest / 8))
@@ -156,6 +158,9 @@ def main(argv: list[str]) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config_module.validate_startup(config, world_size)
     precision.validate(config)
+    if config.data.pack and config.parallel.pp > 1:
+        raise UserError("`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
+                        "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
     is_main = int(os.environ.get("RANK", "0")) == 0
     common.setup_logging(is_main)
     if resume:
@@ -191,6 +196,10 @@ def main(argv: list[str]) -> None:
     out_dir = Path(config.train.out_dir)
     metrics = common.MetricsWriter(out_dir, runtime.is_main, config.train.steps, 0, config.train.log_interval)
     peak = common.peak_flops()
+    # Step 0: the untrained model's held-out figures, the baseline the run is judged against.
+    baseline = evaluate(chunks, eval_examples, eval_conversations, config, runtime, tokenizer, vocab_size)
+    if baseline:
+        metrics.write({"step": 0, **baseline})
     for step in range(1, config.train.steps + 1):
         for chunk in chunks:
             chunk.zero_grad_buffer()

@@ -1,0 +1,41 @@
+"""Shared test helpers: an isolated model cache, and launching the real entry points under torchrun."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_model_cache(tmp_path_factory):
+    """Every test session builds the tiny model into its own cache (subprocesses inherit the variable)."""
+    previous = os.environ.get("TRAINER_CACHE_DIR")
+    os.environ["TRAINER_CACHE_DIR"] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TRAINER_CACHE_DIR", None)
+    else:
+        os.environ["TRAINER_CACHE_DIR"] = previous
+
+
+def free_port() -> int:
+    """A free local TCP port for a rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc-per-node nproc ARGS` from the repository root; on failure show its output."""
+    command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result

@@ -1,0 +1,127 @@
+"""Config system: the frozen key set, YAML + dotted overrides, and start-up errors that name the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from trainer import config as config_module
+from trainer.config import SFTConfig, flat_keys, parse_args, validate_startup
+from trainer.errors import UserError
+
+SFT_KEYS = {
+    "model.path", "model.dtype",
+    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.use_megatron_fsdp", "parallel.use_distributed_optimizer",
+    "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
+    "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
+    "optim.override_optimizer_config", "ddp.override_ddp_config",
+    "data.path", "data.hub_config", "data.eval_path", "data.prompt_field", "data.response_field", "data.messages_field",
+    "data.max_seq_len", "data.pack",
+    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.exit_interval",
+    "train.eval_interval", "train.eval_samples", "train.log_interval",
+    "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",
+}
+
+
+def test_key_set_is_frozen():
+    """Adding or renaming a key must be a deliberate change to this list (and to the README)."""
+    assert set(flat_keys(SFTConfig)) == SFT_KEYS
+
+
+def test_every_key_has_help():
+    assert all(field.metadata.get("help") for field in flat_keys(SFTConfig).values())
+
+
+def test_yaml_then_overrides_in_both_spellings(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model:\n  dtype: bf16\ntrain:\n  steps: 7\noptim:\n  override_optimizer_config:\n    adam_eps: 1.0e-6\n")
+    config, resume = parse_args(SFTConfig, ["--config", str(yaml_file), "--train.steps=9", "--optim.betas", "[0.8, 0.9]",
+                                            "--optim.lr=1", "--resume-from-checkpoint", "latest"], "trainer.sft")
+    assert config.model.dtype == "bf16"
+    assert config.train.steps == 9  # the command line wins over the file
+    assert config.optim.betas == [0.8, 0.9]
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.optim.override_optimizer_config == {"adam_eps": 1e-6}
+    assert resume == "latest"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--train.stpes=3"], "Unknown config key `train.stpes`. Did you mean `train.steps`?"),
+    (["--train.steps=many"], "`train.steps` must be an integer, got 'many'"),
+    (["--parallel.use_megatron_fsdp=3"], "`parallel.use_megatron_fsdp` must be true or false"),
+    (["--optim.betas=0.9"], "`optim.betas` must be a list"),
+    (["stray"], "Unexpected argument `stray`"),
+    (["--config", "/nonexistent.yaml"], "Config file `/nonexistent.yaml` does not exist"),
+])
+def test_parse_errors_name_the_key(argv, expected):
+    with pytest.raises(UserError, match=None) as error:
+        parse_args(SFTConfig, argv, "trainer.sft")
+    assert expected in str(error.value)
+
+
+def make(**sections) -> SFTConfig:
+    """A config with some keys changed, e.g. make(parallel={'tp': 2})."""
+    config = SFTConfig()
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(config, section), key, value)
+    return config
+
+
+def test_validate_startup_errors(tmp_path):
+    qwen_like = tmp_path / "model"
+    qwen_like.mkdir()
+    (qwen_like / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
+    cases = [
+        (make(model={"dtype": "fp64"}), 1, "`model.dtype=fp64` is not one of fp32, bf16, fp16"),
+        (make(model={"path": str(tmp_path / "missing")}), 1, "is not a Hugging Face checkpoint directory"),
+        (make(parallel={"tp": 2}), 3, "`parallel.tp=2` x `parallel.pp=1` must divide the number of processes (3)"),
+        (make(model={"path": str(qwen_like)}, parallel={"tp": 4}), 4, "`parallel.tp=4` must divide the model's 14 attention heads"),
+        (make(model={"path": str(qwen_like)}, parallel={"pp": 5}), 5, "must divide the model's 24 layers"),
+        (make(parallel={"vpp": 2}), 1, "`parallel.vpp` > 1 needs pipeline parallelism"),
+        (make(train={"global_batch_size": 6, "micro_batch_size": 4}), 1, "`train.global_batch_size=6` must be a multiple"),
+    ]
+    for config, world_size, expected in cases:
+        with pytest.raises(UserError) as error:
+            validate_startup(config, world_size)
+        assert expected in str(error.value)
+    validate_startup(make(model={"path": str(qwen_like)}, parallel={"tp": 2, "pp": 2}), 8)  # a valid layout passes
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    """`python -m trainer.sft ARGS` as a single process, no torchrun."""
+    return subprocess.run([sys.executable, "-m", "trainer.sft", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_help_without_torchrun():
+    result = run_module("--help")
+    assert result.returncode == 0
+    for key in SFT_KEYS:
+        assert f"--{key}=" in result.stdout
+    assert "--resume-from-checkpoint" in result.stdout
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--no.such=1"], "Unknown config key `no.such`"),
+    (["--train.steps=x"], "`train.steps` must be an integer"),
+    (["--model.path=/does/not/exist"], "`model.path=/does/not/exist` is not a Hugging Face checkpoint directory"),
+])
+def test_bad_values_exit_nonzero_with_one_paragraph(argv, expected):
+    result = run_module(*argv)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1  # one paragraph, no traceback wall
+
+
+def test_user_error_is_reported_by_rank_zero_only(monkeypatch, capsys):
+    def failing(argv):
+        raise UserError("bad `x`")
+
+    monkeypatch.setattr(sys, "argv", ["trainer.sft"])
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        config_module.run_cli(failing)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,363 @@
+"""Unit tests for the SFT data pipeline: loading, loss masks, truncation, packing and batch order."""
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+import transformers
+
+from data.sft import (
+    BatchSchedule,
+    DropReport,
+    Example,
+    build_examples,
+    collate,
+    collate_packed,
+    load_rows,
+    pack,
+    to_conversations,
+    tokenize_conversation,
+)
+from model.tiny import ensure_tiny_checkpoint
+from trainer.errors import UserError
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+# Pinned for the tiny tokenizer at max_seq_len=512: the tiny BPE is trained on arithmetic text only,
+# so GSM8K prose takes ~400 tokens a sample; the longest prompts leave no answer token after truncation.
+GSM8K_USED, GSM8K_DROPPED, GSM8K_TRUNCATED = 7463, 10, 1539
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """Build (or reuse) the tiny checkpoint in a per-session cache."""
+    return ensure_tiny_checkpoint(tmp_path_factory.getbasetemp() / "tiny-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    """The tiny checkpoint's tokenizer, with its Qwen-style chat template."""
+    return transformers.AutoTokenizer.from_pretrained(checkpoint)
+
+
+def learned_spans(tokenizer, input_ids: list[int], loss_mask: list[int]) -> list[str]:
+    """Decode each contiguous run of loss-masked tokens."""
+    spans, current = [], []
+    for token, flag in zip(input_ids, loss_mask):
+        if flag:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    spans += [current] if current else []
+    return [tokenizer.decode(span, skip_special_tokens=False) for span in spans]
+
+
+# --- loss masking ---------------------------------------------------------------------------------
+
+
+def test_loss_mask_covers_exactly_the_assistant_content_and_its_end_of_turn(tokenizer):
+    messages = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "2 + 3 = 5\n#### 5"},
+    ]
+    input_ids, loss_mask = tokenize_conversation(messages, tokenizer)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert len(loss_mask) == len(input_ids) and set(loss_mask) == {0, 1}
+    assert learned_spans(tokenizer, input_ids, loss_mask) == ["2 + 3 = 5\n#### 5<|im_end|>"]
+    unlearned = [token for token, flag in zip(input_ids, loss_mask) if not flag]
+    assert tokenizer.decode(unlearned, skip_special_tokens=False) == (
+        "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n\n"
+    )
+
+
+def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
+    row = {"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tom has 3 apples and buys 4 more."},
+        {"role": "assistant", "content": "3 + 4 = 7\n#### 7"},
+        {"role": "user", "content": "And 2 more?"},
+        {"role": "assistant", "content": "7 + 2 = 9\n#### 9"},
+    ]}
+    conversations, report = to_conversations([row], messages_field="messages")
+    assert conversations == [row["messages"]] and report.used == 1
+    input_ids, loss_mask = tokenize_conversation(conversations[0], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask) == [
+        "3 + 4 = 7\n#### 7<|im_end|>",
+        "7 + 2 = 9\n#### 9<|im_end|>",
+    ]
+
+
+def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+        {"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "seven"}]},
+        {"messages": [{"role": "assistant", "content": "hello"}]},
+        {"messages": None},
+    ]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    assert len(conversations) == 1 and report.kept_rows == [0]
+    assert report.first_drops == [(1, "no assistant turn"), (2, "no assistant turn"), (3, "malformed messages"),
+                                  (4, "starts with assistant turn"), (5, "missing field")]
+
+
+def test_a_template_that_does_not_close_assistant_turns_with_eos_is_refused(checkpoint):
+    plain = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    plain.chat_template = (
+        "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    with pytest.raises(UserError, match="end-of-turn token"):
+        tokenize_conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], plain)
+
+
+# --- dropping and truncation ----------------------------------------------------------------------
+
+
+def test_malformed_rows_are_counted_by_reason_with_their_indices():
+    rows = [
+        {"question": "q0", "answer": "a0"},
+        {"question": "q1"},
+        {"question": "q2", "answer": None},
+        {"question": "q3", "answer": 42},
+        {"question": "q4", "answer": "   \n"},
+        {"question": "q5", "answer": "a5"},
+        {"question": None, "answer": "a6"},
+    ]
+    conversations, report = to_conversations(rows)
+    assert conversations == [
+        [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}],
+        [{"role": "user", "content": "q5"}, {"role": "assistant", "content": "a5"}],
+    ]
+    assert report.kept_rows == [0, 5] and report.rows_read == 7 and report.used + report.dropped == 7
+    assert report.dropped_by_reason == {"missing field": 3, "not a string": 1, "empty response": 1}
+    assert report.first_drops == [(1, "missing field"), (2, "missing field"), (3, "not a string"),
+                                  (4, "empty response"), (6, "missing field")]
+    assert report.summary().startswith("2 of 7 rows used, 5 dropped (empty response: 1, missing field: 3")
+
+
+def test_truncation_cuts_from_the_right_and_drops_samples_left_without_loss_tokens(tokenizer):
+    short = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    long_answer = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2 " * 40}]
+    long_prompt = [{"role": "user", "content": "1 + 1 " * 60}, {"role": "assistant", "content": "2"}]
+    max_seq_len = 32
+    report = DropReport()
+    examples = build_examples([short, long_answer, long_prompt], tokenizer, max_seq_len, report)
+    assert (report.used, report.dropped, report.truncated) == (2, 1, 1)
+    assert report.first_drops == [(2, "no loss tokens after truncation")]
+    full_ids, full_mask = tokenize_conversation(long_answer, tokenizer)
+    assert examples[0].input_ids == tokenize_conversation(short, tokenizer)[0]
+    assert examples[1] == Example(full_ids[: max_seq_len + 1], full_mask[: max_seq_len + 1])
+    with pytest.raises(UserError, match="data.max_seq_len"):
+        build_examples([long_prompt], tokenizer, max_seq_len, DropReport())
+
+
+def test_responses_whose_tokens_merge_with_the_header_are_dropped_not_guessed(tokenizer):
+    # The header ends in a newline; a response starting with one tokenizes as a single "\n\n" token.
+    merging = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "\n2"}]
+    fine = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    report = DropReport()
+    assert len(build_examples([fine, merging], tokenizer, 64, report)) == 1
+    assert report.first_drops == [(1, "tokens merge across a turn boundary")]
+    with pytest.raises(UserError, match="chat template"):
+        tokenize_conversation(merging, tokenizer)
+
+
+# --- configuration mistakes -----------------------------------------------------------------------
+
+
+def test_unknown_field_names_the_key_and_the_existing_columns():
+    rows = [{"question": "q", "solution": "s"}, {"question": "q", "extra": 1}]
+    with pytest.raises(UserError) as raised:
+        to_conversations(rows)
+    assert "data.response_field" in str(raised.value) and "['extra', 'question', 'solution']" in str(raised.value)
+    with pytest.raises(UserError, match="data.prompt_field"):
+        to_conversations(rows, prompt_field="prompt", response_field="solution")
+    with pytest.raises(UserError, match="data.messages_field"):
+        to_conversations(rows, messages_field="conversation")
+
+
+def test_no_usable_rows_names_data_path():
+    with pytest.raises(UserError, match="data.path"):
+        to_conversations([{"question": "q", "answer": ""}])
+
+
+def test_missing_local_file_names_data_path(tmp_path):
+    for path in [str(tmp_path / "absent.jsonl"), "./absent/train.parquet", "absent.json"]:
+        with pytest.raises(UserError, match="data.path") as raised:
+            load_rows(path)
+        assert "does not exist" in str(raised.value)
+
+
+def test_unreachable_hub_dataset_names_data_path(monkeypatch):
+    # Offline mode makes the hub lookup fail at once instead of retrying the network for ~20 s.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="not found locally") as raised:
+        load_rows("nobody/no-such-dataset")
+    assert "data.path" in str(raised.value)
+
+
+def test_batch_sizes_that_do_not_divide_name_the_keys():
+    with pytest.raises(UserError, match="train.global_batch_size.*train.micro_batch_size"):
+        BatchSchedule(100, global_batch_size=6, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
+    with pytest.raises(UserError, match="train.global_batch_size"):
+        BatchSchedule(7, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
+    train = [{"question": f"q{index}", "answer": f"a{index}"} for index in range(3)]
+    test = [{"question": "tq", "answer": "ta"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in train))
+    (tmp_path / "test.jsonl").write_text(json.dumps(test[0]) + "\n")
+    parquet = tmp_path / "parquet" / "data.parquet"
+    parquet.parent.mkdir()
+    datasets.Dataset.from_list(train).to_parquet(str(parquet))
+    assert load_rows(str(tmp_path / "train.jsonl")) == train
+    assert load_rows(str(parquet)) == train
+    assert load_rows(str(parquet.parent)) == train
+    assert load_rows(str(tmp_path)) == train
+    assert load_rows(str(tmp_path), split="test") == test
+
+
+def test_arithmetic_splits():
+    assert len(load_rows("arithmetic")) == 2000
+    assert len(load_rows("arithmetic", split="test")) == 200
+    assert load_rows("arithmetic", split="eval") == load_rows("arithmetic", split="test")
+
+
+def test_gsm8k_train_goes_through_the_whole_pipeline(tokenizer):
+    train_file = GSM8K / "train.jsonl"
+    if not train_file.exists():
+        pytest.skip(f"GSM8K is not at {train_file}")
+    line_count = sum(1 for line in train_file.read_text().splitlines() if line.strip())
+    conversations, report = to_conversations(load_rows(str(train_file)))
+    examples = build_examples(conversations, tokenizer, 512, report)
+    assert report.used + report.dropped == line_count == report.rows_read
+    assert (report.used, report.dropped, report.truncated) == (GSM8K_USED, GSM8K_DROPPED, GSM8K_TRUNCATED)
+    assert len(examples) == report.used and max(len(example.input_ids) for example in examples) == 513
+
+
+# --- batching and packing -------------------------------------------------------------------------
+
+
+def test_collate_right_pads_with_no_loss_on_padding():
+    batch = collate([Example([5, 6, 7], [0, 1, 1]), Example([8, 9], [0, 1])], seq_len=4, pad_id=0)
+    assert batch["tokens"].tolist() == [[5, 6, 0, 0], [8, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[6, 7, 0, 0], [9, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert batch["position_ids"][0, :2].tolist() == [0, 1] and batch["attention_mask"] is None
+    dtypes = (batch["tokens"].dtype, batch["labels"].dtype, batch["loss_mask"].dtype)
+    assert dtypes == (torch.int64, torch.int64, torch.float32)
+
+
+def test_packed_rows_restart_positions_and_attend_block_diagonally():
+    first, second = Example([10, 11, 12], [0, 1, 1]), Example([20, 21, 22, 23], [0, 0, 1, 1])
+    rows = pack([first, second], seq_len=6)
+    assert rows == [[first, second]]
+    batch = collate_packed(rows, seq_len=6, pad_id=0)
+    assert batch["tokens"].tolist() == [[10, 11, 20, 21, 22, 0]]
+    # The first sample's last input predicts its own last token (12), never the second sample's first.
+    assert batch["labels"].tolist() == [[11, 12, 21, 22, 23, 0]]
+    assert batch["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0]]
+    attends = [  # 1 = may attend; the mask holds True where attention is blocked
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert batch["attention_mask"].shape == (1, 1, 6, 6) and batch["attention_mask"].dtype == torch.bool
+    assert (~batch["attention_mask"][0, 0]).int().tolist() == attends
+
+
+def test_pack_is_first_fit_in_order_and_keeps_every_example_once():
+    lengths = [5, 3, 4, 2, 6, 1, 3]  # input tokens per example
+    examples = [Example([number] * (length + 1), [1] * (length + 1)) for number, length in enumerate(lengths)]
+    rows = pack(examples, seq_len=8)
+    assert [[examples.index(example) for example in row] for row in rows] == [[0, 1], [2, 3, 5], [4], [6]]
+    assert sorted(id(example) for row in rows for example in row) == sorted(id(example) for example in examples)
+    assert all(sum(len(example.input_ids) - 1 for example in row) <= 8 for row in rows)
+    with pytest.raises(ValueError):
+        pack([Example(list(range(10)), [1] * 10)], seq_len=8)
+
+
+def test_packed_and_unpacked_batches_give_identical_token_losses(checkpoint, tokenizer):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    conversations, report = to_conversations(load_rows("arithmetic")[:6])
+    examples = build_examples(conversations, tokenizer, 100, report)
+
+    def token_losses(batch: dict) -> torch.Tensor:
+        """Per-token masked losses [batch, seq] from the Hugging Face model."""
+        mask = batch["attention_mask"]
+        # Hugging Face adds a 4D float mask to the scores, so blocked pairs become -inf-like.
+        additive = None if mask is None else torch.zeros(mask.shape).masked_fill(mask, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=additive)
+        logits = output.logits  # [batch, seq, vocab]
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        return losses * batch["loss_mask"]  # [batch, seq]
+
+    rows = pack(examples, seq_len=100)
+    assert len(rows) < len(examples)
+    unpacked = token_losses(collate(examples, 100, tokenizer.pad_token_id))
+    packed = token_losses(collate_packed(rows, 100, tokenizer.pad_token_id))
+    assert torch.equal(unpacked[unpacked != 0], packed[packed != 0])
+
+
+# --- batch order ----------------------------------------------------------------------------------
+
+
+def schedule(dp_rank: int = 0, dp_size: int = 1, seed: int = 7) -> BatchSchedule:
+    """A schedule over 20 examples with global batches of 8 in microbatches of 2."""
+    return BatchSchedule(20, global_batch_size=8, micro_batch_size=2, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+
+
+def flatten(microbatches: list[list[int]]) -> list[int]:
+    """Join microbatches into one list of indices."""
+    return [index for microbatch in microbatches for index in microbatch]
+
+
+def test_schedule_is_deterministic_and_shapes_microbatches():
+    first, again = schedule(), schedule()
+    batches = [first.next_global_batch() for _ in range(5)]
+    assert batches == [again.next_global_batch() for _ in range(5)]
+    assert first.batches_per_epoch == 2 and all(len(batch) == 4 and len(batch[0]) == 2 for batch in batches)
+    assert batches != [schedule(seed=8).next_global_batch() for _ in range(5)]
+    # Each epoch draws 16 distinct indices of 20 (the tail of 4 is dropped), in a fresh order.
+    epoch_zero, epoch_one = flatten(batches[0]) + flatten(batches[1]), flatten(batches[2]) + flatten(batches[3])
+    assert len(set(epoch_zero)) == len(set(epoch_one)) == 16 and epoch_zero != epoch_one
+    assert first.epoch == 2
+
+
+def test_data_parallel_shares_are_disjoint_and_make_up_the_global_batch():
+    whole, rank_zero, rank_one = schedule(), schedule(dp_rank=0, dp_size=2), schedule(dp_rank=1, dp_size=2)
+    for _ in range(5):
+        share_zero, share_one = rank_zero.next_global_batch(), rank_one.next_global_batch()
+        assert len(share_zero) == len(share_one) == 2 and len(share_zero[0]) == 2
+        assert flatten(share_zero) + flatten(share_one) == flatten(whole.next_global_batch())
+        assert not set(flatten(share_zero)) & set(flatten(share_one))
+
+
+# Mid-epoch, exactly at the epoch boundary (the next batch opens epoch 1), and into epoch 1.
+@pytest.mark.parametrize("consumed, epoch, consumed_in_epoch", [(1, 0, 1), (2, 0, 2), (3, 1, 1)])
+def test_resume_from_state_dict_reproduces_the_next_batches(consumed, epoch, consumed_in_epoch):
+    original = schedule()
+    for _ in range(consumed):
+        original.next_global_batch()
+    state = original.state_dict()
+    assert state == {"epoch": epoch, "batches_consumed_in_epoch": consumed_in_epoch, "seed": 7}
+    resumed = schedule(seed=999)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [resumed.next_global_batch() for _ in range(4)] == [original.next_global_batch() for _ in range(4)]
+    assert resumed.state_dict() == original.state_dict()

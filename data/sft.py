@@ -3,7 +3,12 @@
 Truncation policy: a tokenized sample longer than `max_seq_len + 1` tokens is cut from the right to
 `max_seq_len + 1` tokens (inputs are `ids[:-1]`, labels `ids[1:]`, so both then fit in `max_seq_len`)
 and counted as truncated; if the cut leaves no loss token among the labels the sample is dropped and
-counted. Every row read is either used or counted in the `DropReport` under one reason.
+counted. A conversation whose turn pieces tokenize differently from its whole rendering (a response
+starting with a newline merges with the header's) is dropped and counted rather than masked by guess.
+Every row read is either used or counted in the `DropReport` under one reason.
+
+Packing shifts each sample on its own (inputs `ids[:-1]`, labels `ids[1:]` per sample), so no label ever
+crosses into the next sample and per-token losses equal the unpacked ones.
 """
 
 import collections
@@ -17,7 +22,7 @@ from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 from trainer.errors import UserError
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-ARITHMETIC_SPLITS = {"train": (2000, TRAIN_SEED), "test": (200, EVAL_SEED), "eval": (200, EVAL_SEED)}
+ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (200, EVAL_SEED), "eval": (200, EVAL_SEED)}
 DROP_EXAMPLES_KEPT = 5
 TOKENIZE_CHUNK = 1024
 

@@ -125,24 +125,31 @@ def build_chunks(provider, ddp_config=None) -> list:
 
 
 def wrap_for_data_parallel(chunks: list, transformer_config, ddp_config) -> list:
-    """Wrap every chunk in megatron-core DDP, or in Megatron-FSDP when the DDP config asks, and synchronise all of them."""
+    """Synchronise every chunk across data-parallel ranks, then wrap each in megatron-core DDP or Megatron-FSDP."""
     from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
 
+    # Before wrapping: Megatron-FSDP shards parameters into DTensors, which cannot be broadcast whole.
+    broadcast_parameters(chunks)
     wrapper = FullyShardedDataParallel if ddp_config.use_megatron_fsdp else DistributedDataParallel
-    wrapped = [
+    return [
         # Bucketing only for the first chunk: later chunks' gradients are ready late in backward anyway
         # (megatron-core's own convention for virtual pipeline stages).
         wrapper(config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
-    broadcast_parameters(wrapped)
-    return wrapped
 
 
 def broadcast_parameters(chunks: list) -> None:
-    """Make every data-parallel rank hold rank 0's parameters, for every model chunk (not only the first)."""
+    """Give every data-parallel rank the parameters of DP rank 0, in every model chunk (not only the first)."""
+    from megatron.core import parallel_state
+
     for chunk in chunks:
-        chunk.broadcast_params()
+        for param in chunk.parameters():
+            # Expert weights are replicated over the expert-data-parallel group instead (megatron's `allreduce` flag).
+            expert = not getattr(param, "allreduce", True)
+            group = (parallel_state.get_expert_data_parallel_group() if expert
+                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
+            torch.distributed.broadcast(param.data, src=torch.distributed.get_global_rank(group, 0), group=group)
 
 
 def attach_training_hooks(transformer_config, chunks: list, optimizer) -> None:

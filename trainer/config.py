@@ -37,7 +37,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps before the cosine decay"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay (AdamW)"})
@@ -70,15 +70,15 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = field(default=200, metadata={"help": "optimizer steps (also the learning-rate schedule's length)"})
+    steps: int = field(default=400, metadata={"help": "optimizer steps (also the learning-rate schedule's length)"})
     global_batch_size: int = field(default=32, metadata={"help": "samples per optimizer step, over all data-parallel ranks"})
     micro_batch_size: int = field(default=8, metadata={"help": "samples per forward/backward on one rank"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
     out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, hf/ and checkpoints"})
     exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 at this step (0: off)"})
-    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps and at the end (0: only at the end)"})
+    eval_interval: int = field(default=200, metadata={"help": "evaluate every N steps and at the end (0: only at the end)"})
     eval_samples: int = field(default=100, metadata={"help": "held-out samples per evaluation"})
-    log_interval: int = field(default=10, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
+    log_interval: int = field(default=20, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Optimizer/DDP config rules, checked branch by branch on megatron-core's real config classes."""
+
+import pytest
+import torch
+
+from trainer import precision
+from trainer.config import SFTConfig
+from trainer.errors import UserError
+
+
+def make(dtype="fp32", **changes) -> SFTConfig:
+    """A config with model.dtype and dotted changes, e.g. make('bf16', **{'optim.lr': 1e-4})."""
+    config = SFTConfig()
+    config.model.dtype = dtype
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    return config
+
+
+@pytest.fixture
+def with_transformer_engine(monkeypatch):
+    """Precision-aware branches need TE's FusedAdam; the rules only check that TE is importable."""
+    monkeypatch.setattr(precision, "have_transformer_engine", lambda: True)
+
+
+def optimizer_settings(config) -> dict:
+    """The optimizer rule's keyword arguments, without constructing OptimizerConfig (which imports TE when precision-aware)."""
+    captured = {}
+
+    class Capture:
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+
+    import megatron.core.optimizer as megatron_optimizer
+
+    original = megatron_optimizer.OptimizerConfig
+    megatron_optimizer.OptimizerConfig = Capture
+    try:
+        precision.optimizer_config(config)
+    finally:
+        megatron_optimizer.OptimizerConfig = original
+    return captured
+
+
+def test_fp32_builds_the_real_config_with_every_always_field():
+    config = make("fp32", **{"optim.lr": 3e-4, "optim.min_lr": 3e-5, "optim.weight_decay": 0.1, "optim.clip_grad": 0.5,
+                             "optim.betas": [0.8, 0.99], "optim.eps": 1e-6})
+    built = precision.optimizer_config(config)
+    assert (built.bf16, built.fp16, built.params_dtype, built.use_precision_aware_optimizer) == (False, False, torch.float32, False)
+    assert (built.optimizer, built.lr, built.min_lr, built.weight_decay, built.clip_grad) == ("adam", 3e-4, 3e-5, 0.1, 0.5)
+    assert (built.adam_beta1, built.adam_beta2, built.adam_eps) == (0.8, 0.99, 1e-6)  # never silently dropped
+    assert built.use_distributed_optimizer is True
+
+
+def test_bf16_default_keeps_fp32_state_and_fp32_buckets():
+    built = precision.optimizer_config(make("bf16"))
+    assert (built.bf16, built.fp16, built.params_dtype) == (True, False, torch.bfloat16)
+    assert built.use_precision_aware_optimizer is False
+    assert (built.main_grads_dtype, built.exp_avg_dtype, built.exp_avg_sq_dtype) == (torch.float32,) * 3
+    assert precision.ddp_config(make("bf16"), built).grad_reduce_in_fp32 is True
+
+
+@pytest.mark.parametrize("field", ["main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"])
+def test_bf16_opt_in_sets_each_dtype_independently(with_transformer_engine, field):
+    config = make("bf16", **{"optim.use_precision_aware_optimizer": True, f"optim.{field}": "bf16"})
+    settings = optimizer_settings(config)
+    assert settings["use_precision_aware_optimizer"] is True
+    assert settings["main_params_dtype"] == torch.float32  # master weights stay fp32
+    for other in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        assert settings[other] == (torch.bfloat16 if other == field else torch.float32)
+
+
+def test_fp16_rules(with_transformer_engine):
+    settings = optimizer_settings(make("fp16"))
+    assert (settings["fp16"], settings["bf16"], settings["params_dtype"]) == (True, False, torch.float16)
+    assert (settings["initial_loss_scale"], settings["min_loss_scale"]) == (32768, 1)
+    assert settings["use_precision_aware_optimizer"] is True and settings["store_param_remainders"] is False
+    assert "exp_avg_dtype" not in settings  # moments stay at megatron-core's fp32 default
+
+
+def test_override_optimizer_config_wins_last():
+    config = make("bf16", **{"optim.lr": 1e-3, "optim.override_optimizer_config": {"lr": 5e-5, "adam_beta2": 0.9}})
+    built = precision.optimizer_config(config)
+    assert (built.lr, built.adam_beta2) == (5e-5, 0.9)
+
+
+class FakeOptimizer:
+    """Stands for a built OptimizerConfig in the DDP rule (only the fields it reads)."""
+
+    def __init__(self, aware: bool, main_grads: torch.dtype, distributed: bool = True):
+        self.use_precision_aware_optimizer, self.main_grads_dtype, self.use_distributed_optimizer = aware, main_grads, distributed
+
+
+@pytest.mark.parametrize("aware, main_grads, expected", [
+    (False, torch.float32, True), (True, torch.float32, True), (True, torch.bfloat16, False), (True, torch.float16, False)])
+def test_grad_reduce_in_fp32_follows_main_grads(aware, main_grads, expected):
+    assert precision.ddp_config(make("bf16"), FakeOptimizer(aware, main_grads)).grad_reduce_in_fp32 is expected
+
+
+def test_explicit_grad_reduce_in_fp32_override_wins():
+    config = make("bf16", **{"ddp.override_ddp_config": {"grad_reduce_in_fp32": True}})
+    assert precision.ddp_config(config, FakeOptimizer(True, torch.bfloat16)).grad_reduce_in_fp32 is True
+
+
+def test_fsdp_defaults_and_their_overrides():
+    built = precision.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "parallel.use_distributed_optimizer": False}))
+    assert built.use_megatron_fsdp and built.use_distributed_optimizer and built.check_for_nan_in_grad
+    assert built.data_parallel_sharding_strategy == "optim_grads_params" and built.overlap_grad_reduce
+    assert precision.transformer_overrides(make("fp32", **{"parallel.use_megatron_fsdp": True})) == {"gradient_accumulation_fusion": False}
+    overridden = precision.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "ddp.override_ddp_config": {
+        "data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": False, "check_for_nan_in_grad": False}}))
+    assert (overridden.data_parallel_sharding_strategy, overridden.overlap_grad_reduce, overridden.check_for_nan_in_grad) == (
+        "optim_grads", False, False)
+
+
+def test_environment_defaults_lose_to_user_overrides():
+    gloo = {"gradient_reduce_div_fusion": False}
+    assert precision.ddp_config(make(), extra_defaults=gloo).gradient_reduce_div_fusion is False
+    config = make(**{"ddp.override_ddp_config": {"gradient_reduce_div_fusion": True}})
+    assert precision.ddp_config(config, extra_defaults=gloo).gradient_reduce_div_fusion is True
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"optim.main_grads_dtype": "fp8"}, "`optim.main_grads_dtype=fp8` is not one of fp32, bf16, fp16"),
+    ({"optim.exp_avg_sq_dtype": "half"}, "`optim.exp_avg_sq_dtype=half`"),
+    ({"optim.override_optimizer_config": {"adam_beta3": 0.1}}, "`optim.override_optimizer_config` sets `adam_beta3`"),
+    ({"ddp.override_ddp_config": {"bucket_mb": 4}}, "`ddp.override_ddp_config` sets `bucket_mb`"),
+    ({"optim.use_precision_aware_optimizer": True, "optim.override_optimizer_config": {"optimizer": "sgd"}}, "needs the adam optimizer"),
+    ({"optim.use_precision_aware_optimizer": True, "parallel.use_distributed_optimizer": False}, "`--parallel.use_distributed_optimizer=true`"),
+])
+def test_validation_errors_name_the_key(with_transformer_engine, changes, expected):
+    with pytest.raises(UserError) as error:
+        precision.validate(make("bf16", **changes))
+    assert expected in str(error.value)
+
+
+def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(precision, "have_transformer_engine", lambda: False)
+    for config in (make("bf16", **{"optim.use_precision_aware_optimizer": True}), make("fp16")):
+        with pytest.raises(UserError) as error:
+            precision.validate(config)
+        assert "Transformer Engine is not installed" in str(error.value) and "NGC" in str(error.value)
+    precision.validate(make("bf16"))  # the default bf16 path needs no TE
+
+
+def test_settings_table_lists_the_resolved_values():
+    optimizer = precision.optimizer_config(make("bf16"))
+    table = precision.settings_table(optimizer, precision.ddp_config(make("bf16"), optimizer))
+    assert "bf16=True" in table and "betas=(0.9, 0.95)" in table and "grad_reduce_in_fp32=True" in table

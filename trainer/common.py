@@ -30,6 +30,11 @@ def setup_logging(is_main: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def checkpoint_dir(config) -> Path:
+    """`ckpt.dir`, defaulting to `<train.out_dir>/checkpoints`."""
+    return Path(config.ckpt.dir or Path(config.train.out_dir) / "checkpoints")
+
+
 def build_optimizer_and_schedule(chunks: list, optimizer_config, config):
     """megatron-core optimizer over every chunk and its warmup + cosine LR schedule of `train.steps` steps."""
     from megatron.core.optimizer import get_megatron_optimizer
@@ -130,8 +135,13 @@ class MetricsWriter:
             from tqdm import tqdm
 
             out_dir.mkdir(parents=True, exist_ok=True)
-            # Append: a resumed run continues the same file.
-            self.file = open(out_dir / "metrics.jsonl", "a")
+            path = out_dir / "metrics.jsonl"
+            # A resumed run continues the file from its checkpoint's step; rows a crashed run wrote past
+            # that step are replaced by the rerun's. A fresh run starts a new file.
+            kept = [line for line in (path.read_text().splitlines() if path.exists() and start_step else [])
+                    if json.loads(line)["step"] <= start_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.file = open(path, "a")
             self.progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
 

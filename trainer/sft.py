@@ -6,12 +6,14 @@ megatron-core's `finalize_model_grads`), so data parallelism and gradient accumu
 """
 
 import functools
+import json
 import math
-import time
+import os
 from pathlib import Path
 
 import torch
 
+from ckpt import checkpoint
 from data import sft as sft_data
 from data.arithmetic import extract_final_answer
 from model import build, generate, parallel
@@ -107,6 +109,17 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
     return common.reduce_loss_over_data_parallel(losses)
 
 
+def train_step(chunks, optimizer, lr_schedule, microbatches: list[dict], seq_len: int) -> tuple[float, float, float]:
+    """One optimizer step over a global batch's microbatches; returns (loss sum, response tokens, grad norm)."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss_sum, tokens = run_microbatches(chunks, microbatches, seq_len, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    lr_schedule.step(increment=1)
+    return loss_sum, tokens, float(grad_norm or 0.0)
+
+
 # ---------------------------------------------------------------- evaluation
 
 
@@ -150,10 +163,9 @@ def evaluate(chunks, eval_examples, eval_conversations, config, runtime, tokeniz
 
 def main(argv: list[str]) -> None:
     """Parse -> init -> build -> resume -> loop -> save -> cleanup."""
-    import os
-
     import transformers
 
+    # ---- parse, and every check that needs no model
     config, resume = config_module.parse_args(SFTConfig, argv, "trainer.sft")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config_module.validate_startup(config, world_size)
@@ -161,19 +173,18 @@ def main(argv: list[str]) -> None:
     if config.data.pack and config.parallel.pp > 1:
         raise UserError("`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
                         "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    common.setup_logging(is_main)
-    if resume:
-        raise UserError("`--resume-from-checkpoint` is not available yet in this version of trainer.sft.")
-
+    common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config.model.path)
+    out_dir, checkpoint_dir = Path(config.train.out_dir), common.checkpoint_dir(config)
+    fingerprint = checkpoint.model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
+    resume_path = checkpoint.resolve_resume(resume, checkpoint_dir, fingerprint)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     data_parallel_size = world_size // (config.parallel.tp * config.parallel.pp)
     train_examples, eval_examples, eval_conversations = load_data(config, tokenizer, data_parallel_size)
 
     # ---- init
-    runtime = parallel.init_distributed(config.parallel.tp, config.parallel.pp,
-                                        config.parallel.vpp if config.parallel.vpp > 1 else None, config.train.seed)
+    vpp = config.parallel.vpp if config.parallel.vpp > 1 else None
+    runtime = parallel.init_distributed(config.parallel.tp, config.parallel.pp, vpp, config.train.seed)
     schedule = sft_data.BatchSchedule(len(train_examples), config.train.global_batch_size, config.train.micro_batch_size,
                                       runtime.dp_rank, runtime.dp_size, config.train.seed)
 
@@ -182,51 +193,70 @@ def main(argv: list[str]) -> None:
     ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
     bridge = build.auto_bridge(model_path)
     provider = build.configure_provider(
-        bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
-        vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
+        bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp, vpp=vpp,
+        seq_length=config.data.max_seq_len,
         transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
     chunks = build.build_chunks(provider, ddp_config)
     optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
     build.attach_training_hooks(provider, chunks, optimizer)
     log.info("resolved optimizer and DDP settings:\n%s", precision.settings_table(optimizer_config, ddp_config))
     hf_config = bridge.hf_pretrained.config.to_dict()
-    vocab_size = hf_config["vocab_size"]
+
+    # ---- resume
+    start_step = 0
+    if resume_path:
+        state = checkpoint.load(resume_path, chunks, optimizer)
+        lr_schedule.load_state_dict(state["lr_schedule"])
+        schedule.load_state_dict(state["data"])
+        start_step = state["step"]
+        log.info("resumed from %s at step %d (epoch %d)", resume_path, start_step, schedule.epoch)
+    if start_step >= config.train.steps:
+        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
+        parallel.shutdown()
+        return
+
+    def save_checkpoint(step: int) -> None:
+        state = {"step": step, "lr_schedule": lr_schedule.state_dict(), "data": schedule.state_dict(),
+                 "config": config_module.to_dict(config), "fingerprint": fingerprint}
+        checkpoint.save(checkpoint_dir, step, chunks, optimizer, state, config.ckpt.keep_last, runtime.is_main)
 
     # ---- loop
-    out_dir = Path(config.train.out_dir)
-    metrics = common.MetricsWriter(out_dir, runtime.is_main, config.train.steps, 0, config.train.log_interval)
-    peak = common.peak_flops()
-    # Step 0: the untrained model's held-out figures, the baseline the run is judged against.
-    baseline = evaluate(chunks, eval_examples, eval_conversations, config, runtime, tokenizer, vocab_size)
-    if baseline:
-        metrics.write({"step": 0, **baseline})
-    for step in range(1, config.train.steps + 1):
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
+    metrics = common.MetricsWriter(out_dir, runtime.is_main, config.train.steps, start_step, config.train.log_interval)
+    evaluate_now = functools.partial(evaluate, chunks, eval_examples, eval_conversations, config, runtime, tokenizer,
+                                     hf_config["vocab_size"])
+    if start_step == 0 and (baseline := evaluate_now()):
+        metrics.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
+    preemption, peak = checkpoint.Preemption(), common.peak_flops()
+    for step in range(start_step + 1, config.train.steps + 1):
         with common.StepTimer() as timer:
             microbatches, seq_len = collate_microbatches(train_examples, schedule.next_global_batch(), config,
                                                          tokenizer.pad_token_id, runtime.device)
-            loss_sum, tokens = run_microbatches(chunks, microbatches, seq_len, forward_only=False)
-            _, grad_norm, _ = optimizer.step()
-            lr_schedule.step(increment=1)
+            loss_sum, tokens, grad_norm = train_step(chunks, optimizer, lr_schedule, microbatches, seq_len)
         input_tokens = common.all_reduce_sum([float(sum(batch["tokens"].numel() for batch in microbatches))])[0]
         input_tokens /= config.parallel.tp * config.parallel.pp  # every TP/PP rank counted the same batch
         row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": optimizer.param_groups[0]["lr"],
-               "grad_norm": float(grad_norm or 0.0), "tokens_per_s": input_tokens / timer.seconds,
+               "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds,
                "step_time_s": timer.seconds, "epoch": schedule.epoch}
         if peak:
             row["mfu"] = row["tokens_per_s"] * common.model_flops_per_token(hf_config, seq_len) / (peak * runtime.world_size)
-        if config.train.eval_interval and step % config.train.eval_interval == 0 or step == config.train.steps:
-            row.update(evaluate(chunks, eval_examples, eval_conversations, config, runtime, tokenizer, vocab_size))
+        if (config.train.eval_interval and step % config.train.eval_interval == 0) or step == config.train.steps:
+            row.update(evaluate_now())
         metrics.write(row)
+        stop = preemption.agreed() or step == config.train.exit_interval
+        if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
+            save_checkpoint(step)
+        if stop:
+            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
+                     "signal" if preemption.requested else "train.exit_interval")
+            break
     metrics.close()
 
     # ---- save
-    build.export_hf(bridge, chunks, out_dir / "hf")
-    if runtime.is_main:
-        tokenizer.save_pretrained(out_dir / "hf")
-        log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
+    if step == config.train.steps:
+        build.export_hf(bridge, chunks, out_dir / "hf")
+        if runtime.is_main:
+            tokenizer.save_pretrained(out_dir / "hf")
+            log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
     parallel.shutdown()
 
 

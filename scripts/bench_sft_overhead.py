@@ -1,0 +1,84 @@
+"""Trainer overhead: one SFT step through our loop vs a bare megatron-core forward/backward/optimizer step.
+
+Same model, optimizer and batch, same process; the two are interleaved and the medians compared.
+Run: .venv/bin/python scripts/bench_sft_overhead.py [--steps 30]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers  # noqa: E402
+
+from data import sft as sft_data  # noqa: E402
+from model import build, parallel  # noqa: E402
+from trainer import common, precision, sft  # noqa: E402
+from trainer.config import SFTConfig  # noqa: E402
+
+
+def bare_step(chunks, optimizer, microbatches) -> None:
+    """The minimum megatron-core needs for one step: forward/backward each microbatch, grad sync, optimizer step."""
+    (model,) = chunks
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    total_tokens = sum(batch["loss_mask"].sum() for batch in microbatches)
+    for batch in microbatches:
+        per_token_loss = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                               labels=batch["labels"])
+        ((per_token_loss * batch["loss_mask"]).sum() / total_tokens).backward()
+    model.finish_grad_sync()
+    optimizer.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    config = SFTConfig()
+    common.setup_logging(True)
+    path = build.resolve_model_path("tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    rows = sft_data.load_rows("arithmetic")[: config.train.global_batch_size]
+    conversations, report = sft_data.to_conversations(rows)
+    examples = sft_data.build_examples(conversations, tokenizer, config.data.max_seq_len, report)
+    runtime = parallel.init_distributed(1, 1, None, config.train.seed)
+    optimizer_config = precision.optimizer_config(config)
+    ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
+    provider = build.configure_provider(build.auto_bridge(path), dtype="fp32", tp=1, pp=1, vpp=None,
+                                        seq_length=config.data.max_seq_len,
+                                        transformer_overrides={"calculate_per_token_loss": True})
+    chunks = build.build_chunks(provider, ddp_config)
+    optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
+    build.attach_training_hooks(provider, chunks, optimizer)
+    micro = config.train.micro_batch_size
+    indices = [list(range(start, start + micro)) for start in range(0, len(examples), micro)]
+
+    def ours():
+        microbatches, seq_len = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)
+        sft.train_step(chunks, optimizer, lr_schedule, microbatches, seq_len)
+        common.all_reduce_sum([float(sum(batch["tokens"].numel() for batch in microbatches))])
+
+    fixed, _ = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)
+    timings = {"ours": [], "bare": []}
+    steps = {"ours": ours, "bare": lambda: bare_step(chunks, optimizer, fixed)}
+    for name in steps:  # warm-up
+        steps[name]()
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            timings[name].append(time.perf_counter() - start)
+    ours_median, bare_median = statistics.median(timings["ours"]), statistics.median(timings["bare"])
+    print(f"SFT step, tiny model, global batch {config.train.global_batch_size} x micro {micro}, {args.steps} interleaved steps")
+    print(f"  our loop (collate + pipeline schedule + optimizer + schedule + metrics): median {ours_median * 1e3:.1f} ms")
+    print(f"  bare megatron-core forward/backward/optimizer step:                      median {bare_median * 1e3:.1f} ms")
+    print(f"  overhead ratio ours/bare: {ours_median / bare_median:.3f}")
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

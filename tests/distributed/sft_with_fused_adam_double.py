@@ -1,0 +1,74 @@
+"""`trainer.sft` with the FusedAdam test double standing in for Transformer Engine (run under torchrun).
+
+Usage: torchrun --nproc-per-node 2 tests/distributed/sft_with_fused_adam_double.py [trainer.sft arguments]
+
+Besides the run's metrics.jsonl, every rank writes `<train.out_dir>/precision_state.rank<R>.json`: the
+dtypes the optimizer state and the DDP gradient buffers really had after the last step, read from the
+objects `trainer.sft.main` built (captured by wrapping `trainer.common.build_optimizer_and_schedule`).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests import fused_adam_double  # noqa: E402
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside megatron's (possibly chained) optimizer."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts]
+
+
+def describe(chunks, optimizer) -> dict:
+    """Distinct dtypes of the optimizer's parameters, state and decoupled gradients, and of the DDP gradient buffers."""
+    found = {"optimizer_class": set(), "param": set(), "decoupled_grad": set(), "exp_avg": set(), "exp_avg_sq": set(),
+             "master_param": set(), "grad_buffer": set(), "grad_buffer_data": set(), "state_tensors": 0}
+    for inner in inner_optimizers(optimizer):
+        found["optimizer_class"].add(type(inner).__name__)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                found["param"].add(dtype_name(param.dtype))
+                if getattr(param, "decoupled_grad", None) is not None:
+                    found["decoupled_grad"].add(dtype_name(param.decoupled_grad.dtype))
+                for name, value in inner.state[param].items():
+                    if name in ("exp_avg", "exp_avg_sq", "master_param"):
+                        found[name].add(dtype_name(value.dtype))
+                        found["state_tensors"] += 1
+    for chunk in chunks:
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            found["grad_buffer"].add(dtype_name(buffer.grad_dtype))
+            found["grad_buffer_data"].add(dtype_name(buffer.grad_data.dtype))
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in found.items()}
+
+
+def main(argv: list[str]) -> None:
+    fused_adam_double.install()
+    from trainer import common, sft
+
+    built = {}
+    build_optimizer_and_schedule = common.build_optimizer_and_schedule
+
+    def capturing(chunks, optimizer_config, config):
+        optimizer, schedule = build_optimizer_and_schedule(chunks, optimizer_config, config)
+        built.update(chunks=chunks, optimizer=optimizer, out_dir=config.train.out_dir)
+        return optimizer, schedule
+
+    common.build_optimizer_and_schedule = capturing
+    sft.main(argv)
+    report = describe(built["chunks"], built["optimizer"])
+    rank = int(os.environ.get("RANK", "0"))
+    Path(built["out_dir"], f"precision_state.rank{rank}.json").write_text(json.dumps(report, indent=1))
+    print(f"[fused-adam double] rank {rank}: {report}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

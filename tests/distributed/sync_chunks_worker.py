@@ -1,0 +1,59 @@
+"""Run under torchrun (2 processes) by tests/test_precision_e2e.py: `broadcast_parameters` syncs every model chunk.
+
+Two small chunks stand in for virtual pipeline stages. Rank 1 perturbs both (the second one with an
+expert-style parameter too, which is replicated over the expert-data-parallel group), then
+`model.build.broadcast_parameters(chunks)` runs. Every rank writes `<out>/rank<R>.json`: for each
+chunk, whether its parameters were equal on all ranks before and after the call.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from model import build, parallel  # noqa: E402
+
+
+def make_chunk() -> torch.nn.Module:
+    """A small two-layer stack; the global seed makes it identical on every rank."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def equal_on_all_ranks(chunk: torch.nn.Module) -> bool:
+    """Whether every rank holds exactly rank 0's parameters (all_gather and compare)."""
+    flat = torch.cat([param.detach().reshape(-1) for param in chunk.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], other) for other in gathered[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    runtime = parallel.init_distributed(1, 1, None, seed=3)
+    chunks = [make_chunk(), make_chunk()]
+    # Expert weights take the other branch of broadcast_parameters (megatron marks them allreduce=False).
+    chunks[1][2].bias.allreduce = False
+    if runtime.rank == 1:
+        with torch.no_grad():
+            for index, chunk in enumerate(chunks):
+                for param in chunk.parameters():
+                    param.add_(1.0 + index)
+    before = [equal_on_all_ranks(chunk) for chunk in chunks]
+    build.broadcast_parameters(chunks)
+    after = [equal_on_all_ranks(chunk) for chunk in chunks]
+    result = {"rank": runtime.rank, "world_size": runtime.world_size, "dp_size": runtime.dp_size,
+              "equal_before": before, "equal_after": after}
+    print(f"[sync chunks] rank {runtime.rank}: {result}", flush=True)
+    Path(args.out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

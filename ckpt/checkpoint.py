@@ -50,21 +50,42 @@ def model_fingerprint(hf_config: dict, parallel) -> dict:
     return {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp, "vpp": parallel.vpp}
 
 
+# ---------------------------------------------------------------- what can be checkpointed
+
+
+def enabled(config) -> bool:
+    """Checkpoints are written for DDP runs; Megatron-FSDP's DTensor checkpoint path is not wired up yet."""
+    return not config.parallel.use_megatron_fsdp
+
+
+def validate(config, resume: str) -> None:
+    """Refuse, at start-up, checkpoint requests a Megatron-FSDP run cannot honour yet."""
+    if enabled(config):
+        return
+    asked = [name for name, value in (("--resume-from-checkpoint", resume), ("train.exit_interval", config.train.exit_interval),
+                                      ("ckpt.save_interval", config.ckpt.save_interval)) if value]
+    if asked:
+        raise UserError(f"Checkpoints are not supported with `parallel.use_megatron_fsdp=true` yet, but {', '.join(asked)} "
+                        "asks for them. Use DDP with the distributed optimizer (`--parallel.use_megatron_fsdp=false`, "
+                        "which also shards optimizer state), or drop those settings; the final model is still "
+                        "exported to `<train.out_dir>/hf/`.")
+
+
 # ---------------------------------------------------------------- resolving what to resume from
 
 
-def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> Path | None:
-    """The checkpoint directory to resume from, or None to start fresh; raises UserError for anything unusable.
+def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tuple[Path | None, int]:
+    """(checkpoint to resume from, its step), or (None, 0) to start fresh; raises UserError for anything unusable.
 
     Runs before any model is built, so a bad `--resume-from-checkpoint` costs nothing and overwrites nothing.
     """
     if not resume:
-        return None
+        return None, 0
     if resume == LATEST:
         pointer = checkpoint_dir / LATEST
         if not pointer.is_file():
             log.info("--resume-from-checkpoint latest: no checkpoint in %s yet, starting fresh", checkpoint_dir)
-            return None
+            return None, 0
         path = checkpoint_dir / pointer.read_text().strip()
     else:
         path = Path(resume)
@@ -73,7 +94,8 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> Path
     if not path.is_dir():
         raise UserError(f"Checkpoint `{path}` does not exist. Check `--resume-from-checkpoint` (a checkpoint "
                         "directory, its parent `ckpt.dir`, or `latest`).")
-    for required in (STATE_FILE, f"{SHARDED_DIR}/metadata.json", "rng"):
+    # `.metadata` is the index torch.distributed.checkpoint writes under megatron-core's torch_dist format.
+    for required in (STATE_FILE, f"{SHARDED_DIR}/.metadata", "rng"):
         if not (path / required).exists():
             raise UserError(f"Checkpoint `{path}` is incomplete or corrupted: `{path / required}` is missing. "
                             "Resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.")
@@ -86,7 +108,7 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> Path
         raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
                         "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
-    return path
+    return path, state["step"]
 
 
 # ---------------------------------------------------------------- RNG
@@ -119,10 +141,32 @@ def set_rng_state(state: dict) -> None:
 
 
 def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
-    """megatron-core's sharded view of every model chunk and of the optimizer."""
+    """megatron-core's sharded view of every model chunk and of the optimizer (DDP: dist_checkpointing format)."""
     model = {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}
     optimizer_state = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
     return {**model, "optimizer": optimizer_state}
+
+
+def _save_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
+    """Write model chunks and optimizer, sharded, into `directory`. Collective."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory))
+
+
+def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
+    """Read model chunks and optimizer written by `_save_model_and_optimizer`. Collective."""
+    from megatron.core import dist_checkpointing
+
+    _materialise_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(directory))
+    for index, chunk in enumerate(chunks):
+        chunk.module.load_state_dict(loaded[f"model{index}"])
+    # In fp32 the distributed optimizer's main parameters are views of the model's (leaf) parameters,
+    # which megatron-core's dp_reshardable loader copies into in place: not a differentiable operation.
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_step_counters(optimizer)
 
 
 def _barrier() -> None:
@@ -133,8 +177,6 @@ def _barrier() -> None:
 
 def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, keep_last: int, is_main: bool) -> Path:
     """Write a complete checkpoint atomically, point `latest` at it, prune old ones. Collective."""
-    from megatron.core import dist_checkpointing
-
     final = checkpoint_dir / checkpoint_name(step)
     partial = checkpoint_dir / f"{PARTIAL}{checkpoint_name(step)}"
     if is_main:
@@ -142,7 +184,7 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
         (partial / SHARDED_DIR).mkdir(parents=True)
         (partial / "rng").mkdir()
     _barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(partial / SHARDED_DIR))
+    _save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR)
     torch.save(rng_state(), partial / "rng" / f"rank_{dist.get_rank():05d}.pt")
     _barrier()
     if is_main:
@@ -200,17 +242,7 @@ def _restore_step_counters(optimizer) -> None:
 
 def load(path: Path, chunks: list, optimizer) -> dict:
     """Load model chunks, optimizer and this rank's RNG from a checkpoint; return the loop's saved state."""
-    from megatron.core import dist_checkpointing
-
-    _materialise_optimizer_state(optimizer)
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path / SHARDED_DIR))
-    for index, chunk in enumerate(chunks):
-        chunk.module.load_state_dict(loaded[f"model{index}"])
-    # In fp32 the distributed optimizer's main parameters are views of the model's (leaf) parameters,
-    # which megatron-core's dp_reshardable loader copies into in place: not a differentiable operation.
-    with torch.no_grad():
-        optimizer.load_state_dict(loaded["optimizer"])
-    _restore_step_counters(optimizer)
+    _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -13,7 +13,8 @@ Each figure is bytes on one rank divided by the model's parameter count, the uni
 distributed-optimizer table (docs: api-guide/dist_optimizer), which also adds the model weights (shown
 separately here): at DP=d the distributed optimizer divides master + moments by d but keeps whole
 gradient buffers; Megatron-FSDP (`optim_grads_params`) divides weights, gradients and state by d.
-Buffers are padded for bucketing, so figures sit slightly above the ideal ones.
+Buffers are padded for bucketing, so figures sit slightly above the ideal ones. The "grad dtype"
+column is the dtype of the gradient buffers actually allocated.
 
 The precision-aware row runs on tests/fused_adam_double.py, a TEST DOUBLE of Transformer Engine's
 FusedAdam (TE needs CUDA): its state tensors have the dtypes and sizes TE 2.0's would have.
@@ -33,17 +34,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SAME_BATCH = ["--train.steps=1", "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_samples=0"]
+# name: (label in the table, trainer.sft arguments)
 VARIANTS = {
-    "fp32 DDP": ["--parallel.use_distributed_optimizer=false"],
-    "bf16, fp32 optimizer state (default)": ["--model.dtype=bf16"],
-    "bf16 precision-aware, bf16 moments+grads [FusedAdam test double]": [
+    "fp32_ddp": ("fp32 DDP", ["--parallel.use_distributed_optimizer=false"]),
+    "bf16_default": ("bf16, fp32 grads + optimizer state (default)", ["--model.dtype=bf16"]),
+    "bf16_precision_aware": ("bf16 precision-aware, bf16 moments+grads [FusedAdam test double]", [
         "--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true", "--optim.main_grads_dtype=bf16",
-        "--optim.exp_avg_dtype=bf16", "--optim.exp_avg_sq_dtype=bf16"],
-    "fp32 Megatron-FSDP (optim_grads_params)": ["--parallel.use_megatron_fsdp=true"],
+        "--optim.exp_avg_dtype=bf16", "--optim.exp_avg_sq_dtype=bf16"]),
+    "fsdp_fp32": ("fp32 Megatron-FSDP (optim_grads_params)", ["--parallel.use_megatron_fsdp=true"]),
+    "fsdp_bf16": ("bf16 Megatron-FSDP (optim_grads_params)", ["--parallel.use_megatron_fsdp=true", "--model.dtype=bf16"]),
 }
-USES_DOUBLE = {name for name, args in VARIANTS.items() if "--optim.use_precision_aware_optimizer=true" in args}
-RUNS_PER_DATA_PARALLEL_SIZE = {1: [name for name in VARIANTS if "FSDP" not in name], 2: list(VARIANTS)}
-DEFAULT, PRECISION_AWARE = list(VARIANTS)[1], list(VARIANTS)[2]
+USES_DOUBLE = {"bf16_precision_aware"}
+RUNS_PER_DATA_PARALLEL_SIZE = {1: ["fp32_ddp", "bf16_default", "bf16_precision_aware"], 2: list(VARIANTS)}
 CATEGORIES = ("weights", "grads", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -65,12 +67,14 @@ def storage_of(tensor) -> int:
 def count_bytes(chunks, optimizer) -> dict:
     """Bytes per category on this rank, read from the buffers and optimizer state that exist after a step."""
     counted = dict.fromkeys(CATEGORIES, 0)
-    known_storages = set()
+    known_storages, grad_dtypes = set(), set()
 
     def add(category: str, tensor) -> None:
         if tensor is not None:
             counted[category] += local_bytes(tensor)
             known_storages.add(storage_of(tensor))
+            if category == "grads":
+                grad_dtypes.add(str(tensor.dtype).removeprefix("torch."))
 
     for chunk in chunks:
         fsdp_buffer = getattr(chunk, "param_and_grad_buffer", None)
@@ -97,7 +101,7 @@ def count_bytes(chunks, optimizer) -> dict:
                 for name in ("exp_avg", "exp_avg_sq", "master_param"):
                     if name in inner.state[param]:
                         counted["master" if name == "master_param" else name] += local_bytes(inner.state[param][name])
-    return counted
+    return {**counted, "grad_dtype": "/".join(sorted(grad_dtypes))}
 
 
 def measure(name: str, runtime, examples, tokenizer) -> dict:
@@ -111,7 +115,7 @@ def measure(name: str, runtime, examples, tokenizer) -> dict:
     if name in USES_DOUBLE:
         fused_adam_double.install()
     try:
-        config, _ = config_module.parse_args(SFTConfig, [*SAME_BATCH, *VARIANTS[name]], "bench_optimizer_memory")
+        config, _ = config_module.parse_args(SFTConfig, [*SAME_BATCH, *VARIANTS[name][1]], "bench_optimizer_memory")
         precision.validate(config)
         optimizer_config = precision.optimizer_config(config)
         ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
@@ -178,13 +182,14 @@ def free_port() -> int:
 
 def table(rows: list[dict]) -> str:
     """Bytes per parameter, per rank, by category."""
-    header = (f"{'variant':66s} {'DP':>2s} {'grads':>6s} {'master':>6s} {'exp_avg':>7s} {'exp_sq':>6s} "
+    header = (f"{'variant':66s} {'DP':>2s} {'grad dtype':>10s} {'grads':>6s} {'master':>6s} {'exp_avg':>7s} {'exp_sq':>6s} "
               f"{'grads+state':>11s} {'+weights':>8s}")
     lines = [header, "-" * len(header)]
     for row in rows:
         per = {key: row[key] / row["parameters"] for key in CATEGORIES}
+        label = VARIANTS[row["variant"]][0]
         state = per["grads"] + per["master"] + per["exp_avg"] + per["exp_avg_sq"]
-        lines.append(f"{row['variant']:66s} {row['dp']:>2d} {per['grads']:6.2f} {per['master']:6.2f} {per['exp_avg']:7.2f} "
+        lines.append(f"{label:66s} {row['dp']:>2d} {row['grad_dtype']:>10s} {per['grads']:6.2f} {per['master']:6.2f} {per['exp_avg']:7.2f} "
                      f"{per['exp_avg_sq']:6.2f} {state:11.2f} {state + per['weights']:8.2f}")
     return "\n".join(lines)
 
@@ -218,9 +223,9 @@ def main() -> None:
     print(f"\nbytes per parameter, per rank (tiny model, {rows[0]['parameters']:,} parameters; one optimizer step taken)\n")
     print(table(rows))
     at_dp1 = {row["variant"]: row for row in rows if row["dp"] == 1}
-    ratio = grads_and_state(at_dp1[PRECISION_AWARE]) / grads_and_state(at_dp1[DEFAULT])
+    ratio = grads_and_state(at_dp1["bf16_precision_aware"]) / grads_and_state(at_dp1["bf16_default"])
     print(f"\nprecision-aware / default (grads + optimizer state, DP=1): {ratio:.3f}  (target <= 0.65)")
-    print("optimizer classes: " + ", ".join(sorted({f"{row['variant'].split(',')[0]}: {row['optimizer']}" for row in rows})))
+    print("inner optimizers: " + ", ".join(sorted({f"{row['variant']}: {row['optimizer']}" for row in rows})))
 
 
 if __name__ == "__main__":

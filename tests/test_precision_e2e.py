@@ -30,10 +30,11 @@ RUNS = {
                                              "--optim.main_grads_dtype=bf16", "--optim.exp_avg_dtype=bf16",
                                              "--optim.exp_avg_sq_dtype=bf16"]),
 }
-# Measured per-step worst cases on this machine (see the printed table): FSDP vs DDP fp32 stays
-# at rounding level; bf16 weights move the loss by up to about 1%, the bf16 optimizer state about as much.
-FSDP_RELATIVE_TOLERANCE = 1e-4
-BF16_RELATIVE_TOLERANCE = 5e-2
+# Per-step worst relative differences from ddp_fp32 measured on CPU (2 processes): Megatron-FSDP 4.9e-8
+# (reduction order only); bf16 weights with the distributed optimizer 4.5e-4; precision-aware with bf16
+# moments and bf16 main gradients 4.7e-4 (1.3e-4 from the bf16 default). The bounds leave ~5x headroom.
+FSDP_RELATIVE_TOLERANCE = 1e-5
+BF16_RELATIVE_TOLERANCE = 2e-3
 
 
 class Run(NamedTuple):

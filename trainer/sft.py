@@ -173,11 +173,15 @@ def main(argv: list[str]) -> None:
     if config.data.pack and config.parallel.pp > 1:
         raise UserError("`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
                         "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
+    checkpoint.validate(config, resume)
     common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config.model.path)
     out_dir, checkpoint_dir = Path(config.train.out_dir), common.checkpoint_dir(config)
     fingerprint = checkpoint.model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
-    resume_path = checkpoint.resolve_resume(resume, checkpoint_dir, fingerprint)
+    resume_path, resume_step = checkpoint.resolve_resume(resume, checkpoint_dir, fingerprint)
+    if resume_step >= config.train.steps:
+        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
+        return
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     data_parallel_size = world_size // (config.parallel.tp * config.parallel.pp)
     train_examples, eval_examples, eval_conversations = load_data(config, tokenizer, data_parallel_size)
@@ -210,10 +214,6 @@ def main(argv: list[str]) -> None:
         schedule.load_state_dict(state["data"])
         start_step = state["step"]
         log.info("resumed from %s at step %d (epoch %d)", resume_path, start_step, schedule.epoch)
-    if start_step >= config.train.steps:
-        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
-        parallel.shutdown()
-        return
 
     def save_checkpoint(step: int) -> None:
         state = {"step": step, "lr_schedule": lr_schedule.state_dict(), "data": schedule.state_dict(),
@@ -243,11 +243,12 @@ def main(argv: list[str]) -> None:
             row.update(evaluate_now())
         metrics.write(row)
         stop = preemption.agreed() or step == config.train.exit_interval
-        if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
+        if checkpoint.enabled(config) and (stop or step == config.train.steps or
+                                           (config.ckpt.save_interval and step % config.ckpt.save_interval == 0)):
             save_checkpoint(step)
         if stop:
-            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
-                     "signal" if preemption.requested else "train.exit_interval")
+            log.info("stopping at step %d (%s)%s", step, "signal" if preemption.requested else "train.exit_interval",
+                     "; resume with --resume-from-checkpoint latest" if checkpoint.enabled(config) else "")
             break
     metrics.close()
 

@@ -1,0 +1,87 @@
+"""Exact resume through the real entry point on 2 processes: exit_interval, SIGTERM, killed saves, DP change, FSDP."""
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import REPO, TORCHRUN, free_port, torchrun
+
+pytestmark = pytest.mark.distributed
+
+RUN = ["-m", "trainer.sft", "--train.steps=40", "--train.global_batch_size=8", "--train.micro_batch_size=2",
+       "--train.eval_samples=0", "--optim.warmup_steps=2", "--ckpt.save_interval=10", "--ckpt.keep_last=2"]
+
+
+def losses(out_dir) -> dict[int, float]:
+    """step -> training loss, from metrics.jsonl."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def checkpoints(out_dir) -> list[str]:
+    """Names of the complete checkpoints."""
+    return sorted(path.name for path in (out_dir / "checkpoints").glob("step_*"))
+
+
+def run_until_sigterm(args: list[str], out_dir, after_step: int) -> subprocess.CompletedProcess:
+    """Start a 2-process run and send SIGTERM to torchrun (which forwards it) once `after_step` is logged."""
+    command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and any(json.loads(line)["step"] >= after_step for line in metrics.read_text().splitlines()):
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output, _ = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
+    straight, resumed, dp1 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "dp1"
+    torchrun([*RUN, f"--train.out_dir={straight}"])
+    assert checkpoints(straight) == ["step_00000030", "step_00000040"]  # keep_last=2
+    assert (straight / "checkpoints" / "latest").read_text() == "step_00000040"
+
+    # 1. Megatron's convention: save and exit 0 at train.exit_interval.
+    torchrun([*RUN, f"--train.out_dir={resumed}", "--train.exit_interval=15"])
+    assert checkpoints(resumed) == ["step_00000010", "step_00000015"]
+    assert max(losses(resumed)) == 15
+    shutil.copytree(resumed / "checkpoints", dp1 / "checkpoints")  # for the DP-change run below
+
+    # 2. A save killed with -9 leaves a partial directory and a stray pointer file; `latest` is untouched.
+    partial = resumed / "checkpoints" / ".partial-step_00000020"
+    shutil.copytree(resumed / "checkpoints" / "step_00000015" / "rng", partial / "rng")
+    (resumed / "checkpoints" / "latest.tmp").write_text("step_00000020")
+
+    # 3. Resume from latest, then SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0.
+    result = run_until_sigterm([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"], resumed, 18)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "resumed from" in result.stdout and "stopping at step" in result.stdout
+    interrupted_at = max(losses(resumed))
+    assert 18 <= interrupted_at < 40
+    assert (resumed / "checkpoints" / "latest").read_text() == f"step_{interrupted_at:08d}"
+
+    # 4. Resume again to the end: every step's loss equals the uninterrupted run's, bit for bit.
+    torchrun([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
+    reference, got = losses(straight), losses(resumed)
+    assert sorted(got) == list(range(1, 41))
+    assert got == reference
+    assert not partial.exists()  # the rerun's save of that step replaced the killed one's leftovers
+    assert checkpoints(resumed) == ["step_00000030", "step_00000040"]
+
+    # 5. A finished run says so and exits 0 without training.
+    finished = torchrun([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
+    assert "already finished all 40 steps" in finished.stdout
+
+    # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism): the loss continues.
+    torchrun([*RUN, f"--train.out_dir={dp1}", "--resume-from-checkpoint", "latest", "--train.exit_interval=18"], nproc=1)
+    continued = losses(dp1)
+    for step in (16, 17, 18):
+        print(f"DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")
+        assert abs(continued[step] - reference[step]) < 1e-4 * reference[step]

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, TORCHRUN, free_port, torchrun
@@ -28,14 +29,18 @@ def checkpoints(out_dir) -> list[str]:
 
 
 def run_until_sigterm(args: list[str], out_dir, after_step: int) -> subprocess.CompletedProcess:
-    """Start a 2-process run and send SIGTERM to torchrun (which forwards it) once `after_step` is logged."""
+    """Start a 2-process run and SIGTERM its workers once `after_step` is logged, as a cluster scheduler does.
+
+    (Signalling only the torchrun agent also works, but the agent then exits 1 itself after forwarding.)
+    """
     command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None:
         if metrics.exists() and any(json.loads(line)["step"] >= after_step for line in metrics.read_text().splitlines()):
-            process.send_signal(signal.SIGTERM)
+            for worker in psutil.Process(process.pid).children():
+                worker.send_signal(signal.SIGTERM)
             break
         time.sleep(0.05)
     output, _ = process.communicate(timeout=600)

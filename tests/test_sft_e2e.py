@@ -32,12 +32,13 @@ def test_default_run_learns(tmp_path):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
     assert losses[-1] <= 0.5 * losses[0]
     assert baseline["step"] == 0 and baseline["eval_accuracy"] == 0.0
-    assert final["eval_accuracy"] >= 0.3
+    assert final["eval_accuracy"] >= 0.5  # 0.68 measured; the untrained model scores 0
     assert final["eval_loss"] < 0.5 * baseline["eval_loss"]
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-FAST = ["-m", "trainer.sft", "--train.steps=10", "--train.global_batch_size=8", "--train.eval_samples=0", "--train.seed=5"]
+FAST = ["-m", "trainer.sft", "--train.steps=10", "--train.global_batch_size=8", "--train.eval_samples=0", "--train.seed=5",
+        "--optim.warmup_steps=1"]
 
 
 def test_data_parallel_accumulation_and_packing_leave_losses_unchanged(tmp_path):

@@ -33,7 +33,6 @@ from packaging.version import Version
 
 DOUBLE_TE_VERSION = "2.0.0"
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16)
-STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 
 class FusedAdamDouble(torch.optim.Optimizer):

@@ -9,6 +9,7 @@ with the optimizer state really held in the dtypes asked for. A separate small r
 
 import json
 import math
+import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,7 +41,7 @@ BF16_RELATIVE_TOLERANCE = 2e-3
 class Run(NamedTuple):
     out_dir: Path
     losses: list[float]
-    exit_code: int
+    exit_code: int | str
     output_tail: str
 
 
@@ -65,14 +66,19 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("precision-runs")
     results = {}
     for name, (entry, extra) in RUNS.items():
-        process = torchrun([*entry, *SAME_RUN, *extra, f"--train.out_dir={root / name}"], nproc=2, timeout=900, check=False)
+        try:
+            process = torchrun([*entry, *SAME_RUN, *extra, f"--train.out_dir={root / name}"], nproc=2, timeout=900, check=False)
+            exit_code, stderr = process.returncode, process.stderr
+        except subprocess.TimeoutExpired as timeout:
+            stderr = timeout.stderr or b""  # bytes on POSIX even with text=True
+            exit_code, stderr = "timed out (900 s)", stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
         metrics_file = root / name / "metrics.jsonl"
         losses = step_losses(root / name) if metrics_file.exists() else []
         # Each rank's traceback lines carry a "[rankN]:" prefix; rank 0's say what went wrong.
-        rank0 = "\n".join(line for line in process.stderr.splitlines() if line.startswith("[rank0]:"))
-        results[name] = Run(root / name, losses, process.returncode, rank0[-4000:] or process.stderr[-4000:])
+        rank0 = "\n".join(line for line in stderr.splitlines() if line.startswith("[rank0]:"))
+        results[name] = Run(root / name, losses, exit_code, rank0[-4000:] or stderr[-4000:])
     reference = results["ddp_fp32"].losses
-    for name, run in results.items():
+    for name, run in results.items():  # the figures, for the log
         difference = worst_relative_difference(run.losses, reference) if run.losses and reference else float("nan")
         print(f"\n{name:32s} exit {run.exit_code}  " + " ".join(f"{loss:.5f}" for loss in run.losses)
               + f"   max rel diff vs ddp_fp32 {difference:.2e}")

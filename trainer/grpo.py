@@ -60,19 +60,18 @@ def validate_grpo(config, world_size: int) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise UserError(f"`{key}={value}` is not one of {', '.join(allowed)}. Change `--{key}`.")
-    bounds = {"grpo.clip_low": 0 < grpo.clip_low < 1, "grpo.clip_high": grpo.clip_high > 0,
-              "grpo.dual_clip": grpo.dual_clip == 0 or grpo.dual_clip > 1, "grpo.kl_coef": grpo.kl_coef >= 0,
-              "grpo.temperature": grpo.temperature > 0, "grpo.top_p": 0 < grpo.top_p <= 1, "grpo.top_k": grpo.top_k >= 0,
-              "grpo.ppo_epochs": grpo.ppo_epochs >= 1, "grpo.mini_batches": grpo.mini_batches >= 1,
-              "grpo.max_new_tokens": 1 <= grpo.max_new_tokens < config.data.max_seq_len}
-    rules = {"grpo.clip_low": "between 0 and 1", "grpo.clip_high": "positive", "grpo.dual_clip": "0 (off) or above 1",
-             "grpo.kl_coef": "0 or more", "grpo.temperature": "positive (rollouts are sampled)", "grpo.top_p": "in (0, 1]",
-             "grpo.top_k": "0 or more", "grpo.ppo_epochs": "at least 1", "grpo.mini_batches": "at least 1",
-             "grpo.max_new_tokens": f"at least 1 and below `data.max_seq_len={config.data.max_seq_len}`"}
-    for key, holds in bounds.items():
+    rules = {  # key: (holds, what it must be)
+        "clip_low": (0 < grpo.clip_low < 1, "between 0 and 1"), "clip_high": (grpo.clip_high > 0, "positive"),
+        "dual_clip": (grpo.dual_clip == 0 or grpo.dual_clip > 1, "0 (off) or above 1"),
+        "kl_coef": (grpo.kl_coef >= 0, "0 or more"), "temperature": (grpo.temperature > 0, "positive (rollouts are sampled)"),
+        "top_p": (0 < grpo.top_p <= 1, "in (0, 1]"), "top_k": (grpo.top_k >= 0, "0 or more"),
+        "ppo_epochs": (grpo.ppo_epochs >= 1, "at least 1"), "mini_batches": (grpo.mini_batches >= 1, "at least 1"),
+        "max_new_tokens": (1 <= grpo.max_new_tokens < config.data.max_seq_len,
+                           f"at least 1 and below `data.max_seq_len={config.data.max_seq_len}`"),
+    }
+    for name, (holds, rule) in rules.items():
         if not holds:
-            value = getattr(grpo, key.split(".")[1])
-            raise UserError(f"`{key}` must be {rules[key]}, got {value}. Change `--{key}`.")
+            raise UserError(f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
     data_parallel = max(world_size // (config.parallel.tp * config.parallel.pp), 1)
     if train.global_batch_size % grpo.n_samples or (train.global_batch_size // grpo.n_samples) % data_parallel:
         raise UserError(f"`train.global_batch_size={train.global_batch_size}` counts completions: it must be a multiple of "

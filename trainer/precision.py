@@ -119,6 +119,9 @@ def ddp_config(config, optimizer=None, extra_defaults: dict | None = None):
             check_for_nan_in_grad=True,
             data_parallel_sharding_strategy="optim_grads_params",
             overlap_grad_reduce=True,
+            # Megatron-FSDP ignores grad_reduce_in_fp32 and keeps gradients in the compute dtype unless
+            # told: apply the same rule (fp32 unless the optimizer's main gradients are lower).
+            megatron_fsdp_main_grads_dtype=optimizer.main_grads_dtype if low_precision_grads else torch.float32,
         )
     settings.update(extra_defaults or {})
     settings.update(config.ddp.override_ddp_config)

@@ -8,10 +8,10 @@ import importlib.util
 
 import torch
 
+from model.build import DTYPES as TORCH_DTYPES
 from trainer.config import DTYPE_NAMES
 from trainer.errors import UserError
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_INITIAL_LOSS_SCALE = 32768
 
 

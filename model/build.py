@@ -65,28 +65,39 @@ def auto_bridge(hf_path: str | Path):
     return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
 
 
-def layer_spec_name() -> str:
-    """Which transformer layer implementation is used: Transformer Engine when installed, else megatron-core's local layers."""
-    return "transformer_engine" if HAVE_TRANSFORMER_ENGINE else "local"
+def layer_spec_name(attention: str = "auto") -> str:
+    """The layer implementation `attention` names; `auto` is Transformer Engine when installed, else SDPA."""
+    if attention == "auto":
+        return "transformer_engine" if HAVE_TRANSFORMER_ENGINE else "sdpa"
+    return attention
 
 
-def _layer_spec():
-    """The provider callable that builds the chosen layer spec."""
+def _layer_spec(name: str):
+    """The provider callable that builds the named layer spec.
+
+    `sdpa` is megatron-core's local layers with `torch.nn.functional.scaled_dot_product_attention` as the
+    core attention (fused kernels on GPUs); `local` keeps megatron-core's own core attention, which
+    materialises the full score matrix (kept reachable for tests and the GPU benchmark).
+    """
     from megatron.bridge.models import gpt_provider
 
-    if HAVE_TRANSFORMER_ENGINE:
-        return gpt_provider.transformer_engine_layer_spec
-    return gpt_provider.local_layer_spec
+    from model.attention import sdpa_layer_spec
+
+    specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec, "sdpa": sdpa_layer_spec,
+             "local": gpt_provider.local_layer_spec}
+    return specs[name]
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
-                       load_weights: bool = True, transformer_overrides: dict | None = None):
+                       attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None):
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set."""
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.transformer_layer_spec = _layer_spec()
+    spec_name = layer_spec_name(attention)
+    provider.transformer_layer_spec = _layer_spec(spec_name)
+    log.info("layer spec: %s", spec_name)
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.virtual_pipeline_model_parallel_size = vpp
@@ -100,6 +111,9 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
     provider.gradient_accumulation_fusion = HAVE_TRANSFORMER_ENGINE and torch.cuda.is_available()
     provider.use_cpu_initialization = not torch.cuda.is_available()
+    # Local attention's fused softmax is a CUDA extension built with apex, not shipped with megatron-core;
+    # without it the fused path fails at import, so use megatron's PyTorch softmax (the same computation).
+    provider.masked_softmax_fusion = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
     for key, value in (transformer_overrides or {}).items():
         setattr(provider, key, value)
     provider.finalize()
@@ -118,7 +132,6 @@ def build_chunks(provider, ddp_config=None) -> list:
         use_cpu_initialization=not torch.cuda.is_available(),
         mixed_precision_wrapper=Float16Module,
     )
-    log.info("layer spec: %s", layer_spec_name())
     if ddp_config is None:
         return chunks
     return wrap_for_data_parallel(chunks, provider, ddp_config)

@@ -164,13 +164,6 @@ def activate() -> None:
 
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
-    # With bf16/fp16 inputs and `masked_softmax_fusion` on (the provider's default), the local
-    # attention's softmax asks the CUDA extension `scaled_masked_softmax_cuda` whether its fused kernel
-    # fits the shape, and that import fails without CUDA. Saying "no kernel" selects megatron's own
-    # PyTorch softmax (the path fp32 always takes), which computes the same thing.
-    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-
-    FusedScaleMaskSoftmax.is_kernel_available = lambda self, mask, b, np, sq, sk: False
 
     for package, pinned in PINNED_VERSIONS.items():
         if version(package) != pinned:

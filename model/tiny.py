@@ -1,4 +1,7 @@
-"""The embedded default model: a ~1M parameter Qwen2 with its own arithmetic tokenizer, built offline."""
+"""The embedded default model: a ~1M parameter Qwen2 with its own arithmetic tokenizer, built offline.
+
+The same recipe also builds a random-weight model of Qwen2.5-0.5B's shape for the GPU check.
+"""
 
 import hashlib
 import json
@@ -58,15 +61,32 @@ MODEL_CONFIG = {
 # Embedding rows are split across tensor-parallel ranks, so the padded vocab must divide evenly.
 VOCAB_MULTIPLE = 64
 
+# Qwen2.5-0.5B's exact shape (494M parameters with its 151,936-row tied embedding), random weights, for GPU
+# throughput checks (scripts/gpu_check.sh). It keeps the tiny tokenizer: throughput depends on the
+# embedding's size, not on which rows the tokenizer reaches, and nothing has to be downloaded.
+QWEN2_0P5B_CONFIG = {
+    **MODEL_CONFIG,
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "dtype": "bfloat16",
+}
+QWEN2_0P5B_VOCAB_SIZE = 151936
+
 
 def default_cache_dir() -> pathlib.Path:
     """Return `$TRAINER_CACHE_DIR`, or `~/.cache/megatron-trainer` when it is unset."""
     return pathlib.Path(os.environ.get("TRAINER_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-trainer")
 
 
-def recipe_hash() -> str:
+def recipe_hash(model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> str:
     """Return a short hash of everything that determines the built checkpoint."""
-    recipe = {"version": RECIPE_VERSION, "seed": WEIGHT_SEED, "model": MODEL_CONFIG, "tokenizer": TOKENIZER_SETTINGS}
+    recipe = {"version": RECIPE_VERSION, "seed": WEIGHT_SEED, "model": model_config, "tokenizer": TOKENIZER_SETTINGS}
+    if vocab_size is not None:
+        recipe["vocab_size"] = vocab_size
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -100,13 +120,13 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return wrapped
 
 
-def build_checkpoint(directory: pathlib.Path) -> None:
-    """Write the tokenizer, config and seeded weights of the tiny model into `directory`."""
+def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> None:
+    """Write the tokenizer, config and seeded weights of the tiny model (or another shape) into `directory`."""
     tokenizer = build_tokenizer()
-    vocab_size = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab_size = vocab_size or math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     end_of_turn = tokenizer.convert_tokens_to_ids(TURN_END)
     config = transformers.Qwen2Config(
-        **MODEL_CONFIG,
+        **model_config,
         vocab_size=vocab_size,
         eos_token_id=end_of_turn,
         pad_token_id=tokenizer.pad_token_id,
@@ -115,7 +135,7 @@ def build_checkpoint(directory: pathlib.Path) -> None:
     # Seed a forked RNG so building the model never shifts the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHT_SEED)
-        model = transformers.Qwen2ForCausalLM(config)
+        model = transformers.Qwen2ForCausalLM(config).to(getattr(torch, model_config["dtype"]))
     model.generation_config = transformers.GenerationConfig(eos_token_id=end_of_turn, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory, safe_serialization=True)
     # Keep the chat template inside tokenizer_config.json, where older readers look for it.
@@ -125,15 +145,26 @@ def build_checkpoint(directory: pathlib.Path) -> None:
 def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return the directory of the tiny Hugging Face checkpoint, building it once per recipe."""
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"tiny-qwen2-{recipe_hash()}"
+    return _ensure_built(cache_dir / f"tiny-qwen2-{recipe_hash()}", lambda directory: build_checkpoint(directory))
+
+
+def ensure_qwen2_0p5b_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return the directory of the random-weight Qwen2.5-0.5B-shaped checkpoint, building it once (about 1 GB, bf16)."""
+    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"qwen2-0.5b-random-{recipe_hash(QWEN2_0P5B_CONFIG, QWEN2_0P5B_VOCAB_SIZE)}"
+    return _ensure_built(target, lambda directory: build_checkpoint(directory, QWEN2_0P5B_CONFIG, QWEN2_0P5B_VOCAB_SIZE))
+
+
+def _ensure_built(target: pathlib.Path, build) -> pathlib.Path:
+    """Build a checkpoint into `target` with `build(directory)` unless a complete one is there."""
     if (target / COMPLETE_MARKER).exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     # Several torchrun ranks may get here at once: each builds privately and renames into place,
     # which is atomic on one filesystem, so readers never see a half-written checkpoint.
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        build_checkpoint(staging)
+        build(staging)
         (staging / COMPLETE_MARKER).touch()
         os.rename(staging, target)
     except OSError:

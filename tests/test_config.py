@@ -11,7 +11,7 @@ from trainer.config import SFTConfig, flat_keys, parse_args, validate_startup
 from trainer.errors import UserError
 
 SFT_KEYS = {
-    "model.path", "model.dtype",
+    "model.path", "model.dtype", "model.attention",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.use_megatron_fsdp", "parallel.use_distributed_optimizer",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
@@ -75,6 +75,7 @@ def test_validate_startup_errors(tmp_path):
     (qwen_like / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
     cases = [
         (make(model={"dtype": "fp64"}), 1, "`model.dtype=fp64` is not one of fp32, bf16, fp16"),
+        (make(model={"attention": "flash"}), 1, "`model.attention=flash` is not one of auto, sdpa, local, transformer_engine"),
         (make(model={"path": str(tmp_path / "missing")}), 1, "is not a Hugging Face checkpoint directory"),
         (make(parallel={"tp": 2}), 3, "`parallel.tp=2` x `parallel.pp=1` must divide the number of processes (3)"),
         (make(model={"path": str(qwen_like)}, parallel={"tp": 4}), 4, "`parallel.tp=4` must divide the model's 14 attention heads"),
@@ -87,6 +88,15 @@ def test_validate_startup_errors(tmp_path):
             validate_startup(config, world_size)
         assert expected in str(error.value)
     validate_startup(make(model={"path": str(qwen_like)}, parallel={"tp": 2, "pp": 2}), 8)  # a valid layout passes
+
+
+def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
+    """Asking for TE layers without TE installed is refused at start-up, naming the key."""
+    monkeypatch.setattr(config_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError) as error:
+        validate_startup(make(model={"attention": "transformer_engine"}), 1)
+    assert "`model.attention=transformer_engine` needs Transformer Engine" in str(error.value)
+    validate_startup(make(model={"attention": "local"}), 1)
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:

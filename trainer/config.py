@@ -6,6 +6,7 @@ everything that can be checked before a model is built. Every mistake raises `Us
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
 import sys
@@ -18,12 +19,14 @@ import yaml
 from trainer.errors import UserError
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
+ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 
 
 @dataclass
 class ModelConfig:
     path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or `tiny` (the embedded default, built offline on first use)"})
     dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
+    attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
 
 
 @dataclass
@@ -224,6 +227,12 @@ def validate_startup(config, world_size: int) -> None:
     """Cross-field checks that need no model: dtypes, parallel layout vs world size and model shape, batch sizes."""
     if config.model.dtype not in DTYPE_NAMES:
         raise UserError(f"`model.dtype={config.model.dtype}` is not one of {', '.join(DTYPE_NAMES)}. Change `--model.dtype`.")
+    if config.model.attention not in ATTENTION_NAMES:
+        raise UserError(f"`model.attention={config.model.attention}` is not one of {', '.join(ATTENTION_NAMES)}. "
+                        "Change `--model.attention`.")
+    if config.model.attention == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise UserError("`model.attention=transformer_engine` needs Transformer Engine, which is not installed. "
+                        "Use `--model.attention=auto` (SDPA without it), or install it (README, GPUs).")
     parallel = config.parallel
     for key in ("tp", "pp", "vpp"):
         if getattr(parallel, key) < 1:

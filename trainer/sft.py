@@ -198,7 +198,7 @@ def main(argv: list[str]) -> None:
     bridge = build.auto_bridge(model_path)
     provider = build.configure_provider(
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp, vpp=vpp,
-        seq_length=config.data.max_seq_len,
+        seq_length=config.data.max_seq_len, attention=config.model.attention,
         transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
     chunks = build.build_chunks(provider, ddp_config)
     optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)

@@ -1,0 +1,94 @@
+"""Core attention through `torch.nn.functional.scaled_dot_product_attention`, for GPUs without Transformer Engine.
+
+megatron-core's local `DotProductAttention` materialises the [batch, heads, query, key] score matrix
+(twice: scores, then probabilities kept for backward). SDPA picks a fused kernel instead (FlashAttention
+for plain causal attention, the memory-efficient kernel when a mask is given) and computes the same
+softmax(Q K^T * scale + mask) V. `SDPACoreAttention` takes the local class's constructor arguments and
+forward signature, so `sdpa_layer_spec` is megatron-core's local spec with only `core_attention` replaced.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
+from megatron.core.utils import divide
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron-core's local `DotProductAttention` (same arguments), computed by SDPA.
+
+    Masks follow megatron's convention: a boolean `attention_mask` broadcastable to [batch, 1, query, key]
+    with True where attention is blocked (the SFT packing collator's block-diagonal mask is one). With no
+    mask and a causal mask type, attention is causal (`is_causal`, so FlashAttention can run). Every query
+    must see at least one key: a fully blocked row has no softmax (local attention gives it a uniform one).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPA core attention does not support context parallelism; use Transformer Engine.")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"SDPA core attention has no `{config.softmax_type}` softmax; use `model.attention=local`.")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp
+        tp_size = self.tp_group.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # Local attention divides the scale by the layer number for apply_query_key_layer_scaling and its
+        # softmax multiplies it back in fp32; the product is this scale, which SDPA applies in one go.
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window_size = config.window_size if use_window else None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        """softmax(Q K^T * scale + mask) V: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np * hn]."""
+        if packed_seq_params is not None:
+            raise ValueError("SDPA core attention takes packed sequences as a block-diagonal attention_mask, "
+                             "not as PackedSeqParams (THD layout); the latter needs Transformer Engine.")
+        if attention_bias is not None:
+            raise ValueError("SDPA core attention does not take an attention bias.")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        query_len, batch, key_len = query.size(0), query.size(1), key.size(0)
+        # [s, b, heads, hn] -> [b, heads, s, hn]: the layout SDPA reads.
+        query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        allowed, is_causal = None, False  # SDPA's boolean mask means the opposite of megatron's: True = may attend
+        if self.window_size is not None:  # as local attention does: the window mask replaces any given mask
+            allowed = ~get_sliding_window_causal_mask(query_len, key_len, self.window_size).to(query.device)
+        elif attention_mask is not None:
+            allowed = ~attention_mask
+        elif mask_type == AttnMaskType.causal and query_len == key_len:
+            is_causal = True
+        elif mask_type == AttnMaskType.causal and query_len > 1:
+            # Queries are the last `query_len` positions of the keys (a KV cache): causal from the bottom right.
+            allowed = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+        # One query against a KV cache sees every cached key: no mask.
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Dropout in a tensor-parallel region draws from the model-parallel RNG stream, as local attention does.
+        forks_rng = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forks_rng else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=self.heads_per_partition != self.query_groups_per_partition)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(query_len, batch, -1)
+
+
+def sdpa_layer_spec(config):
+    """megatron-core's local GPT layer spec (as Megatron-Bridge builds it) with SDPA as the core attention."""
+    from megatron.bridge.models import gpt_provider
+
+    spec = gpt_provider.local_layer_spec(config)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec

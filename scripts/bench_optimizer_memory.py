@@ -1,6 +1,6 @@
 """Bytes per parameter of gradient buffers and optimizer state, counted from the tensors megatron-core allocated.
 
-Run: .venv/bin/python scripts/bench_optimizer_memory.py
+Run: .venv/bin/python scripts/bench_optimizer_memory.py [--model-path DIR] [--data-parallel-sizes 1,2]
 It launches two sub-runs itself (`torchrun --nproc-per-node 1` and `2` with `--worker`), each of which
 builds the tiny model once per variant exactly as trainer.sft does, takes one optimizer step (Adam
 state is created lazily) and sums numel x element_size over:
@@ -14,7 +14,8 @@ distributed-optimizer table (docs: api-guide/dist_optimizer), which also adds th
 separately here): at DP=d the distributed optimizer divides master + moments by d but keeps whole
 gradient buffers; Megatron-FSDP (`optim_grads_params`) divides weights, gradients and state by d.
 Buffers are padded for bucketing, so figures sit slightly above the ideal ones. The "grad dtype"
-column is the dtype of the gradient buffers actually allocated.
+column is the dtype of the gradient buffers actually allocated. On a GPU a "peak GiB" column adds the
+variant's high-water mark of allocated memory during its step (above what was allocated before it).
 
 The precision-aware row runs on tests/fused_adam_double.py, a TEST DOUBLE of Transformer Engine's
 FusedAdam (TE needs CUDA): its state tensors have the dtypes and sizes TE 2.0's would have.
@@ -104,8 +105,10 @@ def count_bytes(chunks, optimizer) -> dict:
     return {**counted, "grad_dtype": "/".join(sorted(grad_dtypes))}
 
 
-def measure(name: str, runtime, examples, tokenizer) -> dict:
+def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
     """Build one variant as trainer.sft does, take one step, count its bytes."""
+    import torch
+
     from data import sft as sft_data
     from model import build
     from tests import fused_adam_double
@@ -114,14 +117,18 @@ def measure(name: str, runtime, examples, tokenizer) -> dict:
 
     if name in USES_DOUBLE:
         fused_adam_double.install()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        allocated_before = torch.cuda.memory_allocated()
     try:
-        config, _ = config_module.parse_args(SFTConfig, [*SAME_BATCH, *VARIANTS[name][1]], "bench_optimizer_memory")
+        config, _ = config_module.parse_args(SFTConfig, [*SAME_BATCH, f"--model.path={model_path}", *VARIANTS[name][1]],
+                                             "bench_optimizer_memory")
         precision.validate(config)
         optimizer_config = precision.optimizer_config(config)
         ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
         provider = build.configure_provider(
             build.auto_bridge(build.resolve_model_path(config.model.path)), dtype=config.model.dtype, tp=1, pp=1,
-            vpp=None, seq_length=config.data.max_seq_len,
+            vpp=None, seq_length=config.data.max_seq_len, attention=config.model.attention,
             transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
         chunks = build.build_chunks(provider, ddp_config)
         optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
@@ -134,15 +141,18 @@ def measure(name: str, runtime, examples, tokenizer) -> dict:
         parameters = sum(param.numel() for chunk in chunks for param in chunk.parameters())  # DTensors count globally
         counted = count_bytes(chunks, optimizer)
         inner = type(getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer).__name__
-        return {"variant": name, "dp": runtime.dp_size, "parameters": parameters, "optimizer": inner,
-                "loss": loss_sum / max(tokens, 1), **counted}
+        row = {"variant": name, "dp": runtime.dp_size, "parameters": parameters, "optimizer": inner,
+               "loss": loss_sum / max(tokens, 1), **counted}
+        if torch.cuda.is_available():
+            row["peak_gib"] = (torch.cuda.max_memory_allocated() - allocated_before) / 2**30
+        return row
     finally:
         if name in USES_DOUBLE:
             fused_adam_double.uninstall()
         gc.collect()
 
 
-def worker(names: list[str], out: Path) -> None:
+def worker(names: list[str], out: Path, model_path: str) -> None:
     """Measure each named variant in this process group; rank 0 writes the rows (each rank's bytes are equal up to padding)."""
     import torch.distributed as dist
     import transformers
@@ -152,7 +162,7 @@ def worker(names: list[str], out: Path) -> None:
     from trainer import common
 
     common.setup_logging(False)
-    path = build.resolve_model_path("tiny")
+    path = build.resolve_model_path(model_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = sft_data.load_rows("arithmetic")[:64]
     conversations, report = sft_data.to_conversations(rows)
@@ -160,7 +170,7 @@ def worker(names: list[str], out: Path) -> None:
     runtime = parallel.init_distributed(1, 1, None, seed=1234)
     results = []
     for name in names:
-        row = measure(name, runtime, examples, tokenizer)
+        row = measure(name, runtime, examples, tokenizer, model_path)
         per_rank = [None] * runtime.world_size
         dist.all_gather_object(per_rank, row)
         # Report the rank holding the most (shards can differ by padding).
@@ -183,14 +193,15 @@ def free_port() -> int:
 def table(rows: list[dict]) -> str:
     """Bytes per parameter, per rank, by category."""
     header = (f"{'variant':66s} {'DP':>2s} {'grad dtype':>10s} {'grads':>6s} {'master':>6s} {'exp_avg':>7s} {'exp_sq':>6s} "
-              f"{'grads+state':>11s} {'+weights':>8s}")
+              f"{'grads+state':>11s} {'+weights':>8s}" + (f" {'peak GiB':>8s}" if "peak_gib" in rows[0] else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         per = {key: row[key] / row["parameters"] for key in CATEGORIES}
         label = VARIANTS[row["variant"]][0]
         state = per["grads"] + per["master"] + per["exp_avg"] + per["exp_avg_sq"]
         lines.append(f"{label:66s} {row['dp']:>2d} {row['grad_dtype']:>10s} {per['grads']:6.2f} {per['master']:6.2f} {per['exp_avg']:7.2f} "
-                     f"{per['exp_avg_sq']:6.2f} {state:11.2f} {state + per['weights']:8.2f}")
+                     f"{per['exp_avg_sq']:6.2f} {state:11.2f} {state + per['weights']:8.2f}"
+                     + (f" {row['peak_gib']:8.2f}" if "peak_gib" in row else ""))
     return "\n".join(lines)
 
 
@@ -204,23 +215,28 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help="internal: measure --variants in this torchrun group")
     parser.add_argument("--variants", default="", help="internal: comma-separated variant names")
     parser.add_argument("--out", type=Path, help="internal: where the worker writes its rows")
+    parser.add_argument("--model-path", default="tiny", help="model.path of the model to measure (default: tiny)")
+    parser.add_argument("--data-parallel-sizes", default="1,2", help="comma-separated DP sizes to run (one process per rank)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.variants.split(","), args.out)
+        worker(args.variants.split(","), args.out, args.model_path)
         return
-    torchrun = str(Path(sys.executable).parent / "torchrun")
+    sizes = [int(size) for size in args.data_parallel_sizes.split(",")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # this interpreter's torchrun, wherever it lives
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for data_parallel_size, names in RUNS_PER_DATA_PARALLEL_SIZE.items():
+        for data_parallel_size in sizes:
+            names = RUNS_PER_DATA_PARALLEL_SIZE[data_parallel_size]
             out = Path(scratch) / f"dp{data_parallel_size}.json"
-            command = [torchrun, "--nproc-per-node", str(data_parallel_size), "--master-port", str(free_port()),
-                       __file__, "--worker", f"--variants={','.join(names)}", f"--out={out}"]
+            command = [*torchrun, "--nproc-per-node", str(data_parallel_size), "--master-port", str(free_port()),
+                       __file__, "--worker", f"--variants={','.join(names)}", f"--out={out}", f"--model-path={args.model_path}"]
             print(f"measuring at DP={data_parallel_size}: {', '.join(names)}", flush=True)
             process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=os.environ)
             if process.returncode != 0:
                 sys.exit(f"{' '.join(command)} failed:\n{process.stdout[-3000:]}\n{process.stderr[-5000:]}")
             rows += json.loads(out.read_text())
-    print(f"\nbytes per parameter, per rank (tiny model, {rows[0]['parameters']:,} parameters; one optimizer step taken)\n")
+    print(f"\nbytes per parameter, per rank (model {args.model_path}, {rows[0]['parameters']:,} parameters; "
+          "one optimizer step taken)\n")
     print(table(rows))
     at_dp1 = {row["variant"]: row for row in rows if row["dp"] == 1}
     ratio = grads_and_state(at_dp1["bf16_precision_aware"]) / grads_and_state(at_dp1["bf16_default"])

@@ -239,6 +239,8 @@ def main(argv: list[str]) -> None:
                "step_time_s": timer.seconds, "epoch": schedule.epoch}
         if peak:
             row["mfu"] = row["tokens_per_s"] * common.model_flops_per_token(hf_config, seq_len) / (peak * runtime.world_size)
+        if torch.cuda.is_available():  # this process's high-water mark of allocated tensors so far
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if (config.train.eval_interval and step % config.train.eval_interval == 0) or step == config.train.steps:
             row.update(evaluate_now())
         metrics.write(row)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: SFT on the tiny model and bundled arithmetic data.
-# (GRPO, which would follow it, is work in progress on the `wip-grpo` branch.)
-# NPROC (default 2) processes per node; extra arguments go to both entry points.
+# The main job on the embedded default: SFT on the tiny model and bundled arithmetic data, then GRPO from
+# the SFT's output. NPROC (default 2) processes per node; extra arguments go to both entry points.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
 nproc_per_node=${NPROC:-2}
-exec .venv/bin/torchrun --nproc-per-node "$nproc_per_node" -m trainer.sft "$@"
+.venv/bin/torchrun --nproc-per-node "$nproc_per_node" -m trainer.sft "$@"
+exec .venv/bin/torchrun --nproc-per-node "$nproc_per_node" -m trainer.grpo "$@"

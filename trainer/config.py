@@ -269,3 +269,76 @@ def run_cli(main) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+
+# ---------------------------------------------------------------- GRPO sections
+
+
+@dataclass
+class GRPOModelConfig(ModelConfig):
+    path: str = field(default="outputs/sft/hf", metadata={"help": "HF checkpoint directory, or `tiny`; the default is the default SFT's output (that SFT runs first when it is missing)"})
+
+
+@dataclass
+class GRPOOptimConfig(OptimConfig):
+    # The SFT's final learning rate, held: on the tiny model 2e-4 or more lowers the reward (measured, see README).
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup steps before the cosine decay"})
+
+
+@dataclass
+class GRPODataConfig:
+    path: str = field(default="arithmetic", metadata={"help": "prompts: json/jsonl/parquet file or dir, a hub dataset name, or `arithmetic` (bundled)"})
+    hub_config: str = field(default="", metadata={"help": "hub dataset configuration name (e.g. `main` for openai/gsm8k)"})
+    eval_path: str = field(default="", metadata={"help": "held-out prompts (same forms as data.path); default: the test split of data.path"})
+    prompt_field: str = field(default="question", metadata={"help": "row field holding the prompt"})
+    response_field: str = field(default="answer", metadata={"help": "row field holding the reference answer the reward compares with"})
+    messages_field: str = field(default="", metadata={"help": "row field holding chat messages (the last assistant turn is the reference)"})
+    max_seq_len: int = field(default=128, metadata={"help": "prompt + completion tokens; prompts longer than this minus grpo.max_new_tokens are skipped and counted"})
+
+
+@dataclass
+class GRPOTrainConfig(TrainConfig):
+    steps: int = field(default=40, metadata={"help": "GRPO steps (rollout + update; also the learning-rate schedule's length)"})
+    # 64 prompts a step: the tiny model learns facts one prompt at a time, and smaller steps mostly add noise.
+    global_batch_size: int = field(default=512, metadata={"help": "completions per step over all data-parallel ranks (prompts per step x grpo.n_samples)"})
+    micro_batch_size: int = field(default=64, metadata={"help": "completions per forward/backward on one rank"})
+    out_dir: str = field(default="outputs/grpo", metadata={"help": "directory for metrics.jsonl, hf/ and checkpoints"})
+    eval_interval: int = field(default=0, metadata={"help": "greedy held-out accuracy every N steps and at the end (0: only at the end)"})
+    eval_samples: int = field(default=200, metadata={"help": "held-out prompts per evaluation"})
+    log_interval: int = field(default=5, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
+
+
+@dataclass
+class GRPOConfig:
+    n_samples: int = field(default=8, metadata={"help": "completions sampled per prompt (one advantage group)"})
+    reward: str = field(default="arithmetic", metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible, or your own as module:function"})
+    format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
+    baseline: str = field(default="mean", metadata={"help": "advantage baseline within a group: mean | leave_one_out"})
+    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
+    kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
+    kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator: k1 | k3"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO ratio clip below: 1 - clip_low"})
+    clip_high: float = field(default=0.28, metadata={"help": "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher when > clip_low)"})
+    dual_clip: float = field(default=3.0, metadata={"help": "bound the loss of negative-advantage tokens at dual_clip x |A| (0: off, else > 1)"})
+    loss_aggregation: str = field(default="token_mean", metadata={"help": "token_mean (over the global batch) | seq_mean_token_mean"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each step's rollouts"})
+    mini_batches: int = field(default=1, metadata={"help": "optimizer updates per pass (the rollouts are split into this many)"})
+    max_new_tokens: int = field(default=32, metadata={"help": "longest completion in tokens (generation stops earlier at EOS)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts (log-probs use the same)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass of rollouts (1: off)"})
+    top_k: int = field(default=0, metadata={"help": "sample rollouts from the k most likely tokens (0: off)"})
+
+
+@dataclass
+class GRPOTrainerConfig:
+    model: GRPOModelConfig = field(default_factory=GRPOModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: GRPOOptimConfig = field(default_factory=GRPOOptimConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    data: GRPODataConfig = field(default_factory=GRPODataConfig)
+    train: GRPOTrainConfig = field(default_factory=GRPOTrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)

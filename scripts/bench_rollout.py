@@ -1,0 +1,94 @@
+"""Rollout throughput: our megatron-core generation (model.generate) vs transformers `generate`, in one process.
+
+Same checkpoint, prompts, batch and lengths (every row generates exactly --new-tokens tokens: EOS is
+ignored by both), sampling at temperature 1. Prints generated tokens/s of each and their ratio.
+
+    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--new-tokens 32] [--repeats 3] [--dtype fp32|bf16]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.arithmetic import EVAL_SEED, generate_problems  # noqa: E402
+from model import build, generate, parallel  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work so the clock measures it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def tokens_per_second(run, batch: int, new_tokens: int, repeats: int) -> float:
+    """Generated tokens per second of `run()` (one warm-up call, then `repeats` timed calls)."""
+    run()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    synchronize()
+    return batch * new_tokens * repeats / (time.perf_counter() - start)
+
+
+def main() -> None:
+    """Benchmark transformers first, then ours (transformers must load before megatron's parallel state exists)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="`tiny` or an HF checkpoint directory (e.g. outputs/sft/hf)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if torch.cuda.is_available() else "fp32")
+    args = parser.parse_args()
+
+    path = build.resolve_model_path(args.model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    problems = generate_problems(args.batch, EVAL_SEED)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": problem["question"]}], add_generation_prompt=True,
+                                             tokenize=False) for problem in problems]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # transformers 5.12 leaves Qwen2's rotary inv_freq uninitialised when loaded after initialize_model_parallel.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(device).eval()
+    tokenizer.padding_side = "left"  # batched transformers generation needs prompts aligned at the right
+    padded = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+
+    @torch.no_grad()
+    def run_transformers():
+        reference.generate(**padded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                           min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
+
+    theirs = tokens_per_second(run_transformers, args.batch, args.new_tokens, args.repeats)
+    del reference
+
+    parallel.init_distributed(1, 1, None, seed=0)
+    bridge = build.auto_bridge(path)
+    provider = build.configure_provider(bridge, dtype=args.dtype, tp=1, pp=1, vpp=None,
+                                        seq_length=max(map(len, prompt_ids)) + args.new_tokens)
+    chunks = build.build_chunks(provider)
+    vocab_size = bridge.hf_pretrained.config.vocab_size
+
+    def run_ours():
+        # eos_id=-1 never matches a token, so every row runs the full length, as with min_new_tokens above.
+        generate.generate(chunks, prompt_ids, max_new_tokens=args.new_tokens, eos_id=-1, vocab_size=vocab_size,
+                          temperature=1.0, seed=0)
+
+    ours = tokens_per_second(run_ours, args.batch, args.new_tokens, args.repeats)
+    print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch}, {args.new_tokens} new tokens per row")
+    print(f"transformers generate: {theirs:10.0f} tokens/s")
+    print(f"model.generate:        {ours:10.0f} tokens/s")
+    print(f"ratio ours / transformers: {ours / theirs:.2f}")
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

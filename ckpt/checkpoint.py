@@ -2,7 +2,9 @@
 
 Layout under `ckpt.dir`:
     step_00000040/            one complete checkpoint
-        model_and_optimizer/  megatron-core `dist_checkpointing` (sharded, reshardable over data parallelism)
+        model_and_optimizer/  every model chunk and the optimizer, sharded, reshardable over data parallelism:
+                              DDP: megatron-core `dist_checkpointing` (torch_dist format);
+                              Megatron-FSDP: its own DTensors through torch.distributed.checkpoint (fsdp_dtensor)
         rng/rank_00000.pt     every rank's RNG states (Python, NumPy, torch CPU and CUDA, megatron's tracker)
         trainer_state.pt      step, LR schedule, data position, resolved config, model fingerprint
     latest                    name of the newest complete checkpoint, replaced atomically last
@@ -14,6 +16,7 @@ the previous checkpoint loadable and `latest` pointing at it.
 
 import logging
 import os
+import queue
 import random
 import shutil
 import signal
@@ -36,6 +39,9 @@ SHARDED_DIR = "model_and_optimizer"
 # ('fully_reshardable' would also reshard TP/PP, but megatron-core 0.19.2 cannot load it into torch's
 # AdamW, the optimizer used without TE/Apex: its loader expects a saved `step` tensor per parameter.)
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Megatron-FSDP checkpoints through torch.distributed.checkpoint with one DTensor per parameter and per
+# Adam moment, so they reshard over data parallelism too.
+FSDP_SHARDING = {"distrib_optim_sharding_type": "fsdp_dtensor"}
 
 
 def checkpoint_name(step: int) -> str:
@@ -44,31 +50,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def model_fingerprint(hf_config: dict, parallel) -> dict:
-    """What must match for a checkpoint to load into this model."""
+    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats)."""
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "tie_word_embeddings")
-    return {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp, "vpp": parallel.vpp}
-
-
-# ---------------------------------------------------------------- what can be checkpointed
-
-
-def enabled(config) -> bool:
-    """Checkpoints are written for DDP runs; Megatron-FSDP's DTensor checkpoint path is not wired up yet."""
-    return not config.parallel.use_megatron_fsdp
-
-
-def validate(config, resume: str) -> None:
-    """Refuse, at start-up, checkpoint requests a Megatron-FSDP run cannot honour yet."""
-    if enabled(config):
-        return
-    asked = [name for name, value in (("--resume-from-checkpoint", resume), ("train.exit_interval", config.train.exit_interval),
-                                      ("ckpt.save_interval", config.ckpt.save_interval)) if value]
-    if asked:
-        raise UserError(f"Checkpoints are not supported with `parallel.use_megatron_fsdp=true` yet, but {', '.join(asked)} "
-                        "asks for them. Use DDP with the distributed optimizer (`--parallel.use_megatron_fsdp=false`, "
-                        "which also shards optimizer state), or drop those settings; the final model is still "
-                        "exported to `<train.out_dir>/hf/`.")
+    return {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp, "vpp": parallel.vpp,
+            "megatron_fsdp": parallel.use_megatron_fsdp}
 
 
 # ---------------------------------------------------------------- resolving what to resume from
@@ -104,7 +90,13 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
     except Exception as error:  # a truncated or foreign file
         raise UserError(f"Checkpoint file `{path / STATE_FILE}` cannot be read ({error}). It is corrupted; "
                         "resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
-    if state.get("fingerprint") != fingerprint:
+    saved = state.get("fingerprint") or {}
+    if saved.get("megatron_fsdp", False) != fingerprint["megatron_fsdp"]:
+        saved_by, this_run = ("Megatron-FSDP", "DDP") if saved.get("megatron_fsdp") else ("DDP", "Megatron-FSDP")
+        raise UserError(f"Checkpoint `{path}` was saved by a {saved_by} run and this run uses {this_run}; the two keep "
+                        "model and optimizer in different formats. Resume with the same `parallel.use_megatron_fsdp` "
+                        f"(`--parallel.use_megatron_fsdp={str(not fingerprint['megatron_fsdp']).lower()}`).")
+    if saved != fingerprint:
         raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
                         "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
@@ -147,15 +139,92 @@ def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
     return {**model, "optimizer": optimizer_state}
 
 
+def _fsdp_state_dict(chunks: list, optimizer, is_loading: bool) -> tuple[dict, set]:
+    """Megatron-FSDP's own view: every chunk's parameters and the optimizer state as DTensors sharded over DP.
+
+    The tensors are the live sharded main weights and Adam moments, so torch.distributed.checkpoint writes
+    them, or reads into them, in place. (For loading, megatron-core first gives the optimizer its state
+    with one zero-gradient step.) Also returns the names of the optimizer entries `_complete_optimizer_state` added.
+    """
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case
+
+    state = {}
+    for index, chunk in enumerate(chunks):
+        state[f"model{index}"] = chunk.state_dict()
+        handle_fp8_extra_state_case(state[f"model{index}"])  # TE's FP8 scaling metadata is not a weight
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_SHARDING)
+    added = _complete_optimizer_state(state["optimizer"], optimizer)
+    # Megatron-FSDP shards unevenly over DP: every DTensor learns its chunk's global offset, one
+    # all_gather_object per DTensor, in key order, so every rank must hold the same DTensor keys.
+    return preprocess_state_dict_for_uneven_dtensor(state), added
+
+
+def _complete_optimizer_state(optimizer_state: dict, optimizer) -> set:
+    """Give every parameter an optimizer-state entry on every rank, also where this rank's shard is empty.
+
+    Megatron-FSDP splits each bucket evenly over DP ranks, so a small parameter can fall wholly on
+    other ranks. Its local gradient is then None (megatron_fsdp's `update_main_grads`), the optimizer
+    never creates state for it here, and megatron-core's `sharded_param_state_fsdp_dtensor` lists only
+    the parameters that have state: ranks hold different DTensor keys, run different numbers of the
+    per-DTensor collectives above, and the save hangs (Megatron-LM issue #4910; not specific to gloo).
+    Empty DTensors of the right global shape make the keys agree; they hold no data, so they write nothing
+    and read nothing. Returns the names added, which the load drops again.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = optimizer_state["state"]
+    # The kinds of state tensors (exp_avg, exp_avg_sq, ...) and their dtypes; a rank may have none at all.
+    local_kinds = {key: value.dtype for entry in state.values() for key, value in entry.items()
+                   if isinstance(value, DTensor)}
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, local_kinds)
+    kinds = {key: dtype for rank_kinds in every_rank for key, dtype in rank_kinds.items()}
+    added = set()
+    for group in optimizer.optimizer.param_groups:
+        for param in group["params"]:
+            name = optimizer._param_name(param)  # the key megatron-core's state dict uses
+            if name not in state:
+                state[name] = {key: torch.zeros_like(param, dtype=dtype) for key, dtype in kinds.items()}
+                added.add(name)
+    return added
+
+
 def _save_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
     """Write model chunks and optimizer, sharded, into `directory`. Collective."""
+    if _uses_megatron_fsdp(chunks):
+        import torch.distributed.checkpoint as dcp
+
+        state, _ = _fsdp_state_dict(chunks, optimizer, is_loading=False)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+        return
     from megatron.core import dist_checkpointing
 
+    _keep_write_results_in_process()
     dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory))
+
+
+def _keep_write_results_in_process() -> None:
+    """Give megatron-core's checkpoint writer an in-process queue for its results.
+
+    A synchronous dist_checkpointing save writes in this process, yet hands the write results back
+    through a multiprocessing Manager queue that megatron-core creates on first use with the 'spawn'
+    start method: a new Python process that re-imports the main module (8.6 s on the first save of every
+    rank here, and one more process per rank for the rest of the run) and two IPC round trips per save
+    (99 -> 62 ms per tiny-model save). The queue only matters to asynchronous saves, which run the writer
+    in another process; this trainer saves synchronously.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
     """Read model chunks and optimizer written by `_save_model_and_optimizer`. Collective."""
+    if _uses_megatron_fsdp(chunks):
+        _load_fsdp(chunks, optimizer, directory)
+        return
     from megatron.core import dist_checkpointing
 
     _materialise_optimizer_state(optimizer)
@@ -167,6 +236,28 @@ def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_step_counters(optimizer)
+
+
+def _load_fsdp(chunks: list, optimizer, directory: Path) -> None:
+    """Megatron-FSDP: read the DTensors in place, then make the loaded weights the ones the forward uses."""
+    import torch.distributed.checkpoint as dcp
+
+    state, added = _fsdp_state_dict(chunks, optimizer, is_loading=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    for name in added:  # this rank keeps no optimizer state for parameters it holds no part of
+        del state["optimizer"]["state"][name]
+    optimizer.load_state_dict(state["optimizer"])
+    for chunk in chunks:
+        # The load filled the sharded main weights; the forward all-gathers the separate compute-weight
+        # buffer (and keeps some units gathered between steps). Refresh both, as an optimizer step does,
+        # so the loaded weights are live from the very next forward, not only after the next step.
+        chunk.module.install_optimized_model_weights()
+        chunk.start_param_sync()
+
+
+def _uses_megatron_fsdp(chunks: list) -> bool:
+    """Whether the chunks are wrapped in Megatron-FSDP (which checkpoints through its DTensor path)."""
+    return bool(getattr(chunks[0], "ddp_config", None) and chunks[0].ddp_config.use_megatron_fsdp)
 
 
 def _barrier() -> None:

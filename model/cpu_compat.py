@@ -13,6 +13,7 @@ import logging
 from importlib.metadata import version
 
 import torch
+import torch.distributed
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,32 @@ def _tensor_type(original):
     return type_
 
 
+def _uneven_all_gather(original):
+    """Let a synchronous all_gather take tensors of different sizes per rank, as NCCL's does and gloo's does not.
+
+    Megatron-FSDP shards parameters unevenly over data-parallel ranks, and its
+    `uneven_dtensor_to_full_tensor` (used by Megatron-Bridge's HF export when the parameters are
+    sharded DTensors, e.g. right after a checkpoint save) gathers the shards with one all_gather whose
+    output tensors have each rank's own size. Pad every shard to the largest, gather, and trim.
+    """
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [output.numel() for output in tensor_list]
+        if async_op or len(set(sizes)) <= 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded_local = torch.zeros(longest, dtype=tensor.dtype)
+        padded_local[: tensor.numel()] = tensor.reshape(-1)
+        padded = [torch.empty(longest, dtype=tensor.dtype) for _ in tensor_list]
+        original(padded, padded_local, group=group)
+        for output, gathered, size in zip(tensor_list, padded, sizes):
+            output.copy_(gathered[:size].view(output.shape))
+        return None
+
+    return all_gather
+
+
 def activate() -> None:
     """Install every patch once; raises if CUDA is available (the layer must never run on a GPU)."""
     global _active
@@ -164,6 +191,8 @@ def activate() -> None:
 
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+
+    torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
 
     for package, pinned in PINNED_VERSIONS.items():
         if version(package) != pinned:

@@ -1,10 +1,22 @@
-"""Checkpoint throughput: our save/load of model + optimizer (megatron-core distributed checkpointing) vs
-torch.save/torch.load of the same tensors, in one process, same run. Prints MB/s and both ratios.
+"""Checkpoint throughput: our save/load of model + optimizer vs torch.save/torch.load of the same tensors,
+in one process, same run, interleaved. Prints MB/s and both ratios for two sizes:
+  tiny  the embedded default model (0.8M parameters, a 9.6 MB model + Adam checkpoint), where the fixed
+        cost of a distributed-checkpointing save dominates;
+  wide  the same architecture and tokenizer made wider (hidden 512, 4 layers, 11.9M parameters, a
+        ~140 MB checkpoint), where the bytes dominate.
+"ours" is the whole `ckpt.checkpoint.save` (megatron-core dist_checkpointing of model and optimizer,
+fsync'ed, plus RNG and trainer state, atomic rename, `latest` pointer) and `_load_model_and_optimizer`
+(read, copy into the model and optimizer). torch.save neither fsyncs nor renames.
 
-Run: .venv/bin/python scripts/bench_checkpoint.py [--repeats 5]
+Both sides run with one intra-op thread, as every torchrun worker does (torchrun sets OMP_NUM_THREADS=1):
+on a 2-core machine shared with other jobs, torch's parallel tensor copies otherwise wait on descheduled
+threads and the measured copy speed collapses (median save 199 ms vs 72 ms on the tiny model here).
+
+Run: .venv/bin/python scripts/bench_checkpoint.py [--repeats 11] [--sizes tiny,wide]
 """
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -15,11 +27,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from ckpt import checkpoint  # noqa: E402
 from model import build, parallel  # noqa: E402
 from trainer import common, precision  # noqa: E402
 from trainer.config import SFTConfig  # noqa: E402
+
+# The tiny model's shape family, wider: 11.9M parameters.
+WIDE = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+def wide_checkpoint(tiny: Path, directory: Path) -> Path:
+    """An HF checkpoint like the tiny model (same tokenizer and layers), with WIDE's dimensions, seeded weights."""
+    config = transformers.AutoConfig.from_pretrained(tiny)
+    config.update(WIDE)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(tiny).save_pretrained(directory)
+    return directory
 
 
 def tensors_of(chunks, optimizer) -> dict[str, torch.Tensor]:
@@ -33,45 +60,71 @@ def tensors_of(chunks, optimizer) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def median_seconds(function, repeats: int) -> float:
-    """Median wall time of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def save_durably(tensors: dict, path: Path) -> None:
+    """torch.save, then fsync: what a crash-safe torch.save costs (megatron-core's writer fsyncs every file)."""
+    with open(path, "wb") as file:
+        torch.save(tensors, file)
+        file.flush()
+        os.fsync(file.fileno())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    config = SFTConfig()
-    common.setup_logging(True)
-    path = build.resolve_model_path("tiny")
-    parallel.init_distributed(1, 1, None, config.train.seed)
+def measure(model_path: Path, work: Path, repeats: int, config) -> dict:
+    """Median seconds of ours and torch's save and load, interleaved so machine load hits both alike."""
     optimizer_config = precision.optimizer_config(config)
-    provider = build.configure_provider(build.auto_bridge(path), dtype="fp32", tp=1, pp=1, vpp=None, seq_length=128)
+    provider = build.configure_provider(build.auto_bridge(model_path), dtype="fp32", tp=1, pp=1, vpp=None, seq_length=128)
     chunks = build.build_chunks(provider, precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults()))
     optimizer, _ = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
     checkpoint._materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
     tensors = tensors_of(chunks, optimizer)
+    sharded = work / "ours" / checkpoint.checkpoint_name(1) / checkpoint.SHARDED_DIR
+    operations = {
+        "ours_save": lambda: checkpoint.save(work / "ours", 1, chunks, optimizer, {"step": 1}, 1, True),
+        "torch_save": lambda: torch.save(tensors, work / "plain.pt"),
+        "torch_save_fsync": lambda: save_durably(tensors, work / "durable.pt"),
+        "ours_load": lambda: checkpoint._load_model_and_optimizer(chunks, optimizer, sharded),
+        "torch_load": lambda: torch.load(work / "plain.pt"),
+    }
+    times = {name: [] for name in operations}
+    for round_ in range(repeats + 1):  # the first round warms up (file cache, lazily built objects)
+        for name, operation in operations.items():
+            start = time.perf_counter()
+            operation()
+            if round_:
+                times[name].append(time.perf_counter() - start)
     megabytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()) / 1e6
+    parameters = sum(param.numel() for param in chunks[0].module.parameters())
+    return {"megabytes": megabytes, "parameters": parameters, **{name: statistics.median(value) for name, value in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--sizes", default="tiny,wide")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = SFTConfig()
+    common.setup_logging(True)
+    tiny = build.resolve_model_path("tiny")
+    parallel.init_distributed(1, 1, None, config.train.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
-        ours_save = median_seconds(lambda: checkpoint.save(work / "ours", 1, chunks, optimizer, {"step": 1}, 1, True), args.repeats)
-        ours_load = median_seconds(lambda: checkpoint._load_model_and_optimizer(
-            chunks, optimizer, work / "ours" / checkpoint.checkpoint_name(1) / checkpoint.SHARDED_DIR), args.repeats)
-        torch_save = median_seconds(lambda: torch.save(tensors, work / "plain.pt"), args.repeats)
-        torch_load = median_seconds(lambda: torch.load(work / "plain.pt"), args.repeats)
+        paths = {"tiny": tiny, "wide": work / "wide-model"}
+        results = {}
+        for size in args.sizes.split(","):
+            if size == "wide":
+                wide_checkpoint(tiny, paths["wide"])
+            results[size] = measure(paths[size], work / size, args.repeats, config)
     finally:
         shutil.rmtree(work)
-    print(f"model + optimizer state: {megabytes:.1f} MB (tiny model, fp32, 1 process), median of {args.repeats}")
-    print(f"  save: ours {megabytes / ours_save:8.1f} MB/s   torch.save {megabytes / torch_save:8.1f} MB/s   "
-          f"ratio {torch_save / ours_save:.2f}")
-    print(f"  load: ours {megabytes / ours_load:8.1f} MB/s   torch.load {megabytes / torch_load:8.1f} MB/s   "
-          f"ratio {torch_load / ours_load:.2f}")
+    print(f"model + Adam state, fp32, 1 process, 1 intra-op thread, median of {args.repeats} interleaved rounds")
+    for size, result in results.items():
+        megabytes = result["megabytes"]
+        print(f"{size}: {result['parameters'] / 1e6:.1f}M parameters, {megabytes:.1f} MB")
+        print(f"  save: ours {megabytes / result['ours_save']:8.1f} MB/s   torch.save {megabytes / result['torch_save']:8.1f} MB/s"
+              f"   ratio {result['torch_save'] / result['ours_save']:.2f}   (torch.save + fsync "
+              f"{megabytes / result['torch_save_fsync']:.1f} MB/s, ratio {result['torch_save_fsync'] / result['ours_save']:.2f})")
+        print(f"  load: ours {megabytes / result['ours_load']:8.1f} MB/s   torch.load {megabytes / result['torch_load']:8.1f} MB/s"
+              f"   ratio {result['torch_load'] / result['ours_load']:.2f}")
     parallel.shutdown()
 
 

@@ -11,7 +11,8 @@ from ckpt import checkpoint
 from tests.conftest import REPO
 from trainer.errors import UserError
 
-FINGERPRINT = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128}, SimpleNamespace(tp=1, pp=1, vpp=1))
+DDP_LAYOUT = SimpleNamespace(tp=1, pp=1, vpp=1, use_megatron_fsdp=False)
+FINGERPRINT = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT)
 
 
 def fake_checkpoint(root, step: int, fingerprint=FINGERPRINT, point_latest: bool = True):
@@ -55,7 +56,7 @@ def test_prune_keeps_the_newest_and_never_the_one_just_written(tmp_path):
     ("other_model", "was saved for a different model or parallel layout"),
 ])
 def test_unusable_checkpoints_name_the_file(tmp_path, damage, expected):
-    other = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 256}, SimpleNamespace(tp=1, pp=1, vpp=1))
+    other = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 256}, DDP_LAYOUT)
     path = fake_checkpoint(tmp_path, 5, fingerprint=other if damage == "other_model" else FINGERPRINT)
     if damage == "missing_path":
         path = tmp_path / "step_99999999"
@@ -81,14 +82,17 @@ def test_bad_resume_path_exits_before_touching_the_output(tmp_path):
     assert sorted(path.name for path in out_dir.iterdir()) == ["metrics.jsonl"]
 
 
-def test_megatron_fsdp_checkpoint_requests_are_refused_at_start_up():
-    from trainer.config import SFTConfig
-
-    config = SFTConfig()
-    config.parallel.use_megatron_fsdp = True
-    checkpoint.validate(config, "")  # plain FSDP training needs no checkpoint
-    config.train.exit_interval = 5
+def test_megatron_fsdp_and_ddp_checkpoints_do_not_mix(tmp_path):
+    """The two formats differ; resuming one into the other names the key to change, before any model is built."""
+    fsdp = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128},
+                                        SimpleNamespace(tp=1, pp=1, vpp=1, use_megatron_fsdp=True))
+    fsdp_checkpoint = fake_checkpoint(tmp_path / "fsdp", 5, fingerprint=fsdp)
+    assert checkpoint.resolve_resume(str(fsdp_checkpoint), tmp_path, fsdp) == (fsdp_checkpoint, 5)
     with pytest.raises(UserError) as error:
-        checkpoint.validate(config, "latest")
-    assert "--resume-from-checkpoint, train.exit_interval" in str(error.value)
+        checkpoint.resolve_resume(str(fsdp_checkpoint), tmp_path, FINGERPRINT)
+    assert "saved by a Megatron-FSDP run and this run uses DDP" in str(error.value)
+    assert "`--parallel.use_megatron_fsdp=true`" in str(error.value)
+    with pytest.raises(UserError) as error:
+        checkpoint.resolve_resume(str(fake_checkpoint(tmp_path / "ddp", 5)), tmp_path, fsdp)
+    assert "saved by a DDP run and this run uses Megatron-FSDP" in str(error.value)
     assert "`--parallel.use_megatron_fsdp=false`" in str(error.value)

@@ -173,7 +173,6 @@ def main(argv: list[str]) -> None:
     if config.data.pack and config.parallel.pp > 1:
         raise UserError("`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
                         "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
-    checkpoint.validate(config, resume)
     common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config.model.path)
     out_dir, checkpoint_dir = Path(config.train.out_dir), common.checkpoint_dir(config)
@@ -245,12 +244,11 @@ def main(argv: list[str]) -> None:
             row.update(evaluate_now())
         metrics.write(row)
         stop = preemption.agreed() or step == config.train.exit_interval
-        if checkpoint.enabled(config) and (stop or step == config.train.steps or
-                                           (config.ckpt.save_interval and step % config.ckpt.save_interval == 0)):
+        if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
             save_checkpoint(step)
         if stop:
-            log.info("stopping at step %d (%s)%s", step, "signal" if preemption.requested else "train.exit_interval",
-                     "; resume with --resume-from-checkpoint latest" if checkpoint.enabled(config) else "")
+            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
+                     "signal" if preemption.requested else "train.exit_interval")
             break
     metrics.close()
 

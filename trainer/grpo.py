@@ -353,7 +353,6 @@ def main(argv: list[str]) -> None:
     common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     validate_grpo(config, world_size)
     reward = rewards.get_reward(config.grpo.reward)
-    checkpoint.validate(config, resume)
     train_default_policy_if_missing(config)
     config_module.validate_startup(config, world_size)
     precision.validate(config)
@@ -427,12 +426,11 @@ def main(argv: list[str]) -> None:
             row.update(evaluation())
         metrics.write(row)
         stop = preemption.agreed() or step == config.train.exit_interval
-        if checkpoint.enabled(config) and (stop or step == config.train.steps or
-                                           (config.ckpt.save_interval and step % config.ckpt.save_interval == 0)):
+        if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
             save_checkpoint(step)
         if stop:
-            log.info("stopping at step %d (%s)%s", step, "signal" if preemption.requested else "train.exit_interval",
-                     "; resume with --resume-from-checkpoint latest" if checkpoint.enabled(config) else "")
+            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
+                     "signal" if preemption.requested else "train.exit_interval")
             break
     metrics.close()
 

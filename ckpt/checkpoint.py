@@ -361,3 +361,14 @@ class Preemption:
             flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def save_if_due(step: int, config, preemption: Preemption, save_checkpoint) -> bool:
+    """Save after `step` when it is due (ckpt.save_interval, the last step, train.exit_interval, a signal); True: stop now."""
+    stop = preemption.agreed() or step == config.train.exit_interval
+    if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
+        save_checkpoint(step)
+    if stop:
+        log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
+                 "signal" if preemption.requested else "train.exit_interval")
+    return stop

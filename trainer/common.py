@@ -186,3 +186,13 @@ class StepTimer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.start
+
+
+def export_final_model(bridge, chunks: list, tokenizer, out_dir: Path, is_main: bool) -> None:
+    """Write the trained model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
+    from model import build
+
+    build.export_hf(bridge, chunks, out_dir / "hf")
+    if is_main:
+        tokenizer.save_pretrained(out_dir / "hf")
+        log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")

@@ -425,21 +425,13 @@ def main(argv: list[str]) -> None:
         if config.train.eval_interval and step % config.train.eval_interval == 0 or step == config.train.steps:
             row.update(evaluation())
         metrics.write(row)
-        stop = preemption.agreed() or step == config.train.exit_interval
-        if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
-            save_checkpoint(step)
-        if stop:
-            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
-                     "signal" if preemption.requested else "train.exit_interval")
+        if checkpoint.save_if_due(step, config, preemption, save_checkpoint):
             break
     metrics.close()
 
     # ---- save
     if step == config.train.steps:
-        build.export_hf(bridge, chunks, out_dir / "hf")
-        if runtime.is_main:
-            tokenizer.save_pretrained(out_dir / "hf")
-            log.info("saved the policy as a Hugging Face checkpoint in %s", out_dir / "hf")
+        common.export_final_model(bridge, chunks, tokenizer, out_dir, runtime.is_main)
     parallel.shutdown()
 
 

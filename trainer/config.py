@@ -242,6 +242,11 @@ def validate_startup(config, world_size: int) -> None:
                         f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")
     if parallel.vpp > 1 and parallel.pp == 1:
         raise UserError("`parallel.vpp` > 1 needs pipeline parallelism (`parallel.pp` > 1).")
+    if parallel.use_megatron_fsdp and parallel.pp > 1:
+        # Measured with megatron-fsdp 0.6.1: the model build fails in its device-mesh set-up (an einops error).
+        raise UserError("`parallel.use_megatron_fsdp=true` does not work with pipeline parallelism in this stack "
+                        f"(`parallel.pp={parallel.pp}`). Use `--parallel.use_megatron_fsdp=false` (DDP with the distributed "
+                        "optimizer, which also shards optimizer state) or `--parallel.pp=1`.")
     if config.model.path != "tiny":
         hf = _hf_config(config.model.path)
         heads, kv_heads = hf.get("num_attention_heads", 1), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)

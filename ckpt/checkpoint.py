@@ -14,6 +14,7 @@ A save writes into `.partial-step_N/` and renames it when every rank has finishe
 the previous checkpoint loadable and `latest` pointing at it.
 """
 
+import json
 import logging
 import os
 import queue
@@ -58,6 +59,15 @@ def model_fingerprint(hf_config: dict, parallel) -> dict:
 
 
 # ---------------------------------------------------------------- resolving what to resume from
+
+
+def find_resume_point(config, resume: str, model_path: Path) -> tuple[Path, dict, Path | None, int]:
+    """(checkpoint directory, model fingerprint, checkpoint to resume from or None, its step) of a run, before any model is built."""
+    from trainer.common import checkpoint_dir
+
+    fingerprint = model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
+    directory = checkpoint_dir(config)
+    return (directory, fingerprint, *resolve_resume(resume, directory, fingerprint))
 
 
 def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tuple[Path | None, int]:

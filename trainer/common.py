@@ -196,3 +196,8 @@ def export_final_model(bridge, chunks: list, tokenizer, out_dir: Path, is_main: 
     if is_main:
         tokenizer.save_pretrained(out_dir / "hf")
         log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
+
+
+def to_device(batch: dict, device) -> dict:
+    """Move a collated batch's tensors to the training device."""
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}

@@ -33,7 +33,6 @@ functions of (train.seed, step), so N steps + resume + N steps repeat 2N straigh
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import os
 import time
@@ -287,7 +286,7 @@ def build_microbatches(rollouts: Rollouts, chunks, reference, config, pad_id: in
     microbatches = []
     for start in range(0, len(rollouts.examples), micro):
         batch = sft_data.collate(rollouts.examples[start : start + micro], seq_len, pad_id)
-        batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+        batch = common.to_device(batch, device)
         batch["advantages"] = rollouts.advantages[start : start + micro, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         batch["old_logprobs"] = forward_logprobs(chunks, batch, temperature) if recompute_old else None  # [micro, seq]
@@ -357,9 +356,8 @@ def main(argv: list[str]) -> None:
     config_module.validate_startup(config, world_size)
     precision.validate(config)
     model_path = build.resolve_model_path(config.model.path)
-    out_dir, checkpoint_dir = Path(config.train.out_dir), common.checkpoint_dir(config)
-    fingerprint = checkpoint.model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
-    resume_path, resume_step = checkpoint.resolve_resume(resume, checkpoint_dir, fingerprint)
+    out_dir = Path(config.train.out_dir)
+    checkpoint_dir, fingerprint, resume_path, resume_step = checkpoint.find_resume_point(config, resume, model_path)
     if resume_step >= config.train.steps:
         log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
         return

@@ -6,7 +6,6 @@ megatron-core's `finalize_model_grads`), so data parallelism and gradient accumu
 """
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -52,11 +51,6 @@ def load_data(config, tokenizer, data_parallel_size: int):
     return train_examples, eval_examples[:count], eval_conversations[:count]
 
 
-def to_device(batch: dict, device) -> dict:
-    """Move a collated batch's tensors to the training device."""
-    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
-
-
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:
     """Collated microbatches for one step, all padded to one length (pipeline stages exchange fixed shapes)."""
     groups = [[examples[index] for index in indices] for indices in microbatch_indices]
@@ -69,7 +63,7 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         longest = max(len(example.input_ids) - 1 for group in groups for example in group)
         seq_len = min(config.data.max_seq_len, 8 * math.ceil(longest / 8))
         batches = [sft_data.collate(group, seq_len, pad_id) for group in groups]
-    return [to_device(batch, device) for batch in batches], seq_len
+    return [common.to_device(batch, device) for batch in batches], seq_len
 
 
 # ---------------------------------------------------------------- loss
@@ -175,9 +169,8 @@ def main(argv: list[str]) -> None:
                         "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
     common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config.model.path)
-    out_dir, checkpoint_dir = Path(config.train.out_dir), common.checkpoint_dir(config)
-    fingerprint = checkpoint.model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
-    resume_path, resume_step = checkpoint.resolve_resume(resume, checkpoint_dir, fingerprint)
+    out_dir = Path(config.train.out_dir)
+    checkpoint_dir, fingerprint, resume_path, resume_step = checkpoint.find_resume_point(config, resume, model_path)
     if resume_step >= config.train.steps:
         log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
         return

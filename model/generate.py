@@ -1,9 +1,14 @@
 """Batched generation by the megatron-core policy itself, with megatron-core's KV cache (StaticInferenceContext).
 
-Prompts of different lengths share one batch the way megatron-core's static generation does it:
-the common prefix is prefilled at once, then every row advances one token per step, and rows
-still inside their prompt take the prompt token instead of the sampled one. No padding ever enters
-the KV cache, so no attention mask is needed.
+Prompts of different lengths are left-padded, as `transformers` does: one prefill covers every prompt, then
+each step decodes one token per row. The pads are hidden from attention by a boolean `attention_mask`
+(prefill: causal and not a pad key; decode: not a pad key); rotary embeddings depend only on the distance
+between query and key, so a row's shift by its pads leaves its attention unchanged. Batches whose prompts
+all have one length need no mask at all.
+
+Transformer Engine's attention is told `no_mask` by megatron-core while decoding and would ignore the mask,
+so with that layer spec prompts are not padded: the common prefix is prefilled, and rows with longer
+prompts advance through the rest one token per step (megatron-core's own static batching).
 """
 
 import torch
@@ -41,6 +46,16 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     return torch.multinomial(probabilities.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+def masks_pads(model) -> bool:
+    """Whether every layer's core attention applies `attention_mask` while decoding (SDPA and megatron's local one do)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from model.attention import SDPACoreAttention
+
+    return all(isinstance(layer.self_attention.core_attention, (SDPACoreAttention, DotProductAttention))
+               for layer in unwrap(model).decoder.layers)
+
+
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> list[list[int]]:
@@ -55,28 +70,40 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     model = chunks[0]
     device = next(unwrap(model).parameters()).device
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [batch]
-    batch, total = len(prompts), int(lengths.max()) + max_new_tokens
+    width = int(lengths.max())
+    # Row r's prompt occupies columns [pads[r], ends[r]); left of it are pads (zero of them without masks).
+    pads = width - lengths if masks_pads(model) else torch.zeros_like(lengths)  # [batch]
+    ends = pads + lengths  # [batch]
+    batch, total = len(prompts), width + max_new_tokens
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)  # [batch, total]
     for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        tokens[row, int(pads[row]) : int(ends[row])] = torch.tensor(prompt, device=device)
+    columns = torch.arange(total, device=device)  # [total]
+    is_pad = columns[None, :] < pads[:, None]  # [batch, total]
+    any_pads = bool(is_pad.any())
     generator = torch.Generator().manual_seed(seed)
     context = StaticInferenceContext(batch, total)
     done = torch.zeros(batch, dtype=torch.bool, device=device)  # [batch]
-    start = int(lengths.min())
     previous = 0
     was_training = model.training
     model.eval()
-    for position in range(start, total):
+    for position in range(int(ends.min()), total):
         window = tokens[:, previous:position]  # [batch, new tokens]
-        positions = torch.arange(previous, position, device=device).unsqueeze(0).expand(batch, -1)
+        positions = columns[previous:position].unsqueeze(0).expand(batch, -1)
+        mask = None  # megatron's convention: True = may not attend
+        if any_pads:
+            queries, keys = columns[previous:position], columns[:position]
+            future = keys[None, :] > queries[:, None]  # [new tokens, keys]
+            # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
+            mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
         if previous > 0:
             context.enable_decode_mode()
-        logits = model(input_ids=window, position_ids=positions, attention_mask=None, inference_context=context)
+        logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context)
         context.sequence_len_offset += window.size(1)
         previous = position
         # Only the last position's logits are materialised: [batch, 1, vocab shard].
         next_tokens = sample_next(_full_vocab_logits(logits[:, -1], vocab_size), temperature, top_p, top_k, generator)
-        in_prompt = position < lengths  # [batch]
+        in_prompt = position < ends  # [batch]
         tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
         done |= ~in_prompt & (tokens[:, position] == eos_id)
         if bool(done.all()):
@@ -84,8 +111,9 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
             break
     model.train(was_training)
     completions = []
-    for row, prompt in enumerate(prompts):
-        completion = tokens[row, len(prompt) : min(total, len(prompt) + max_new_tokens)].tolist()
+    for row in range(batch):
+        end = int(ends[row])
+        completion = tokens[row, end : min(total, end + max_new_tokens)].tolist()
         if eos_id in completion:
             completion = completion[: completion.index(eos_id) + 1]
         completions.append(completion)

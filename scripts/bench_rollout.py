@@ -1,12 +1,14 @@
 """Rollout throughput: our megatron-core generation (model.generate) vs transformers `generate`, in one process.
 
 Same checkpoint, prompts, batch and lengths (every row generates exactly --new-tokens tokens: EOS is
-ignored by both), sampling at temperature 1. Prints generated tokens/s of each and their ratio.
+ignored by both), sampling at temperature 1. The two run in alternating rounds (one warm-up each first),
+so a busy machine slows both alike; prints the median generated tokens/s of each and their ratio.
 
-    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--new-tokens 32] [--repeats 3] [--dtype fp32|bf16]
+    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--new-tokens 32] [--rounds 7] [--dtype fp32|bf16]
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,24 +30,22 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def tokens_per_second(run, batch: int, new_tokens: int, repeats: int) -> float:
-    """Generated tokens per second of `run()` (one warm-up call, then `repeats` timed calls)."""
-    run()
+def tokens_per_second(run, batch: int, new_tokens: int) -> float:
+    """Generated tokens per second of one call of `run()`."""
     synchronize()
     start = time.perf_counter()
-    for _ in range(repeats):
-        run()
+    run()
     synchronize()
-    return batch * new_tokens * repeats / (time.perf_counter() - start)
+    return batch * new_tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
-    """Benchmark transformers first, then ours (transformers must load before megatron's parallel state exists)."""
+    """Load transformers first (it must load before megatron's parallel state exists), then ours; time them in turns."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="`tiny` or an HF checkpoint directory (e.g. outputs/sft/hf)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if torch.cuda.is_available() else "fp32")
     args = parser.parse_args()
 
@@ -67,9 +67,6 @@ def main() -> None:
         reference.generate(**padded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
                            min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
 
-    theirs = tokens_per_second(run_transformers, args.batch, args.new_tokens, args.repeats)
-    del reference
-
     parallel.init_distributed(1, 1, None, seed=0)
     bridge = build.auto_bridge(path)
     provider = build.configure_provider(bridge, dtype=args.dtype, tp=1, pp=1, vpp=None,
@@ -82,8 +79,15 @@ def main() -> None:
         generate.generate(chunks, prompt_ids, max_new_tokens=args.new_tokens, eos_id=-1, vocab_size=vocab_size,
                           temperature=1.0, seed=0)
 
-    ours = tokens_per_second(run_ours, args.batch, args.new_tokens, args.repeats)
-    print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch}, {args.new_tokens} new tokens per row")
+    run_transformers(), run_ours()  # warm-up
+    theirs, ours = [], []
+    for _ in range(args.rounds):
+        theirs.append(tokens_per_second(run_transformers, args.batch, args.new_tokens))
+        ours.append(tokens_per_second(run_ours, args.batch, args.new_tokens))
+    theirs, ours = statistics.median(theirs), statistics.median(ours)
+    lengths = sorted(map(len, prompt_ids))
+    print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch}, prompts of {lengths[0]}-{lengths[-1]} tokens, "
+          f"{args.new_tokens} new tokens per row, median of {args.rounds} alternating rounds")
     print(f"transformers generate: {theirs:10.0f} tokens/s")
     print(f"model.generate:        {ours:10.0f} tokens/s")
     print(f"ratio ours / transformers: {ours / theirs:.2f}")

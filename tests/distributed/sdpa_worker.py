@@ -111,12 +111,17 @@ def compare_specs(tp: int, bridge) -> dict:
     result["packed_vs_separate_max_abs_diff"] = separate
     result["packed_without_mask_max_abs_diff"] = leaked
 
-    # ---- KV-cache generation (prefill with is_causal, then one query at a time)
-    prompts = [tokens[0, :9].tolist(), tokens[1, :5].tolist()]
+    # ---- KV-cache generation: prompts of 9, 5 and 7 tokens left-padded into one batch (masked prefill,
+    # then one masked query at a time) give what each prompt gives alone (no pads, no mask)
+    prompts = [tokens[0, :9].tolist(), tokens[1, :5].tolist(), tokens[1, 3:10].tolist()]
     completions = {spec: generate.generate([model], prompts, max_new_tokens=8, eos_id=-1, vocab_size=vocab)
                    for spec, model in models.items()}
     result["greedy_equal"] = completions["sdpa"] == completions["local"]
     result["greedy_tokens"] = sum(len(completion) for completion in completions["sdpa"])
+    result["batched_equals_alone"] = {
+        spec: completions[spec] == [generate.generate([model], [prompt], max_new_tokens=8, eos_id=-1, vocab_size=vocab)[0]
+                                    for prompt in prompts] for spec, model in models.items()}
+    result["masks_pads"] = {spec: generate.masks_pads(model) for spec, model in models.items()}
 
     # ---- attention dropout: only in training, drawn from the model-parallel RNG stream
     for layer in sdpa.decoder.layers:

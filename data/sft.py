@@ -22,7 +22,7 @@ from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 from trainer.errors import UserError
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (200, EVAL_SEED), "eval": (200, EVAL_SEED)}
+ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (1000, EVAL_SEED), "eval": (1000, EVAL_SEED)}
 DROP_EXAMPLES_KEPT = 5
 TOKENIZE_CHUNK = 1024
 

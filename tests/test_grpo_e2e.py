@@ -117,10 +117,10 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
                 "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "reward_errors", "zero_advantage_groups"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
-    # Measured on 2 CPU processes: 0.543 -> 0.594 (+0.051), held-out 0.695 -> 0.700 (see README for why the
-    # gain is this small on the tiny model).
-    assert last - first >= 0.04
-    assert after >= before
+    # Measured on 2 CPU processes: 0.537 -> 0.601 (+0.064; the same steps at learning rate 0 give +0.020),
+    # held-out greedy accuracy on 1000 problems 0.702 -> 0.734. See README for why the gain is this small.
+    assert last - first >= 0.05
+    assert after > before
     assert all(row["reward_errors"] == 0 for row in steps)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 

@@ -230,7 +230,7 @@ def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
 
 def test_arithmetic_splits():
     assert len(load_rows("arithmetic")) == 10000
-    assert len(load_rows("arithmetic", split="test")) == 200
+    assert len(load_rows("arithmetic", split="test")) == 1000
     assert load_rows("arithmetic", split="eval") == load_rows("arithmetic", split="test")
 
 

@@ -135,6 +135,7 @@ def test_sdpa_spec_equals_local_spec_at_tp2_and_tp1(tmp_path):
         assert rank["greedy_equal"] and rank["greedy_tokens"] == 24
         assert rank["masks_pads"] == {"sdpa": True, "local": True}
         assert rank["batched_equals_alone"] == {"sdpa": True, "local": True}
+        assert rank["unpadded_equals_padded"] == {"sdpa": True, "local": True}
         assert rank["dropout_train_calls_differ"] > 0.1
         assert rank["dropout_eval_vs_no_dropout"] == 0.0
         assert rank["checkpoint_keys_equal"] and rank["checkpoint_keys"] > 0

@@ -239,7 +239,7 @@ def grpo(model_path: Path, settings: dict, work: Path) -> dict:
     out_dir = work / "grpo"
     command = torchrun("-m", "trainer.grpo", f"--model.path={model_path}", "--model.dtype=bf16",
                        f"--train.steps={settings['grpo_steps']}", f"--grpo.max_new_tokens={settings['grpo_new_tokens']}",
-                       f"--train.out_dir={out_dir}")
+                       "--train.eval_samples=0", f"--train.out_dir={out_dir}")  # rollouts and updates, no evaluation
     succeeded = run_step("grpo", command, work, settings["limit_s"])
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] if succeeded else []

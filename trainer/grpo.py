@@ -333,9 +333,11 @@ def evaluate(chunks, eval_prompts, config, runtime, tokenizer, vocab_size, rewar
     # in batches no larger than its rollout batch, whose KV cache is known to fit.
     mine = eval_prompts[runtime.dp_rank :: runtime.dp_size]
     batch = max(config.train.global_batch_size // runtime.dp_size, 1)
-    completions = [completion for start in range(0, len(mine), batch) for completion in generate.generate(
-        chunks, [prompt.ids for prompt in mine[start : start + batch]], max_new_tokens=config.grpo.max_new_tokens,
-        eos_id=tokenizer.eos_token_id, vocab_size=vocab_size)]
+    completions = []
+    for start in range(0, len(mine), batch):
+        completions += generate.generate(chunks, [prompt.ids for prompt in mine[start : start + batch]],
+                                         max_new_tokens=config.grpo.max_new_tokens, eos_id=tokenizer.eos_token_id,
+                                         vocab_size=vocab_size)
     scores = rewards.score(reward, tokenizer.batch_decode(completions, skip_special_tokens=True),
                            [prompt.reference for prompt in mine])
     correct, = common.all_reduce_sum([float(sum(scores.correct))], parallel_state.get_data_parallel_group())

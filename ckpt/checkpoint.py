@@ -14,7 +14,6 @@ A save writes into `.partial-step_N/` and renames it when every rank has finishe
 the previous checkpoint loadable and `latest` pointing at it.
 """
 
-import json
 import logging
 import os
 import queue
@@ -27,7 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import UserError
+from config.cli import to_dict
+from config.errors import UserError
+from config.sections import read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,9 @@ def model_fingerprint(hf_config: dict, parallel) -> dict:
 # ---------------------------------------------------------------- resolving what to resume from
 
 
-def find_resume_point(config, resume: str, model_path: Path) -> tuple[Path, dict, Path | None, int]:
-    """(checkpoint directory, model fingerprint, checkpoint to resume from or None, its step) of a run, before any model is built."""
-    from trainer.common import checkpoint_dir
-
-    fingerprint = model_fingerprint(json.loads((model_path / "config.json").read_text()), config.parallel)
-    directory = checkpoint_dir(config)
-    return (directory, fingerprint, *resolve_resume(resume, directory, fingerprint))
+def checkpoint_dir(config) -> Path:
+    """`ckpt.dir`, defaulting to `<train.out_dir>/checkpoints`."""
+    return Path(config.ckpt.dir or Path(config.train.out_dir) / "checkpoints")
 
 
 def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tuple[Path | None, int]:
@@ -343,14 +340,18 @@ def _restore_step_counters(optimizer) -> None:
 
 def load(path: Path, chunks: list, optimizer) -> dict:
     """Load model chunks, optimizer and this rank's RNG from a checkpoint; return the loop's saved state."""
-    _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
+    try:
+        _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
+    except Exception as error:  # a truncated or corrupted shard: torch.distributed.checkpoint raises EOFError and others
+        raise UserError(f"Checkpoint `{path}` cannot be loaded: its model/optimizer shards in `{path / SHARDED_DIR}` are "
+                        f"truncated or corrupted ({type(error).__name__}: {error}). Resume from an earlier checkpoint with "
+                        "`--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     else:  # resumed at another world size: this rank has no saved stream of its own
         log.warning("checkpoint %s has no RNG state for rank %d; RNG streams restart from the seed", path, dist.get_rank())
     return torch.load(path / STATE_FILE, weights_only=False)
-
 
 
 class Preemption:
@@ -373,12 +374,56 @@ class Preemption:
         return bool(flag.item())
 
 
-def save_if_due(step: int, config, preemption: Preemption, save_checkpoint) -> bool:
-    """Save after `step` when it is due (ckpt.save_interval, the last step, train.exit_interval, a signal); True: stop now."""
-    stop = preemption.agreed() or step == config.train.exit_interval
-    if stop or step == config.train.steps or (config.ckpt.save_interval and step % config.ckpt.save_interval == 0):
-        save_checkpoint(step)
-    if stop:
-        log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
-                 "signal" if preemption.requested else "train.exit_interval")
-    return stop
+# ---------------------------------------------------------------- the run's checkpointer
+
+
+class Checkpointer:
+    """Saves and restores one run's named stateful parts: the model chunks and optimizer (sharded), every
+    rank's RNG, and any objects with `state_dict()` / `load_state_dict()` (LR schedule, data position)."""
+
+    def __init__(self, config, resume: str, model_path: Path):
+        """Resolve what to resume from before any model is built: a bad target costs nothing and overwrites nothing."""
+        self.config = config
+        self.directory = checkpoint_dir(config)
+        self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel)
+        self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
+        self.chunks, self.optimizer, self.parts, self.preemption = None, None, {}, None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the checkpoint resumed from has already run every step."""
+        return self.resume_step >= self.config.train.steps
+
+    def track(self, chunks: list, optimizer, **parts) -> None:
+        """Name what a checkpoint holds; from now on SIGTERM/SIGINT ask the loop to save and stop."""
+        self.chunks, self.optimizer, self.parts = chunks, optimizer, parts
+        self.preemption = Preemption()
+
+    def resume(self) -> int:
+        """Load every tracked part from the resume target; returns the step to continue after (0: fresh start)."""
+        if self.resume_path is None:
+            return 0
+        state = load(self.resume_path, self.chunks, self.optimizer)
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
+        log.info("resumed from %s at step %d", self.resume_path, state["step"])
+        return state["step"]
+
+    def save(self, step: int) -> Path:
+        """Write every tracked part after `step`. Collective."""
+        state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
+                 **{name: part.state_dict() for name, part in self.parts.items()}}
+        return save(self.directory, step, self.chunks, self.optimizer, state, self.config.ckpt.keep_last,
+                    dist.get_rank() == 0)
+
+    def maybe_save(self, step: int) -> bool:
+        """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal); True: stop now."""
+        train = self.config.train
+        stop = self.preemption.agreed() or step == train.exit_interval
+        interval = self.config.ckpt.save_interval
+        if stop or step == train.steps or (interval and step % interval == 0):
+            self.save(step)
+        if stop:
+            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
+                     "signal" if self.preemption.requested else "train.exit_interval")
+        return stop

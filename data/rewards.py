@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
-from trainer.errors import UserError
+from config.errors import UserError
 
 RewardFunction = Callable[[str, str], float]
 

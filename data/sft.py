@@ -13,13 +13,14 @@ crosses into the next sample and per-token losses equal the unpacked ones.
 
 import collections
 import dataclasses
+import math
 import pathlib
 
 import datasets
 import torch
 
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
-from trainer.errors import UserError
+from config.errors import UserError
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (1000, EVAL_SEED), "eval": (1000, EVAL_SEED)}
@@ -266,6 +267,12 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
 # --- batching ---------------------------------------------------------------------------------
 
 
+def padded_length(examples: list[Example], max_seq_len: int) -> int:
+    """The row length a batch of these examples is padded to: the longest input, rounded up to 8, at most `max_seq_len`."""
+    longest = max(len(example.input_ids) - 1 for example in examples)
+    return min(max_seq_len, 8 * math.ceil(longest / 8))
+
+
 def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:
     """Right-pad examples into `tokens`, `labels`, `loss_mask` and `position_ids` of shape [batch, seq]."""
     batch, _ = fill_rows([[example] for example in examples], seq_len, pad_id)
@@ -375,3 +382,8 @@ class BatchSchedule:
         self.epoch, self.batches_consumed_in_epoch, self.seed = (
             state["epoch"], state["batches_consumed_in_epoch"], state["seed"])
         self.order_epoch = -1  # the seed may have changed, so the cached order is stale
+
+
+def to_device(batch: dict, device) -> dict:
+    """Move a collated batch's tensors to the training device."""
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}

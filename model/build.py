@@ -1,8 +1,10 @@
 """HF checkpoint -> Megatron-Bridge -> megatron-core model chunks (TP/PP/VPP, DDP or Megatron-FSDP), and back to HF.
 
-This is the one place where parallelism is applied to the model and where the layer spec is chosen.
+This is the one place where parallelism is applied to the model and where the layer spec is chosen:
+`build_policy` assembles everything a loop trains, always in the same order.
 """
 
+import dataclasses
 import importlib.util
 import logging
 import sys
@@ -11,9 +13,14 @@ from pathlib import Path
 
 import torch
 
+from config.sections import have_transformer_engine
+from model import parallel, precision
+
 log = logging.getLogger(__name__)
 
-HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+# Decided once, at import: the fused-Adam test double makes later calls of have_transformer_engine() say yes
+# (for the optimizer) while the layers stay the ones built without Transformer Engine.
+HAVE_TRANSFORMER_ENGINE = have_transformer_engine()
 
 
 def _stand_in_for_bridge_lora_layers() -> None:
@@ -88,9 +95,6 @@ def _layer_spec(name: str):
     return specs[name]
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
                        attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None):
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set."""
@@ -104,8 +108,8 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Sequence parallelism needs TE-style fused comms; keep it off so every layer spec behaves alike.
     provider.sequence_parallel = False
     provider.seq_length = seq_length
-    provider.params_dtype = DTYPES[dtype]
-    provider.pipeline_dtype = DTYPES[dtype]
+    provider.params_dtype = precision.DTYPES[dtype]
+    provider.pipeline_dtype = precision.DTYPES[dtype]
     provider.bf16 = dtype == "bf16"
     provider.fp16 = dtype == "fp16"
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
@@ -186,3 +190,104 @@ def unwrap(chunk):
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
     bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
+
+
+# ---------------------------------------------------------------- the policy a loop trains
+
+
+def load_tokenizer(model_path: Path):
+    """The checkpoint's tokenizer (loaded before the model, so data errors come first)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_path)
+
+
+@dataclasses.dataclass
+class Policy:
+    """The trained model and everything built with it: Bridge, chunks, optimizer, LR schedule, tokenizer."""
+
+    bridge: object
+    transformer_config: object  # the provider: megatron-core's TransformerConfig of every chunk
+    chunks: list
+    optimizer: object
+    lr_schedule: object
+    tokenizer: object
+    hf_config: dict
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the HF vocabulary (megatron pads its embedding beyond this)."""
+        return self.hf_config["vocab_size"]
+
+    @property
+    def can_generate(self) -> bool:
+        """Generation needs the whole model on every rank: no pipeline stages."""
+        return self.transformer_config.pipeline_model_parallel_size == 1
+
+    def global_tokens(self, local_tokens: int) -> float:
+        """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
+        config = self.transformer_config
+        return parallel.all_reduce_sum([float(local_tokens)])[0] / (config.tensor_model_parallel_size
+                                                                     * config.pipeline_model_parallel_size)
+
+    def frozen_copy(self) -> list:
+        """A second copy of the starting weights that is never trained (GRPO's KL reference)."""
+        chunks = build_chunks(self.transformer_config)
+        for chunk in chunks:
+            chunk.requires_grad_(False).eval()
+        return chunks
+
+    def export(self, out_dir: Path, is_main: bool) -> None:
+        """Write the model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
+        export_hf(self.bridge, self.chunks, out_dir / "hf")
+        if is_main:
+            self.tokenizer.save_pretrained(out_dir / "hf")
+            log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
+
+
+def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True, make_optimizer=None) -> Policy:
+    """Everything a loop trains, in one fixed order: layer spec and TP/PP/VPP, DDP or Megatron-FSDP (after a
+    parameter sync over every chunk), optimizer and LR schedule, then the pipeline schedule's training hooks.
+
+    `trainable=False` stops after the layer spec and parallel layout: bare chunks for generation and parity
+    checks, no optimizer. `make_optimizer(optimizer_config, chunks)` defaults to megatron-core's `get_megatron_optimizer`.
+    """
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    bridge = auto_bridge(model_path)
+    provider = configure_provider(
+        bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
+        vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
+        attention=config.model.attention,
+        transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
+    hf_config = bridge.hf_pretrained.config.to_dict()
+    if not trainable:
+        return Policy(bridge, provider, build_chunks(provider), None, None, tokenizer, hf_config)
+    optimizer_config = precision.optimizer_config(config)
+    ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults())
+    chunks = build_chunks(provider, ddp_config)
+    optimizer = (make_optimizer or get_megatron_optimizer)(optimizer_config, chunks)
+    lr_schedule = warmup_cosine_schedule(optimizer, config)
+    attach_training_hooks(provider, chunks, optimizer)
+    log.info("resolved optimizer and DDP settings:\n%s", precision.settings_table(optimizer_config, ddp_config))
+    return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config)
+
+
+def warmup_cosine_schedule(optimizer, config):
+    """megatron-core's LR schedule: linear warmup over `optim.warmup_steps`, cosine decay to `optim.min_lr` at `train.steps`."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=config.optim.lr,
+        min_lr=config.optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=config.train.steps,
+        lr_decay_style="cosine",
+        start_wd=config.optim.weight_decay,
+        end_wd=config.optim.weight_decay,
+        wd_incr_steps=config.train.steps,
+        wd_incr_style="constant",
+    )

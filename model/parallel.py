@@ -25,6 +25,7 @@ class Runtime:
     dp_rank: int
     dp_size: int
     device: torch.device
+    created_process_group: bool  # False when an earlier phase of this process created it (GRPO's default start)
 
     @property
     def is_main(self) -> bool:
@@ -50,8 +51,12 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> Runtime:
-    """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/DP, seed every RNG."""
+def init_distributed(parallel, seed: int) -> Runtime:
+    """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/DP for `parallel`, seed every RNG.
+
+    Called again in the same process (GRPO's default start trains the default SFT first), it keeps the
+    process group, so there is no second rendezvous, and lays out the model-parallel groups anew.
+    """
     from megatron.core import parallel_state
 
     use_cuda = torch.cuda.is_available()
@@ -68,11 +73,15 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> Runtime:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized():
+    created_process_group = not dist.is_initialized()
+    if created_process_group:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    vpp = parallel.vpp if parallel.vpp > 1 else None
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=vpp,
     )
     seed_everything(seed)
@@ -83,17 +92,72 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> Runtime:
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         device=device,
+        created_process_group=created_process_group,
     )
     if runtime.is_main:
         backend = "nccl on CUDA" if use_cuda else "gloo on CPU (CPU compatibility layer active)"
-        log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s DP=%d", world_size, backend, tp, pp, vpp, runtime.dp_size)
+        log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s DP=%d", world_size, backend, parallel.tp, parallel.pp,
+                 vpp, runtime.dp_size)
     return runtime
 
 
-def shutdown() -> None:
-    """Tear down megatron's parallel state and the process group."""
+def shutdown(runtime: Runtime) -> None:
+    """Tear down megatron's parallel state, and the process group when `runtime`'s phase created it."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if runtime.created_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- small collectives
+
+
+def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
+    """NCCL needs CUDA tensors; gloo takes CPU tensors."""
+    return tensor.cuda() if torch.cuda.is_available() else tensor
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce a small tensor over a process group, returning it on the CPU."""
+    tensor = _on_backend_device(tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.cpu()
+
+
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Sum a few Python numbers over a process group (default: the whole world)."""
+    return _all_reduce(torch.tensor(values, dtype=torch.float64), group).tolist()
+
+
+def data_parallel_sum(values: list[float]) -> list[float]:
+    """Sum a few Python numbers over this rank's data-parallel group."""
+    from megatron.core import parallel_state
+
+    return all_reduce_sum(values, parallel_state.get_data_parallel_group())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    return bool(_all_reduce(torch.tensor([float(flag)]), None, dist.ReduceOp.MAX).item())
+
+
+def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:
+    """Global-batch (loss sum, token count) from the microbatch outputs, made known to every rank.
+
+    Only the last pipeline stage holds losses: it sums over data-parallel ranks and then
+    broadcasts along the pipeline so rank 0 (first stage) can log it.
+    """
+    from megatron.core import parallel_state
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    for item in losses_reduced:
+        totals += item["loss"].detach().to("cpu", torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        totals = _all_reduce(totals, parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        totals = _on_backend_device(totals)
+        dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        totals = totals.cpu()
+    return totals[0].item(), totals[1].item()

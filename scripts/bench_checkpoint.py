@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from ckpt import checkpoint  # noqa: E402
+from config.sections import SFTConfig  # noqa: E402
 from model import build, parallel  # noqa: E402
-from trainer import common, precision  # noqa: E402
-from trainer.config import SFTConfig  # noqa: E402
+from trainer import metrics  # noqa: E402
 
 # The tiny model's shape family, wider: 11.9M parameters.
 WIDE = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 4}
@@ -70,10 +70,8 @@ def save_durably(tensors: dict, path: Path) -> None:
 
 def measure(model_path: Path, work: Path, repeats: int, config) -> dict:
     """Median seconds of ours and torch's save and load, interleaved so machine load hits both alike."""
-    optimizer_config = precision.optimizer_config(config)
-    provider = build.configure_provider(build.auto_bridge(model_path), dtype="fp32", tp=1, pp=1, vpp=None, seq_length=128)
-    chunks = build.build_chunks(provider, precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults()))
-    optimizer, _ = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
+    policy = build.build_policy(config, model_path, build.load_tokenizer(model_path))
+    chunks, optimizer = policy.chunks, policy.optimizer
     checkpoint._materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
     tensors = tensors_of(chunks, optimizer)
     sharded = work / "ours" / checkpoint.checkpoint_name(1) / checkpoint.SHARDED_DIR
@@ -103,9 +101,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = SFTConfig()
-    common.setup_logging(True)
+    metrics.setup_logging(True)
     tiny = build.resolve_model_path("tiny")
-    parallel.init_distributed(1, 1, None, config.train.seed)
+    runtime = parallel.init_distributed(config.parallel, config.train.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
         paths = {"tiny": tiny, "wide": work / "wide-model"}
@@ -125,7 +123,7 @@ def main() -> None:
               f"{megabytes / result['torch_save_fsync']:.1f} MB/s, ratio {result['torch_save_fsync'] / result['ours_save']:.2f})")
         print(f"  load: ours {megabytes / result['ours_load']:8.1f} MB/s   torch.load {megabytes / result['torch_load']:8.1f} MB/s"
               f"   ratio {result['torch_load'] / result['ours_load']:.2f}")
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 if __name__ == "__main__":

@@ -109,11 +109,12 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
     """Build one variant as trainer.sft does, take one step, count its bytes."""
     import torch
 
+    from config import cli
+    from config.sections import SFTConfig
     from data import sft as sft_data
     from model import build
     from tests import fused_adam_double
-    from trainer import common, config as config_module, precision, sft
-    from trainer.config import SFTConfig
+    from trainer import sft
 
     if name in USES_DOUBLE:
         fused_adam_double.install()
@@ -121,23 +122,16 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         allocated_before = torch.cuda.memory_allocated()
     try:
-        config, _ = config_module.parse_args(SFTConfig, [*SAME_BATCH, f"--model.path={model_path}", *VARIANTS[name][1]],
-                                             "bench_optimizer_memory")
-        precision.validate(config)
-        optimizer_config = precision.optimizer_config(config)
-        ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
-        provider = build.configure_provider(
-            build.auto_bridge(build.resolve_model_path(config.model.path)), dtype=config.model.dtype, tp=1, pp=1,
-            vpp=None, seq_length=config.data.max_seq_len, attention=config.model.attention,
-            transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
-        chunks = build.build_chunks(provider, ddp_config)
-        optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
-        build.attach_training_hooks(provider, chunks, optimizer)
+        config, _ = cli.parse_args(SFTConfig, [*SAME_BATCH, f"--model.path={model_path}", *VARIANTS[name][1]],
+                                   "bench_optimizer_memory")
+        config.validate(runtime.world_size)
+        policy = build.build_policy(config, build.resolve_model_path(config.model.path), tokenizer)
+        chunks, optimizer = policy.chunks, policy.optimizer
         schedule = sft_data.BatchSchedule(len(examples), config.train.global_batch_size, config.train.micro_batch_size,
                                           runtime.dp_rank, runtime.dp_size, config.train.seed)
         microbatches, seq_len = sft.collate_microbatches(examples, schedule.next_global_batch(), config,
                                                          tokenizer.pad_token_id, runtime.device)
-        loss_sum, tokens, _ = sft.train_step(chunks, optimizer, lr_schedule, microbatches, seq_len)
+        loss_sum, tokens, _ = sft.train_step(policy, microbatches, seq_len)
         parameters = sum(param.numel() for chunk in chunks for param in chunk.parameters())  # DTensors count globally
         counted = count_bytes(chunks, optimizer)
         inner = type(getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer).__name__
@@ -157,17 +151,18 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
     import torch.distributed as dist
     import transformers
 
+    from config.sections import ParallelConfig
     from data import sft as sft_data
     from model import build, parallel
-    from trainer import common
+    from trainer import metrics
 
-    common.setup_logging(False)
+    metrics.setup_logging(False)
     path = build.resolve_model_path(model_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = sft_data.load_rows("arithmetic")[:64]
     conversations, report = sft_data.to_conversations(rows)
     examples = sft_data.build_examples(conversations, tokenizer, 128, report)
-    runtime = parallel.init_distributed(1, 1, None, seed=1234)
+    runtime = parallel.init_distributed(ParallelConfig(), seed=1234)
     results = []
     for name in names:
         row = measure(name, runtime, examples, tokenizer, model_path)
@@ -177,7 +172,7 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
         results.append(max(per_rank, key=lambda item: sum(item[key] for key in CATEGORIES)))
     if runtime.is_main:
         out.write_text(json.dumps(results))
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 # ---------------------------------------------------------------- driver

@@ -18,6 +18,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from config.sections import DataConfig, ModelConfig, SFTConfig  # noqa: E402
 from data.arithmetic import EVAL_SEED, generate_problems  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 
@@ -67,16 +68,13 @@ def main() -> None:
         reference.generate(**padded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
                            min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
 
-    parallel.init_distributed(1, 1, None, seed=0)
-    bridge = build.auto_bridge(path)
-    provider = build.configure_provider(bridge, dtype=args.dtype, tp=1, pp=1, vpp=None,
-                                        seq_length=max(map(len, prompt_ids)) + args.new_tokens)
-    chunks = build.build_chunks(provider)
-    vocab_size = bridge.hf_pretrained.config.vocab_size
+    config = SFTConfig(model=ModelConfig(dtype=args.dtype), data=DataConfig(max_seq_len=max(map(len, prompt_ids)) + args.new_tokens))
+    runtime = parallel.init_distributed(config.parallel, seed=0)
+    policy = build.build_policy(config, path, tokenizer, trainable=False)
 
     def run_ours():
         # eos_id=-1 never matches a token, so every row runs the full length, as with min_new_tokens above.
-        generate.generate(chunks, prompt_ids, max_new_tokens=args.new_tokens, eos_id=-1, vocab_size=vocab_size,
+        generate.generate(policy.chunks, prompt_ids, max_new_tokens=args.new_tokens, eos_id=-1, vocab_size=policy.vocab_size,
                           temperature=1.0, seed=0)
 
     run_transformers(), run_ours()  # warm-up
@@ -91,7 +89,7 @@ def main() -> None:
     print(f"transformers generate: {theirs:10.0f} tokens/s")
     print(f"model.generate:        {ours:10.0f} tokens/s")
     print(f"ratio ours / transformers: {ours / theirs:.2f}")
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import transformers  # noqa: E402
-
+from config.sections import SFTConfig  # noqa: E402
 from data import sft as sft_data  # noqa: E402
 from model import build, parallel  # noqa: E402
-from trainer import common, precision, sft  # noqa: E402
-from trainer.config import SFTConfig  # noqa: E402
+from trainer import metrics, sft  # noqa: E402
 
 
 def bare_step(chunks, optimizer, microbatches) -> None:
@@ -39,32 +37,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     config = SFTConfig()
-    common.setup_logging(True)
+    metrics.setup_logging(True)
     path = build.resolve_model_path("tiny")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = build.load_tokenizer(path)
     rows = sft_data.load_rows("arithmetic")[: config.train.global_batch_size]
     conversations, report = sft_data.to_conversations(rows)
     examples = sft_data.build_examples(conversations, tokenizer, config.data.max_seq_len, report)
-    runtime = parallel.init_distributed(1, 1, None, config.train.seed)
-    optimizer_config = precision.optimizer_config(config)
-    ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
-    provider = build.configure_provider(build.auto_bridge(path), dtype="fp32", tp=1, pp=1, vpp=None,
-                                        seq_length=config.data.max_seq_len,
-                                        transformer_overrides={"calculate_per_token_loss": True})
-    chunks = build.build_chunks(provider, ddp_config)
-    optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
-    build.attach_training_hooks(provider, chunks, optimizer)
+    runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    policy = build.build_policy(config, path, tokenizer)
     micro = config.train.micro_batch_size
     indices = [list(range(start, start + micro)) for start in range(0, len(examples), micro)]
 
     def ours():
         microbatches, seq_len = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)
-        sft.train_step(chunks, optimizer, lr_schedule, microbatches, seq_len)
-        common.all_reduce_sum([float(sum(batch["tokens"].numel() for batch in microbatches))])
+        sft.train_step(policy, microbatches, seq_len)
+        policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
 
     fixed, _ = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)
     timings = {"ours": [], "bare": []}
-    steps = {"ours": ours, "bare": lambda: bare_step(chunks, optimizer, fixed)}
+    steps = {"ours": ours, "bare": lambda: bare_step(policy.chunks, policy.optimizer, fixed)}
     for name in steps:  # warm-up
         steps[name]()
     for _ in range(args.steps):
@@ -77,7 +68,7 @@ def main() -> None:
     print(f"  our loop (collate + pipeline schedule + optimizer + schedule + metrics): median {ours_median * 1e3:.1f} ms")
     print(f"  bare megatron-core forward/backward/optimizer step:                      median {bare_median * 1e3:.1f} ms")
     print(f"  overhead ratio ours/bare: {ours_median / bare_median:.3f}")
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 if __name__ == "__main__":

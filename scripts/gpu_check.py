@@ -85,7 +85,7 @@ def environment() -> dict:
     """Versions and the device, printed first so a report says what it measured."""
     import torch
 
-    from trainer.common import peak_flops
+    from trainer.metrics import peak_flops
 
     packages = {name: metadata.version(name) for name in
                 ("torch", "megatron-core", "megatron-bridge", "megatron-fsdp", "transformers", "tokenizers")}
@@ -111,6 +111,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
     import torch
     import transformers
 
+    from config.sections import DataConfig, ModelConfig, SFTConfig
     from model import build, parallel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,9 +125,10 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
         with torch.no_grad():
             reference[dtype] = model(tokens).logits.float()  # [batch, seq, vocab]
         del model
-    parallel.init_distributed(1, 1, None, seed=0)
-    provider = build.configure_provider(build.auto_bridge(model_path), dtype="bf16", tp=1, pp=1, vpp=None, seq_length=seq_len)
-    model = build.build_chunks(provider)[0].eval()
+    config = SFTConfig(model=ModelConfig(dtype="bf16"), data=DataConfig(max_seq_len=seq_len))
+    runtime = parallel.init_distributed(config.parallel, seed=0)
+    policy = build.build_policy(config, model_path, build.load_tokenizer(model_path), trainable=False)
+    provider, model = policy.transformer_config, policy.chunks[0].eval()
     positions = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)[..., :vocab].float()
@@ -138,7 +140,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
               "logit_scale": reference[torch.float32].abs().max().item(),
               "passed": megatron_error <= PARITY_FACTOR * hf_error, "sdpa_kernels": sdpa_kernels(provider, device)}
     out.write_text(json.dumps(result))
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 def sdpa_kernels(provider, device) -> dict:

@@ -183,8 +183,8 @@ def install() -> None:
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.optimizer_config as optimizer_config
 
-    import model.build  # noqa: F401  (decides the layer spec from find_spec("transformer_engine") at import)
-    from trainer import precision
+    import model.build  # noqa: F401  (decides the layer spec from have_transformer_engine() at import)
+    from config import sections
 
     optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
     optimizers.__doc__ = "Test double registered by tests/fused_adam_double.py; holds only FusedAdam."
@@ -200,7 +200,8 @@ def install() -> None:
     _set(distrib_optimizer, "Adam", FusedAdamDouble)
     _set(distrib_optimizer, "HAVE_APEX_OR_TE", True)
     _set(distrib_optimizer, "USING_TE_OPTIMIZER", True)
-    _set(precision, "have_transformer_engine", lambda: True)
+    # Start-up validation asks this (precision-aware needs TE's FusedAdam); model.build asked it at import.
+    _set(sections, "have_transformer_engine", lambda: True)
 
 
 def uninstall() -> None:

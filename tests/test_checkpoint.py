@@ -9,7 +9,7 @@ import torch
 
 from ckpt import checkpoint
 from tests.conftest import REPO
-from trainer.errors import UserError
+from config.errors import UserError
 
 DDP_LAYOUT = SimpleNamespace(tp=1, pp=1, vpp=1, use_megatron_fsdp=False)
 FINGERPRINT = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT)

@@ -6,9 +6,10 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from trainer import config as config_module
-from trainer.config import SFTConfig, flat_keys, parse_args, validate_startup
-from trainer.errors import UserError
+from config import cli, sections
+from config.cli import flat_keys, parse_args
+from config.errors import UserError
+from config.sections import SFTConfig
 
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
@@ -86,18 +87,18 @@ def test_validate_startup_errors(tmp_path):
     ]
     for config, world_size, expected in cases:
         with pytest.raises(UserError) as error:
-            validate_startup(config, world_size)
+            config.validate(world_size)
         assert expected in str(error.value)
-    validate_startup(make(model={"path": str(qwen_like)}, parallel={"tp": 2, "pp": 2}), 8)  # a valid layout passes
+    make(model={"path": str(qwen_like)}, parallel={"tp": 2, "pp": 2}).validate(8)  # a valid layout passes
 
 
 def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
     """Asking for TE layers without TE installed is refused at start-up, naming the key."""
-    monkeypatch.setattr(config_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sections, "have_transformer_engine", lambda: False)
     with pytest.raises(UserError) as error:
-        validate_startup(make(model={"attention": "transformer_engine"}), 1)
+        make(model={"attention": "transformer_engine"}).validate(1)
     assert "`model.attention=transformer_engine` needs Transformer Engine" in str(error.value)
-    validate_startup(make(model={"attention": "local"}), 1)
+    make(model={"attention": "local"}).validate(1)
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
@@ -133,6 +134,6 @@ def test_user_error_is_reported_by_rank_zero_only(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["trainer.sft"])
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
-        config_module.run_cli(failing)
+        cli.run_cli(failing)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == ""

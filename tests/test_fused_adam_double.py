@@ -60,8 +60,8 @@ def test_install_feeds_megatron_the_double_and_hides_nothing_else():
     import megatron.core.optimizer as megatron_optimizer
     from megatron.core.optimizer import OptimizerConfig
 
+    from config import sections
     from model import build
-    from trainer import precision
 
     precision_aware = dict(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
                            use_precision_aware_optimizer=True, main_grads_dtype=torch.bfloat16,
@@ -71,12 +71,12 @@ def test_install_feeds_megatron_the_double_and_hides_nothing_else():
         config = OptimizerConfig(**precision_aware)  # imports transformer_engine.pytorch.optimizers.FusedAdam
         assert config.store_param_remainders is False  # the double reports TE 2.0
         assert megatron_optimizer.Adam is FusedAdamDouble and not megatron_optimizer.USING_PYTORCH_OPTIMIZER
-        assert precision.have_transformer_engine()
+        assert sections.have_transformer_engine()
         # The layer spec still sees no Transformer Engine.
         assert importlib.util.find_spec("transformer_engine") is None and not build.HAVE_TRANSFORMER_ENGINE
     finally:
         fused_adam_double.uninstall()
     assert megatron_optimizer.Adam is torch.optim.AdamW and megatron_optimizer.USING_PYTORCH_OPTIMIZER
-    assert not precision.have_transformer_engine()
+    assert not sections.have_transformer_engine()
     with pytest.raises(RuntimeError, match="FusedAdam"):
         OptimizerConfig(**precision_aware)

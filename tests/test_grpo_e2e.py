@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from config.cli import flat_keys, parse_args
+from config.errors import UserError
+from config.sections import GRPOConfig, SFTConfig
+from data import prompts as prompt_data
 from data.arithmetic import generate_problems
 from tests.conftest import REPO, torchrun
 from trainer import grpo
-from trainer.config import GRPOTrainerConfig, SFTConfig, flat_keys, parse_args
-from trainer.errors import UserError
 
 GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
@@ -36,9 +38,9 @@ def metrics(out_dir) -> list[dict]:
 
 
 def test_key_set_is_frozen():
-    """SFT's keys minus packing, plus the grpo section: every new knob is a deliberate change."""
-    assert set(flat_keys(GRPOTrainerConfig)) == (set(flat_keys(SFTConfig)) - {"data.pack"}) | GRPO_KEYS
-    assert all(field.metadata.get("help") for field in flat_keys(GRPOTrainerConfig).values())
+    """SFT's keys (the same sections), plus the grpo section: every new knob is a deliberate change."""
+    assert set(flat_keys(GRPOConfig)) == set(flat_keys(SFTConfig)) | GRPO_KEYS
+    assert all(field.metadata.get("help") for field in flat_keys(GRPOConfig).values())
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -55,9 +57,9 @@ def test_key_set_is_frozen():
     (["--parallel.pp=2"], "set `parallel.pp=1`"),
 ])
 def test_start_up_errors_name_the_key(argv, expected):
-    config, _ = parse_args(GRPOTrainerConfig, argv, "trainer.grpo")
+    config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
     with pytest.raises(UserError) as error:
-        grpo.validate_grpo(config, world_size=2)
+        config.validate(world_size=2)
     assert expected in str(error.value)
 
 
@@ -71,9 +73,9 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, caplo
     problems = generate_problems(24, seed=7)
     problems[3]["question"] = "Count the apples in this long story. " * 5 + problems[3]["question"]
     pool.write_text("".join(json.dumps(problem) + "\n" for problem in problems))
-    config, _ = parse_args(GRPOTrainerConfig, ["--data.max_seq_len=80"], "trainer.grpo")
+    config, _ = parse_args(GRPOConfig, ["--data.max_seq_len=80"], "trainer.grpo")
     with caplog.at_level("INFO"):
-        prompts = grpo.load_prompts(config, tokenizer, str(pool), "train")
+        prompts = prompt_data.load_prompts(config.data, tokenizer, str(pool), "train", config.grpo.max_new_tokens)
     # 80 - 32 new tokens = 48: the padded question no longer fits; every other one does.
     assert len(prompts) == 23 and all(len(prompt.ids) <= 48 for prompt in prompts)
     assert "23 used" in caplog.text and "1 skipped as longer than 48 tokens" in caplog.text

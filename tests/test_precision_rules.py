@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from trainer import precision
-from trainer.config import SFTConfig
-from trainer.errors import UserError
+from config import sections
+from config.errors import UserError
+from config.sections import SFTConfig
+from model import precision
 
 
 def make(dtype="fp32", **changes) -> SFTConfig:
@@ -21,7 +22,7 @@ def make(dtype="fp32", **changes) -> SFTConfig:
 @pytest.fixture
 def with_transformer_engine(monkeypatch):
     """Precision-aware branches need TE's FusedAdam; the rules only check that TE is importable."""
-    monkeypatch.setattr(precision, "have_transformer_engine", lambda: True)
+    monkeypatch.setattr(sections, "have_transformer_engine", lambda: True)
 
 
 def optimizer_settings(config) -> dict:
@@ -134,17 +135,17 @@ def test_environment_defaults_lose_to_user_overrides():
 ])
 def test_validation_errors_name_the_key(with_transformer_engine, changes, expected):
     with pytest.raises(UserError) as error:
-        precision.validate(make("bf16", **changes))
+        make("bf16", **changes).validate(world_size=1)
     assert expected in str(error.value)
 
 
 def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypatch):
-    monkeypatch.setattr(precision, "have_transformer_engine", lambda: False)
+    monkeypatch.setattr(sections, "have_transformer_engine", lambda: False)
     for config in (make("bf16", **{"optim.use_precision_aware_optimizer": True}), make("fp16")):
         with pytest.raises(UserError) as error:
-            precision.validate(config)
+            config.validate(world_size=1)
         assert "Transformer Engine is not installed" in str(error.value) and "NGC" in str(error.value)
-    precision.validate(make("bf16"))  # the default bf16 path needs no TE
+    make("bf16").validate(world_size=1)  # the default bf16 path needs no TE
 
 
 def test_settings_table_lists_the_resolved_values():

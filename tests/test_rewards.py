@@ -3,7 +3,7 @@
 import pytest
 
 from data import rewards
-from trainer.errors import UserError
+from config.errors import UserError
 
 REFERENCE = "3 + 5 = 8\n#### 8"
 

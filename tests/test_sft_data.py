@@ -21,7 +21,7 @@ from data.sft import (
     tokenize_conversation,
 )
 from model.tiny import ensure_tiny_checkpoint
-from trainer.errors import UserError
+from config.errors import UserError
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
 # Pinned for the tiny tokenizer at max_seq_len=512: the tiny BPE is trained on arithmetic text only,

@@ -1,32 +1,40 @@
 """Supervised fine-tuning: `torchrun --nproc-per-node N -m trainer.sft [--config FILE] [--key=value ...]`.
 
-parse -> init -> build -> resume -> loop -> save -> cleanup. The loss is the mean over the response
-tokens of the whole global batch (summed per microbatch, divided once by the global token count in
-megatron-core's `finalize_model_grads`), so data parallelism and gradient accumulation leave it unchanged.
+parse -> validate -> build -> resume -> loop -> save. The loss is the mean over the response tokens of the
+whole global batch (summed per microbatch, divided once by the global token count in megatron-core's
+`finalize_model_grads`), so data parallelism and gradient accumulation leave it unchanged.
 """
 
+import dataclasses
 import functools
-import math
 import os
 from pathlib import Path
 
 import torch
 
 from ckpt import checkpoint
-from data import sft as sft_data
-from data.arithmetic import extract_final_answer
-from model import build, generate, parallel
-from trainer import common, config as config_module, precision
-from trainer.common import log
-from trainer.config import SFTConfig
-from trainer.errors import UserError
+from config import cli
+from config.sections import DEFAULT_REWARD, SFTConfig
+from data import prompts as prompt_data, rewards, sft as sft_data
+from model import build, parallel
+from trainer import evaluation, metrics
+from trainer.metrics import log
 
 
 # ---------------------------------------------------------------- data
 
 
-def load_data(config, tokenizer, data_parallel_size: int):
-    """Tokenized training and held-out examples; every user error here is raised before a model is built."""
+@dataclasses.dataclass
+class SFTData:
+    """Tokenized training and held-out examples, and the held-out prompts whose greedy answers are graded."""
+
+    train: list[sft_data.Example]
+    eval: list[sft_data.Example]
+    eval_prompts: list[prompt_data.Prompt]
+
+
+def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
+    """Every user error in the data is raised here, before a model is built."""
     data = config.data
 
     def examples(path: str, split: str):
@@ -37,18 +45,15 @@ def load_data(config, tokenizer, data_parallel_size: int):
         log.info("data %s (%s): %d samples used; %s", path, split, len(built), report.summary())
         return built, conversations
 
-    train_examples, _ = examples(data.path, "train")
-    eval_path = data.eval_path or data.path
-    try:
-        eval_examples, eval_conversations = examples(eval_path, "test")
-    except UserError:
-        if data.eval_path:
-            raise
-        log.info("no held-out split found for %s: evaluation is skipped (set data.eval_path)", data.path)
-        eval_examples, eval_conversations = [], []
-    # A multiple of the data-parallel size, so every rank scores an equal share.
-    count = min(config.train.eval_samples, len(eval_examples)) // data_parallel_size * data_parallel_size
-    return train_examples, eval_examples[:count], eval_conversations[:count]
+    train, _ = examples(data.path, "train")
+    held_out = prompt_data.held_out_split(data, examples) or ([], [])
+    eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size)
+    eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)
+    eval_prompts = prompt_data.prompts_from_conversations(eval_conversations, tokenizer)
+    # The default reward grades GSM8K-style `#### N` answers; references without one leave nothing to grade.
+    if not all(rewards.has_answer_format(prompt.reference) for prompt in eval_prompts):
+        eval_prompts = []
+    return SFTData(train, eval_examples, eval_prompts)
 
 
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:
@@ -60,10 +65,9 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         seq_len = config.data.max_seq_len
         batches = [sft_data.collate_packed(sft_data.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
-        longest = max(len(example.input_ids) - 1 for group in groups for example in group)
-        seq_len = min(config.data.max_seq_len, 8 * math.ceil(longest / 8))
+        seq_len = sft_data.padded_length([example for group in groups for example in group], config.data.max_seq_len)
         batches = [sft_data.collate(group, seq_len, pad_id) for group in groups]
-    return [common.to_device(batch, device) for batch in batches], seq_len
+    return [sft_data.to_device(batch, device) for batch in batches], seq_len
 
 
 # ---------------------------------------------------------------- loss
@@ -100,151 +104,111 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
         micro_batch_size=microbatches[0]["tokens"].size(0),
         forward_only=forward_only,
     )
-    return common.reduce_loss_over_data_parallel(losses)
+    return parallel.reduce_loss_over_data_parallel(losses)
 
 
-def train_step(chunks, optimizer, lr_schedule, microbatches: list[dict], seq_len: int) -> tuple[float, float, float]:
+def train_step(policy, microbatches: list[dict], seq_len: int) -> tuple[float, float, float]:
     """One optimizer step over a global batch's microbatches; returns (loss sum, response tokens, grad norm)."""
-    for chunk in chunks:
+    for chunk in policy.chunks:
         chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss_sum, tokens = run_microbatches(chunks, microbatches, seq_len, forward_only=False)
-    _, grad_norm, _ = optimizer.step()
-    lr_schedule.step(increment=1)
+    policy.optimizer.zero_grad()
+    loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
+    _, grad_norm, _ = policy.optimizer.step()
+    policy.lr_schedule.step(increment=1)
     return loss_sum, tokens, float(grad_norm or 0.0)
 
 
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate(chunks, eval_examples, eval_conversations, config, runtime, tokenizer, vocab_size) -> dict:
-    """Held-out loss, and greedy exact-match accuracy of the final `#### N` answer when the data has that format."""
-    if not eval_examples:
+def evaluate(policy, data: SFTData, config, runtime) -> dict:
+    """Held-out loss, and the held-out accuracy both loops report (the default reward's full marks for greedy answers)."""
+    if not data.eval:
         return {}
-    from megatron.core import parallel_state
-
-    metrics = {}
+    # Every data-parallel rank scores an equal share (load_data trimmed the set to a multiple of the DP size),
+    # so all ranks run the same number of batches and the DP sums stay collective.
+    share = data.eval[runtime.dp_rank :: runtime.dp_size]
     micro = config.train.micro_batch_size
-    # Every data-parallel rank scores an equal share (load_data trimmed the set to a multiple of the
-    # DP size), so all ranks run the same number of batches and the DP sums stay collective.
-    share = eval_examples[runtime.dp_rank :: runtime.dp_size]
     loss_sum, tokens = 0.0, 0.0
     for start in range(0, len(share), micro):
         group = share[start : start + micro]
-        batches, seq_len = collate_microbatches(group, [list(range(len(group)))], config, tokenizer.pad_token_id, runtime.device)
-        batch_loss, batch_tokens = run_microbatches(chunks, batches, seq_len, forward_only=True)
+        batches, seq_len = collate_microbatches(group, [list(range(len(group)))], config, policy.tokenizer.pad_token_id,
+                                                runtime.device)
+        batch_loss, batch_tokens = run_microbatches(policy.chunks, batches, seq_len, forward_only=True)
         loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
-    metrics["eval_loss"] = loss_sum / max(tokens, 1)
-    references = [conversation[-1]["content"] for conversation in eval_conversations]
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 and all("####" in reference for reference in references):
-        prompts = [tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, tokenize=True)
-                   for conversation in eval_conversations]
-        prompts = [prompt if isinstance(prompt, list) else prompt["input_ids"] for prompt in prompts]
-        mine = list(range(runtime.dp_rank, len(prompts), runtime.dp_size))
-        completions = generate.generate(chunks, [prompts[index] for index in mine], max_new_tokens=config.data.max_seq_len // 2,
-                                        eos_id=tokenizer.eos_token_id, vocab_size=vocab_size)
-        correct = sum(
-            extract_final_answer(tokenizer.decode(completion, skip_special_tokens=True)) == extract_final_answer(references[index])
-            for index, completion in zip(mine, completions)
-        )
-        correct, = common.all_reduce_sum([float(correct)], parallel_state.get_data_parallel_group())
-        metrics["eval_accuracy"] = correct / len(prompts)
-    return metrics
+    accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,
+                                           max_new_tokens=config.data.max_seq_len // 2)
+    return {"eval_loss": loss_sum / max(tokens, 1), **accuracy}
+
+
+def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],
+             seq_len: int, seconds: float, epoch: int) -> dict:
+    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, and MFU/memory on GPUs."""
+    input_tokens = policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
+    row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": policy.optimizer.param_groups[0]["lr"],
+           "grad_norm": grad_norm, "tokens_per_s": input_tokens / seconds, "step_time_s": seconds, "epoch": epoch}
+    if peak := metrics.peak_flops():
+        flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
+        row["mfu"] = flops / (peak * runtime.world_size)
+    if torch.cuda.is_available():  # this process's high-water mark of allocated tensors so far
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
 
 
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str]) -> None:
-    """Parse -> init -> build -> resume -> loop -> save -> cleanup."""
-    import transformers
-
+def main(argv: list[str]):
+    """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model
-    config, resume = config_module.parse_args(SFTConfig, argv, "trainer.sft")
+    config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config_module.validate_startup(config, world_size)
-    precision.validate(config)
-    if config.data.pack and config.parallel.pp > 1:
-        raise UserError("`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
-                        "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
-    common.setup_logging(int(os.environ.get("RANK", "0")) == 0)
+    config.validate(world_size)
+    metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config.model.path)
-    out_dir = Path(config.train.out_dir)
-    checkpoint_dir, fingerprint, resume_path, resume_step = checkpoint.find_resume_point(config, resume, model_path)
-    if resume_step >= config.train.steps:
-        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps, resume_path)
-        return
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    data_parallel_size = world_size // (config.parallel.tp * config.parallel.pp)
-    train_examples, eval_examples, eval_conversations = load_data(config, tokenizer, data_parallel_size)
-
-    # ---- init
-    vpp = config.parallel.vpp if config.parallel.vpp > 1 else None
-    runtime = parallel.init_distributed(config.parallel.tp, config.parallel.pp, vpp, config.train.seed)
-    schedule = sft_data.BatchSchedule(len(train_examples), config.train.global_batch_size, config.train.micro_batch_size,
-                                      runtime.dp_rank, runtime.dp_size, config.train.seed)
+    config.validate_model_shape(model_path)
+    checkpointer = checkpoint.Checkpointer(config, resume, model_path)
+    if checkpointer.finished:
+        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps,
+                 checkpointer.resume_path)
+        return None
+    tokenizer = build.load_tokenizer(model_path)
+    data = load_data(config, tokenizer, config.parallel.data_parallel_size(world_size))
 
     # ---- build
-    optimizer_config = precision.optimizer_config(config)
-    ddp_config = precision.ddp_config(config, optimizer_config, build.environment_ddp_defaults())
-    bridge = build.auto_bridge(model_path)
-    provider = build.configure_provider(
-        bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp, vpp=vpp,
-        seq_length=config.data.max_seq_len, attention=config.model.attention,
-        transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
-    chunks = build.build_chunks(provider, ddp_config)
-    optimizer, lr_schedule = common.build_optimizer_and_schedule(chunks, optimizer_config, config)
-    build.attach_training_hooks(provider, chunks, optimizer)
-    log.info("resolved optimizer and DDP settings:\n%s", precision.settings_table(optimizer_config, ddp_config))
-    hf_config = bridge.hf_pretrained.config.to_dict()
+    runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
+                                      runtime.dp_rank, runtime.dp_size, config.train.seed)
+    policy = build.build_policy(config, model_path, tokenizer)
 
     # ---- resume
-    start_step = 0
-    if resume_path:
-        state = checkpoint.load(resume_path, chunks, optimizer)
-        lr_schedule.load_state_dict(state["lr_schedule"])
-        schedule.load_state_dict(state["data"])
-        start_step = state["step"]
-        log.info("resumed from %s at step %d (epoch %d)", resume_path, start_step, schedule.epoch)
-
-    def save_checkpoint(step: int) -> None:
-        state = {"step": step, "lr_schedule": lr_schedule.state_dict(), "data": schedule.state_dict(),
-                 "config": config_module.to_dict(config), "fingerprint": fingerprint}
-        checkpoint.save(checkpoint_dir, step, chunks, optimizer, state, config.ckpt.keep_last, runtime.is_main)
+    checkpointer.track(policy.chunks, policy.optimizer, lr_schedule=policy.lr_schedule, data=schedule)
+    start_step = checkpointer.resume()
 
     # ---- loop
-    metrics = common.MetricsWriter(out_dir, runtime.is_main, config.train.steps, start_step, config.train.log_interval)
-    evaluate_now = functools.partial(evaluate, chunks, eval_examples, eval_conversations, config, runtime, tokenizer,
-                                     hf_config["vocab_size"])
-    if start_step == 0 and (baseline := evaluate_now()):
-        metrics.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
-    preemption, peak = checkpoint.Preemption(), common.peak_flops()
+    out_dir = Path(config.train.out_dir)
+    writer = metrics.MetricsWriter(out_dir, runtime.is_main, config.train.steps, start_step, config.train.log_interval)
+    if start_step == 0 and (baseline := evaluate(policy, data, config, runtime)):
+        writer.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
     for step in range(start_step + 1, config.train.steps + 1):
-        with common.StepTimer() as timer:
-            microbatches, seq_len = collate_microbatches(train_examples, schedule.next_global_batch(), config,
+        with metrics.StepTimer() as timer:
+            microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,
                                                          tokenizer.pad_token_id, runtime.device)
-            loss_sum, tokens, grad_norm = train_step(chunks, optimizer, lr_schedule, microbatches, seq_len)
-        input_tokens = common.all_reduce_sum([float(sum(batch["tokens"].numel() for batch in microbatches))])[0]
-        input_tokens /= config.parallel.tp * config.parallel.pp  # every TP/PP rank counted the same batch
-        row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": optimizer.param_groups[0]["lr"],
-               "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds,
-               "step_time_s": timer.seconds, "epoch": schedule.epoch}
-        if peak:
-            row["mfu"] = row["tokens_per_s"] * common.model_flops_per_token(hf_config, seq_len) / (peak * runtime.world_size)
-        if torch.cuda.is_available():  # this process's high-water mark of allocated tensors so far
-            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len)
+        row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer.seconds, schedule.epoch)
         if (config.train.eval_interval and step % config.train.eval_interval == 0) or step == config.train.steps:
-            row.update(evaluate_now())
-        metrics.write(row)
-        if checkpoint.save_if_due(step, config, preemption, save_checkpoint):
+            row.update(evaluate(policy, data, config, runtime))
+        writer.write(row)
+        if checkpointer.maybe_save(step):
             break
-    metrics.close()
+    writer.close()
 
     # ---- save
     if step == config.train.steps:
-        common.export_final_model(bridge, chunks, tokenizer, out_dir, runtime.is_main)
-    parallel.shutdown()
+        policy.export(out_dir, runtime.is_main)
+    parallel.shutdown(runtime)
+    return policy
 
 
 if __name__ == "__main__":
-    config_module.run_cli(main)
+    cli.run_cli(main)

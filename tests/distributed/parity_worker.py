@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from config.sections import ParallelConfig  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 from model.tiny import ensure_tiny_checkpoint  # noqa: E402
 
@@ -70,7 +71,7 @@ def main() -> None:
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         reference_completions.append(output[0, len(prompt):].tolist())
 
-    runtime = parallel.init_distributed(args.tp, args.pp, None, seed=7)
+    runtime = parallel.init_distributed(ParallelConfig(tp=args.tp, pp=args.pp), seed=7)
     bridge = build.auto_bridge(path)
     provider = build.configure_provider(bridge, dtype="fp32", tp=args.tp, pp=args.pp, vpp=None, seq_length=64)
     chunks = build.build_chunks(provider)
@@ -102,7 +103,7 @@ def main() -> None:
         result["round_trip_missing"] = sorted(set(original) - set(state))
         result["round_trip_tied"] = exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
     Path(args.out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 if __name__ == "__main__":

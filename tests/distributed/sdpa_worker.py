@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.sft import Example, collate, collate_packed  # noqa: E402
+from config.sections import ParallelConfig  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 from model.tiny import ensure_tiny_checkpoint  # noqa: E402
 
@@ -48,12 +48,11 @@ def main() -> None:
     args = parser.parse_args()
     path = ensure_tiny_checkpoint()
     for tp in [int(size) for size in args.tp.split(",")]:
-        runtime = parallel.init_distributed(tp, 1, None, seed=5)
+        runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=5)
         result = compare_specs(tp, build.auto_bridge(path))
         print(f"[sdpa] TP={tp} rank {runtime.rank}: {json.dumps(result)}", flush=True)
         Path(args.out, f"tp{tp}-rank{runtime.rank}.json").write_text(json.dumps(result))
-        parallel_state.destroy_model_parallel()
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 def compare_specs(tp: int, bridge) -> dict:

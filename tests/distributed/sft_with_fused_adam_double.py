@@ -4,7 +4,7 @@ Usage: torchrun --nproc-per-node 2 tests/distributed/sft_with_fused_adam_double.
 
 Besides the run's metrics.jsonl, every rank writes `<train.out_dir>/precision_state.rank<R>.json`: the
 dtypes the optimizer state and the DDP gradient buffers really had after the last step, read from the
-objects `trainer.sft.main` built (captured by wrapping `trainer.common.build_optimizer_and_schedule`).
+policy `trainer.sft.main` returns.
 """
 
 import json
@@ -52,21 +52,15 @@ def describe(chunks, optimizer) -> dict:
 
 def main(argv: list[str]) -> None:
     fused_adam_double.install()
-    from trainer import common, sft
+    from config import cli
+    from config.sections import SFTConfig
+    from trainer import sft
 
-    built = {}
-    build_optimizer_and_schedule = common.build_optimizer_and_schedule
-
-    def capturing(chunks, optimizer_config, config):
-        optimizer, schedule = build_optimizer_and_schedule(chunks, optimizer_config, config)
-        built.update(chunks=chunks, optimizer=optimizer, out_dir=config.train.out_dir)
-        return optimizer, schedule
-
-    common.build_optimizer_and_schedule = capturing
-    sft.main(argv)
-    report = describe(built["chunks"], built["optimizer"])
+    policy = sft.main(argv)
+    report = describe(policy.chunks, policy.optimizer)
+    out_dir = cli.parse_args(SFTConfig, argv, "trainer.sft")[0].train.out_dir
     rank = int(os.environ.get("RANK", "0"))
-    Path(built["out_dir"], f"precision_state.rank{rank}.json").write_text(json.dumps(report, indent=1))
+    Path(out_dir, f"precision_state.rank{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"[fused-adam double] rank {rank}: {report}", flush=True)
 
 

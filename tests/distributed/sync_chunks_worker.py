@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from config.sections import ParallelConfig  # noqa: E402
 from model import build, parallel  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    runtime = parallel.init_distributed(1, 1, None, seed=3)
+    runtime = parallel.init_distributed(ParallelConfig(), seed=3)
     chunks = [make_chunk(), make_chunk()]
     # Expert weights take the other branch of broadcast_parameters (megatron marks them allreduce=False).
     chunks[1][2].bias.allreduce = False
@@ -52,7 +53,7 @@ def main() -> None:
               "equal_before": before, "equal_after": after}
     print(f"[sync chunks] rank {runtime.rank}: {result}", flush=True)
     Path(args.out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
-    parallel.shutdown()
+    parallel.shutdown(runtime)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pieces both loops share: logging on rank 0, optimizer and schedule, one optimizer step, metrics."""
+"""What the loops report: logging on rank 0, metrics.jsonl and the console line, step time, MFU."""
 
 import json
 import logging
@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger("trainer")
 
@@ -24,81 +23,10 @@ def setup_logging(is_main: bool) -> None:
     warnings.filterwarnings("ignore", module=r"(megatron|transformers|torch|modelopt)\b")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    for name in ("trainer", "model", "data", "ckpt"):
+    for name in ("trainer", "config", "model", "data", "ckpt"):
         logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
     for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers", "datasets", "py.warnings"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
-def checkpoint_dir(config) -> Path:
-    """`ckpt.dir`, defaulting to `<train.out_dir>/checkpoints`."""
-    return Path(config.ckpt.dir or Path(config.train.out_dir) / "checkpoints")
-
-
-def build_optimizer_and_schedule(chunks: list, optimizer_config, config):
-    """megatron-core optimizer over every chunk and its warmup + cosine LR schedule of `train.steps` steps."""
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optimizer = get_megatron_optimizer(optimizer_config, chunks)
-    warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
-    schedule = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=config.optim.lr,
-        min_lr=config.optim.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=config.train.steps,
-        lr_decay_style="cosine",
-        start_wd=config.optim.weight_decay,
-        end_wd=config.optim.weight_decay,
-        wd_incr_steps=config.train.steps,
-        wd_incr_style="constant",
-    )
-    return optimizer, schedule
-
-
-def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:
-    """Global-batch (loss sum, token count) from the microbatch outputs, made known to every rank.
-
-    Only the last pipeline stage holds losses: it sums over data-parallel ranks and then
-    broadcasts along the pipeline so rank 0 (first stage) can log it.
-    """
-    from megatron.core import parallel_state
-
-    totals = torch.zeros(2, dtype=torch.float64)
-    for item in losses_reduced:
-        totals += item["loss"].detach().to("cpu", torch.float64)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        totals = _all_reduce(totals, parallel_state.get_data_parallel_group())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        totals = _broadcast(totals, parallel_state.get_pipeline_model_parallel_last_rank(),
-                            parallel_state.get_pipeline_model_parallel_group())
-    return totals[0].item(), totals[1].item()
-
-
-def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
-    """NCCL needs CUDA tensors; gloo takes CPU tensors."""
-    return tensor.cuda() if torch.cuda.is_available() else tensor
-
-
-def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum a small tensor over a process group, returning it on the CPU."""
-    tensor = _on_backend_device(tensor)
-    dist.all_reduce(tensor, group=group)
-    return tensor.cpu()
-
-
-def _broadcast(tensor: torch.Tensor, source: int, group) -> torch.Tensor:
-    """Broadcast a small tensor from a global rank within a group, returning it on the CPU."""
-    tensor = _on_backend_device(tensor)
-    dist.broadcast(tensor, src=source, group=group)
-    return tensor.cpu()
-
-
-def all_reduce_sum(values: list[float], group=None) -> list[float]:
-    """Sum a few Python numbers over a process group (default: the whole world)."""
-    return _all_reduce(torch.tensor(values, dtype=torch.float64), group).tolist()
 
 
 def model_flops_per_token(hf_config: dict, seq_length: int) -> float:
@@ -186,18 +114,3 @@ class StepTimer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.start
-
-
-def export_final_model(bridge, chunks: list, tokenizer, out_dir: Path, is_main: bool) -> None:
-    """Write the trained model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
-    from model import build
-
-    build.export_hf(bridge, chunks, out_dir / "hf")
-    if is_main:
-        tokenizer.save_pretrained(out_dir / "hf")
-        log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
-
-
-def to_device(batch: dict, device) -> dict:
-    """Move a collated batch's tensors to the training device."""
-    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}

@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can fix by changing a setting."""
+"""The one exception type for mistakes a user can fix by changing a setting or a file."""
 
 
 class UserError(Exception):

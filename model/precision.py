@@ -1,64 +1,13 @@
 """Pure rules from our config to megatron-core's `OptimizerConfig` and `DistributedDataParallelConfig`.
 
 Nothing here touches a process group or a model, so every branch is tested on the real classes on CPU.
+The checks of the same settings run earlier, at start-up (`config.sections.TrainerConfig.validate`).
 """
-
-import dataclasses
-import importlib.util
 
 import torch
 
-from model.build import DTYPES as TORCH_DTYPES
-from trainer.config import DTYPE_NAMES
-from trainer.errors import UserError
-
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_INITIAL_LOSS_SCALE = 32768
-
-
-def have_transformer_engine() -> bool:
-    """Whether Transformer Engine is importable (its FusedAdam backs the precision-aware optimizer)."""
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def precision_aware(config) -> bool:
-    """fp16 always keeps fp32 master weights in TE's FusedAdam; bf16 only when the user opts in."""
-    return config.model.dtype == "fp16" or (config.model.dtype == "bf16" and config.optim.use_precision_aware_optimizer)
-
-
-def _check_override_keys(overrides: dict, config_class, key: str) -> None:
-    """Reject override keys the megatron-core class does not have, naming our config key."""
-    known = {item.name for item in dataclasses.fields(config_class)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise UserError(f"`{key}` sets {', '.join(f'`{name}`' for name in unknown)}, which megatron-core's "
-                        f"{config_class.__name__} does not have. Remove or rename them in `{key}`.")
-
-
-def validate(config) -> None:
-    """Start-up checks of the precision/optimizer/DDP settings; each error names the key to change."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
-    optim = config.optim
-    for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(optim, key) not in DTYPE_NAMES:
-            raise UserError(f"`optim.{key}={getattr(optim, key)}` is not one of {', '.join(DTYPE_NAMES)}. Change `--optim.{key}`.")
-    if config.model.dtype not in DTYPE_NAMES:
-        raise UserError(f"`model.dtype={config.model.dtype}` is not one of {', '.join(DTYPE_NAMES)}. Change `--model.dtype`.")
-    _check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
-    _check_override_keys(config.ddp.override_ddp_config, DistributedDataParallelConfig, "ddp.override_ddp_config")
-    if not precision_aware(config):
-        return
-    why = "`model.dtype=fp16`" if config.model.dtype == "fp16" else "`optim.use_precision_aware_optimizer=true`"
-    optimizer = optim.override_optimizer_config.get("optimizer", "adam")
-    if optimizer != "adam":
-        raise UserError(f"{why} needs the adam optimizer, but `optim.override_optimizer_config.optimizer={optimizer}`.")
-    if not (config.parallel.use_distributed_optimizer or config.parallel.use_megatron_fsdp):
-        raise UserError(f"{why} needs the distributed optimizer: set `--parallel.use_distributed_optimizer=true`.")
-    if not have_transformer_engine():
-        raise UserError(f"{why} uses Transformer Engine's FusedAdam, and Transformer Engine is not installed. Install it "
-                        "(`uv sync --extra te` on a CUDA machine, or use NVIDIA's NGC PyTorch container), or use "
-                        "`--model.dtype=bf16 --optim.use_precision_aware_optimizer=false`.")
 
 
 def optimizer_config(config):
@@ -78,17 +27,17 @@ def optimizer_config(config):
         use_distributed_optimizer=config.parallel.use_distributed_optimizer or config.parallel.use_megatron_fsdp,
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
-        params_dtype=TORCH_DTYPES[dtype],
-        use_precision_aware_optimizer=precision_aware(config),
+        params_dtype=DTYPES[dtype],
+        use_precision_aware_optimizer=config.precision_aware,
     )
     if dtype == "fp16":
         # Moments stay fp32; master weights are kept whole (no bf16 + int16 remainder trick for fp16).
         settings.update(initial_loss_scale=FP16_INITIAL_LOSS_SCALE, min_loss_scale=1, store_param_remainders=False)
-    elif precision_aware(config):
+    elif config.precision_aware:
         settings.update(
-            main_grads_dtype=TORCH_DTYPES[optim.main_grads_dtype],
-            exp_avg_dtype=TORCH_DTYPES[optim.exp_avg_dtype],
-            exp_avg_sq_dtype=TORCH_DTYPES[optim.exp_avg_sq_dtype],
+            main_grads_dtype=DTYPES[optim.main_grads_dtype],
+            exp_avg_dtype=DTYPES[optim.exp_avg_dtype],
+            exp_avg_sq_dtype=DTYPES[optim.exp_avg_sq_dtype],
             main_params_dtype=torch.float32,
         )
     settings.update(optim.override_optimizer_config)

@@ -1,0 +1,153 @@
+"""The command line of both loops: a YAML file and `--a.b=value` overrides onto the config dataclasses, `--help`.
+
+`parse_args(ConfigClass, argv, program)` returns the config and the resume target; `run_cli(main)` turns a
+`UserError` into a one-paragraph message on rank 0 and exit status 2.
+"""
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from config.errors import UserError
+
+
+# ---------------------------------------------------------------- keys, values, parsing
+
+
+def flat_keys(config_class) -> dict[str, dataclasses.Field]:
+    """Every dotted key of a config class, mapped to its dataclass field."""
+    keys = {}
+    for section in dataclasses.fields(config_class):
+        for item in dataclasses.fields(section.type):
+            keys[f"{section.name}.{item.name}"] = item
+    return keys
+
+
+def _coerce(key: str, value, annotation):
+    """Check/convert one value to the field's type; raise UserError naming the key otherwise."""
+    origin = typing.get_origin(annotation) or annotation
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}[origin]
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-3` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
+        raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
+    if origin is list:
+        return [_coerce(key, item, typing.get_args(annotation)[0]) for item in value]
+    return value
+
+
+def _set(config, key: str, value, keys: dict) -> None:
+    """Set one dotted key, rejecting unknown keys with the closest known ones."""
+    if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
+        hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
+        raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")
+    section, name = key.split(".")
+    setattr(getattr(config, section), name, _coerce(key, value, keys[key].type))
+
+
+def _flatten(mapping: dict, prefix: str = "") -> dict:
+    """YAML nesting -> dotted keys (stopping at mapping-valued fields such as override_* dicts)."""
+    flat = {}
+    for name, value in mapping.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, dict) and dotted.count(".") == 0:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def help_text(config_class, program: str) -> str:
+    """`--help`: every key with its default and meaning."""
+    lines = [f"usage: torchrun --nproc-per-node N -m {program} [--config FILE.yaml] [--KEY=VALUE ...] "
+             "[--resume-from-checkpoint latest|PATH]", "", "keys (default: meaning):"]
+    defaults = config_class()  # a loop's own defaults override the shared sections'
+    for key, item in flat_keys(config_class).items():
+        section, name = key.split(".")
+        default = getattr(getattr(defaults, section), name)
+        lines.append(f"  --{key}={json.dumps(default)}\n      {item.metadata['help']}")
+    return "\n".join(lines)
+
+
+def parse_args(config_class, argv: list[str], program: str):
+    """Parse `--config`, `--resume-from-checkpoint` and `--key=value` / `--key value`; returns (config, resume)."""
+    keys = flat_keys(config_class)
+    if "--help" in argv or "-h" in argv:
+        print(help_text(config_class, program))
+        sys.exit(0)
+    pairs, resume, config_file = [], "", None
+    position = 0
+    while position < len(argv):
+        argument = argv[position]
+        if not argument.startswith("--"):
+            raise UserError(f"Unexpected argument `{argument}`: settings are given as `--key=value`. `--help` lists every key.")
+        name, has_value, value = argument[2:].partition("=")
+        if not has_value:
+            if position + 1 >= len(argv):
+                raise UserError(f"`--{name}` needs a value (`--{name}=VALUE`).")
+            position += 1
+            value = argv[position]
+        if name == "config":
+            config_file = value
+        elif name == "resume-from-checkpoint":
+            resume = value
+        else:
+            pairs.append((name, _parse_value(name, value)))
+        position += 1
+    config = config_class()
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise UserError(f"Config file `{config_file}` does not exist. Change `--config`.")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise UserError(f"Config file `{config_file}` is not valid YAML ({error}). Fix it or change `--config`.") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"Config file `{config_file}` must hold a mapping of sections (model:, train:, ...).")
+        for key, value in _flatten(loaded).items():
+            _set(config, key, value, keys)
+    for key, value in pairs:
+        _set(config, key, value, keys)
+    return config, resume
+
+
+def to_dict(config) -> dict:
+    """The config as a plain nested dict (for logs and checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def _parse_value(name: str, text: str):
+    """A command-line value read as YAML (`3`, `true`, `[0.9, 0.95]`, `{a: 1}`), or a UserError naming the key."""
+    if text == "":
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise UserError(f"`--{name}={text}` is not a valid value (numbers, true/false, strings, lists as `[a,b]`, "
+                        f"mappings as `{{key: value}}`). Change `--{name}`.") from None
+
+
+def run_cli(main) -> None:
+    """Run `main(argv)`; a UserError becomes a one-paragraph message on rank 0 and exit status 2."""
+    try:
+        main(sys.argv[1:])
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            # One paragraph: a message quoting a library's multi-line error is folded onto one line.
+            print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,373 @@
+"""The configuration of both loops: nested dataclasses with defaults in code, and every check that needs no model.
+
+`SFTConfig` and `GRPOConfig` share their sections; GRPO's defaults are overrides of the same sections.
+`config.validate(world_size)` runs every check that needs neither a model nor data, and raises a
+`UserError` naming the key to change. Derived values (the data-parallel size, whether Transformer Engine
+is installed, whether the precision-aware optimizer is in use) are defined here, once.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
+BASELINES = ("mean", "leave_one_out")
+KL_ESTIMATOR_NAMES = ("k1", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+# The reward whose full marks are the held-out accuracy of SFT, and GRPO's default reward.
+DEFAULT_REWARD = "arithmetic"
+
+
+@functools.cache
+def have_transformer_engine() -> bool:
+    """Whether Transformer Engine is installed (its layers, fusions and FusedAdam are then available)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+# ---------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or `tiny` (the embedded default, built offline on first use)"})
+    dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
+    attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree (divides the attention and KV heads)"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (divides the layers)"})
+    vpp: int = field(default=1, metadata={"help": "virtual pipeline stages per PP rank (interleaved 1F1B when > 1)"})
+    use_megatron_fsdp: bool = field(default=False, metadata={"help": "shard params, grads and optimizer state with Megatron-FSDP"})
+    use_distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state across data-parallel ranks (ZeRO-1)"})
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Processes per model replica are tp x pp; the rest is data parallelism."""
+        return world_size // (self.tp * self.pp)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps before the cosine decay"})
+    weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay (AdamW)"})
+    clip_grad: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "Adam betas [beta1, beta2]"})
+    eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
+    use_precision_aware_optimizer: bool = field(default=False, metadata={"help": "bf16: keep optimizer state in the dtypes below (needs Transformer Engine)"})
+    main_grads_dtype: str = field(default="fp32", metadata={"help": "precision-aware: main gradient dtype fp32 | bf16 | fp16"})
+    exp_avg_dtype: str = field(default="fp32", metadata={"help": "precision-aware: Adam first-moment dtype fp32 | bf16 | fp16"})
+    exp_avg_sq_dtype: str = field(default="fp32", metadata={"help": "precision-aware: Adam second-moment dtype fp32 | bf16 | fp16"})
+    override_optimizer_config: dict = field(default_factory=dict, metadata={"help": "megatron-core OptimizerConfig fields set last (win over everything)"})
+
+
+@dataclass
+class DDPConfig:
+    override_ddp_config: dict = field(default_factory=dict, metadata={"help": "megatron-core DistributedDataParallelConfig fields set last (always win)"})
+
+
+@dataclass
+class DataConfig:
+    path: str = field(default="arithmetic", metadata={"help": "json/jsonl/parquet file or dir, a hub dataset name, or `arithmetic` (bundled)"})
+    hub_config: str = field(default="", metadata={"help": "hub dataset configuration name (e.g. `main` for openai/gsm8k)"})
+    eval_path: str = field(default="", metadata={"help": "held-out data (same forms as data.path); default: the test split of data.path"})
+    prompt_field: str = field(default="question", metadata={"help": "row field holding the prompt"})
+    response_field: str = field(default="answer", metadata={"help": "row field holding the response (GRPO: the reference answer the reward compares with)"})
+    messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; the last assistant turn is the response)"})
+    max_seq_len: int = field(default=128, metadata={"help": "tokens per sample, longer ones are cut from the right (GRPO: prompt + completion; longer prompts are skipped and counted)"})
+    pack: bool = field(default=False, metadata={"help": "SFT: pack several samples per row (positions restart, no cross-sample attention)"})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=600, metadata={"help": "optimizer steps (GRPO: rollout + update steps); also the learning-rate schedule's length"})
+    global_batch_size: int = field(default=32, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
+    micro_batch_size: int = field(default=8, metadata={"help": "samples per forward/backward on one rank"})
+    seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
+    out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, hf/ and checkpoints"})
+    exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 at this step (0: off)"})
+    eval_interval: int = field(default=300, metadata={"help": "evaluate on held-out data every N steps and at the end (0: only at the end)"})
+    eval_samples: int = field(default=100, metadata={"help": "held-out samples per evaluation (0: no evaluation)"})
+    log_interval: int = field(default=20, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
+
+
+@dataclass
+class CkptConfig:
+    dir: str = field(default="", metadata={"help": "checkpoint directory (default: <train.out_dir>/checkpoints)"})
+    save_interval: int = field(default=0, metadata={"help": "save every N steps (0: only at the end)"})
+    keep_last: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints"})
+
+
+@dataclass
+class GRPOSection:
+    n_samples: int = field(default=8, metadata={"help": "completions sampled per prompt (one advantage group)"})
+    reward: str = field(default=DEFAULT_REWARD, metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible, or your own as module:function; its full marks are the accuracy"})
+    format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
+    baseline: str = field(default="mean", metadata={"help": "advantage baseline within a group: mean | leave_one_out"})
+    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
+    kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
+    kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator: k1 | k3"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO ratio clip below: 1 - clip_low"})
+    clip_high: float = field(default=0.28, metadata={"help": "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher when > clip_low)"})
+    dual_clip: float = field(default=3.0, metadata={"help": "bound the loss of negative-advantage tokens at dual_clip x |A| (0: off, else > 1)"})
+    loss_aggregation: str = field(default="token_mean", metadata={"help": "token_mean (over the global batch) | seq_mean_token_mean"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each step's rollouts"})
+    mini_batches: int = field(default=1, metadata={"help": "optimizer updates per pass (the rollouts are split into this many)"})
+    max_new_tokens: int = field(default=32, metadata={"help": "longest completion in tokens (generation stops earlier at EOS)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts (log-probs use the same)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass of rollouts (1: off)"})
+    top_k: int = field(default=0, metadata={"help": "sample rollouts from the k most likely tokens (0: off)"})
+
+
+# ---------------------------------------------------------------- the two loops' configurations
+
+
+def _require(holds: bool, message: str) -> None:
+    """Raise `message` as a UserError unless `holds`."""
+    if not holds:
+        raise UserError(message)
+
+
+@dataclass
+class TrainerConfig:
+    """The sections both loops share, and the checks that apply to both."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+
+    @property
+    def precision_aware(self) -> bool:
+        """fp16 always keeps fp32 master weights in TE's FusedAdam; bf16 only when the user opts in."""
+        return self.model.dtype == "fp16" or (self.model.dtype == "bf16" and self.optim.use_precision_aware_optimizer)
+
+    def validate(self, world_size: int) -> None:
+        """Every check that needs no model and no data; each error names the key to change."""
+        self._validate_parallel(world_size)
+        self._validate_model()
+        self._validate_optimizer()
+        self._validate_schedule()
+        self._validate_batch(world_size)
+
+    def validate_model_shape(self, model_path: Path) -> None:
+        """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
+        hf = read_hf_config(model_path, "model.path")
+        parallel = self.parallel
+        heads = hf.get("num_attention_heads", 1)
+        kv_heads = hf.get("num_key_value_heads") or heads
+        _require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,
+                 f"`parallel.tp={parallel.tp}` must divide the model's {heads} attention heads and {kv_heads} key/value heads. "
+                 "Change `--parallel.tp`.")
+        layers = hf.get("num_hidden_layers", 1)
+        _require(layers % (parallel.pp * parallel.vpp) == 0,
+                 f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the model's {layers} layers.")
+
+    def _validate_model(self) -> None:
+        model = self.model
+        _require(model.dtype in DTYPE_NAMES, f"`model.dtype={model.dtype}` is not one of {', '.join(DTYPE_NAMES)}. Change `--model.dtype`.")
+        _require(model.attention in ATTENTION_NAMES, f"`model.attention={model.attention}` is not one of "
+                 f"{', '.join(ATTENTION_NAMES)}. Change `--model.attention`.")
+        _require(model.attention != "transformer_engine" or have_transformer_engine(),
+                 "`model.attention=transformer_engine` needs Transformer Engine, which is not installed. "
+                 "Use `--model.attention=auto` (SDPA without it), or install it (README, GPUs).")
+        if self._model_path_exists_now():
+            self.validate_model_shape(Path(model.path))
+
+    def _model_path_exists_now(self) -> bool:
+        """Whether `model.path` must already be an HF directory at start-up (`tiny` is built on first use)."""
+        return self.model.path != "tiny"
+
+    def _validate_parallel(self, world_size: int) -> None:
+        parallel = self.parallel
+        for key in ("tp", "pp", "vpp"):
+            _require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
+        _require(world_size % (parallel.tp * parallel.pp) == 0,
+                 f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
+                 f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")
+        _require(parallel.vpp == 1 or parallel.pp > 1, "`parallel.vpp` > 1 needs pipeline parallelism (`parallel.pp` > 1).")
+        # Measured with megatron-fsdp 0.6.1: the model build fails in its device-mesh set-up (an einops error).
+        _require(not (parallel.use_megatron_fsdp and parallel.pp > 1),
+                 "`parallel.use_megatron_fsdp=true` does not work with pipeline parallelism in this stack "
+                 f"(`parallel.pp={parallel.pp}`). Use `--parallel.use_megatron_fsdp=false` (DDP with the distributed "
+                 "optimizer, which also shards optimizer state) or `--parallel.pp=1`.")
+
+    def _validate_optimizer(self) -> None:
+        optim = self.optim
+        _require(isinstance(optim.betas, list) and len(optim.betas) == 2 and all(0 <= beta < 1 for beta in optim.betas),
+                 f"`optim.betas` must be two numbers in [0, 1), [beta1, beta2], got {optim.betas}. Change `--optim.betas` "
+                 "(e.g. `--optim.betas=[0.9,0.95]`).")
+        for key, holds, rule in (("lr", optim.lr >= 0, "0 or more"), ("min_lr", 0 <= optim.min_lr, "0 or more"),
+                                 ("eps", optim.eps > 0, "positive"), ("weight_decay", optim.weight_decay >= 0, "0 or more"),
+                                 ("clip_grad", optim.clip_grad >= 0, "0 (off) or more"),
+                                 ("warmup_steps", optim.warmup_steps >= 0, "0 or more")):
+            _require(holds, f"`optim.{key}` must be {rule}, got {getattr(optim, key)}. Change `--optim.{key}`.")
+        for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            _require(getattr(optim, key) in DTYPE_NAMES,
+                     f"`optim.{key}={getattr(optim, key)}` is not one of {', '.join(DTYPE_NAMES)}. Change `--optim.{key}`.")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+
+        _check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
+        _check_override_keys(self.ddp.override_ddp_config, DistributedDataParallelConfig, "ddp.override_ddp_config")
+        if optim.use_precision_aware_optimizer and self.model.dtype == "fp32":
+            log.warning("`optim.use_precision_aware_optimizer=true` has no effect with `model.dtype=fp32`: fp32 training "
+                        "keeps fp32 weights, gradients and Adam state already (set `--model.dtype=bf16` to use it).")
+        if not self.precision_aware:
+            return
+        why = "`model.dtype=fp16`" if self.model.dtype == "fp16" else "`optim.use_precision_aware_optimizer=true`"
+        optimizer = optim.override_optimizer_config.get("optimizer", "adam")
+        _require(optimizer == "adam", f"{why} needs the adam optimizer, but `optim.override_optimizer_config.optimizer={optimizer}`.")
+        _require(self.parallel.use_distributed_optimizer or self.parallel.use_megatron_fsdp,
+                 f"{why} needs the distributed optimizer: set `--parallel.use_distributed_optimizer=true`.")
+        _require(have_transformer_engine(),
+                 f"{why} uses Transformer Engine's FusedAdam, and Transformer Engine is not installed. Install it "
+                 "(`uv sync --extra te` on a CUDA machine, or use NVIDIA's NGC PyTorch container), or use "
+                 "`--model.dtype=bf16 --optim.use_precision_aware_optimizer=false`.")
+
+    def _validate_schedule(self) -> None:
+        train, ckpt = self.train, self.ckpt
+        checks = (("train.steps", train.steps >= 1, "at least 1"), ("train.micro_batch_size", train.micro_batch_size >= 1, "at least 1"),
+                  ("train.global_batch_size", train.global_batch_size >= 1, "at least 1"),
+                  ("train.exit_interval", train.exit_interval >= 0, "0 (off) or more"),
+                  ("train.eval_interval", train.eval_interval >= 0, "0 (only at the end) or more"),
+                  ("train.eval_samples", train.eval_samples >= 0, "0 (no evaluation) or more"),
+                  ("train.log_interval", train.log_interval >= 1, "at least 1"),
+                  ("ckpt.save_interval", ckpt.save_interval >= 0, "0 (only at the end) or more"),
+                  ("ckpt.keep_last", ckpt.keep_last >= 1, "at least 1"),
+                  ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"))
+        for key, holds, rule in checks:
+            _require(holds, f"`{key}` must be {rule}, got {_value(self, key)}. Change `--{key}`.")
+
+    def _validate_batch(self, world_size: int) -> None:
+        train = self.train
+        data_parallel = self.parallel.data_parallel_size(world_size)
+        _require(train.global_batch_size % (train.micro_batch_size * data_parallel) == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `train.micro_batch_size="
+                 f"{train.micro_batch_size}` x data-parallel size {data_parallel}.")
+
+
+@dataclass
+class SFTConfig(TrainerConfig):
+    """`trainer.sft`: the shared sections at their defaults."""
+
+    def validate(self, world_size: int) -> None:
+        """The shared checks, and packing's limit."""
+        super().validate(world_size)
+        _require(not (self.data.pack and self.parallel.pp > 1),
+                 "`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
+                 "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
+
+
+# GRPO's default starting policy: the default SFT's output, trained first when missing.
+DEFAULT_GRPO_START = "outputs/sft/hf"
+
+
+@dataclass
+class GRPOConfig(TrainerConfig):
+    """`trainer.grpo`: the shared sections with GRPO's defaults, and the `grpo` section."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START))
+    # Half the SFT's final learning rate, held: on the tiny model 5e-5 raises the reward as much as 1e-4 and
+    # keeps the held-out accuracy, 1e-4 lowers it a little, 2e-4 or more lowers the reward (measured, see README).
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-5, min_lr=5e-5, warmup_steps=5))
+    # 64 prompts a step: the tiny model learns facts one prompt at a time, and smaller steps mostly add noise.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=40, global_batch_size=512, micro_batch_size=64, out_dir="outputs/grpo", eval_interval=0,
+        eval_samples=1000, log_interval=5))
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def starts_from_default_sft(self) -> bool:
+        """Whether this run starts from the default SFT's output and that output does not exist yet."""
+        return self.model.path == DEFAULT_GRPO_START and not (Path(DEFAULT_GRPO_START) / "config.json").is_file()
+
+    def _model_path_exists_now(self) -> bool:
+        return super()._model_path_exists_now() and not self.starts_from_default_sft()
+
+    def validate(self, world_size: int) -> None:
+        """The shared checks and GRPO's own; with the default start, also the default SFT's for this world size."""
+        parallel, grpo, data = self.parallel, self.grpo, self.data
+        _require(parallel.pp == 1 and parallel.vpp == 1,
+                 "GRPO samples its rollouts with the policy itself, which needs the whole model on every rank: "
+                 "set `parallel.pp=1` and `parallel.vpp=1` (tensor and data parallelism are fine).")
+        _require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
+        _require(grpo.n_samples >= 2,
+                 f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
+        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATOR_NAMES),
+                             ("loss_aggregation", LOSS_AGGREGATIONS)):
+            _require(getattr(grpo, key) in allowed,
+                     f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
+        rules = {  # key: (holds, what it must be)
+            "clip_low": (0 < grpo.clip_low < 1, "between 0 and 1"), "clip_high": (grpo.clip_high > 0, "positive"),
+            "dual_clip": (grpo.dual_clip == 0 or grpo.dual_clip > 1, "0 (off) or above 1"),
+            "kl_coef": (grpo.kl_coef >= 0, "0 or more"), "temperature": (grpo.temperature > 0, "positive (rollouts are sampled)"),
+            "top_p": (0 < grpo.top_p <= 1, "in (0, 1]"), "top_k": (grpo.top_k >= 0, "0 or more"),
+            "ppo_epochs": (grpo.ppo_epochs >= 1, "at least 1"), "mini_batches": (grpo.mini_batches >= 1, "at least 1"),
+            "max_new_tokens": (1 <= grpo.max_new_tokens < data.max_seq_len,
+                               f"at least 1 and below `data.max_seq_len={data.max_seq_len}`"),
+        }
+        for name, (holds, rule) in rules.items():
+            _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
+        super().validate(world_size)
+        if self.starts_from_default_sft():
+            try:
+                SFTConfig().validate(world_size)
+            except UserError as error:
+                raise UserError(f"GRPO starts from the default SFT's output `{DEFAULT_GRPO_START}`, which does not exist yet, "
+                                f"and the default SFT cannot run on {world_size} processes: {error} Run `torchrun -m "
+                                "trainer.sft` with settings for this many processes first, or set `--model.path`.") from None
+
+    def _validate_batch(self, world_size: int) -> None:
+        train, grpo = self.train, self.grpo
+        data_parallel = self.parallel.data_parallel_size(world_size)
+        _require(train.global_batch_size % grpo.n_samples == 0 and (train.global_batch_size // grpo.n_samples) % data_parallel == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` counts completions: it must be a multiple of "
+                 f"`grpo.n_samples={grpo.n_samples}` whose number of prompts divides over the data-parallel size "
+                 f"{data_parallel}. Change `--train.global_batch_size`.")
+        _require(train.global_batch_size % (grpo.mini_batches * train.micro_batch_size * data_parallel) == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `grpo.mini_batches="
+                 f"{grpo.mini_batches}` x `train.micro_batch_size={train.micro_batch_size}` x data-parallel size "
+                 f"{data_parallel}. Change one of them.")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def read_hf_config(path: Path, key: str) -> dict:
+    """config.json of an HF checkpoint directory, or a UserError naming `key`."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"`{key}={path}` is not a Hugging Face checkpoint directory (no config.json there). "
+                        f"Point `--{key}` at a directory saved with `save_pretrained`, or use `tiny`.")
+    try:
+        return json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"`{config_file}` is not valid JSON ({error}). Fix the file or point `--{key}` elsewhere.") from None
+
+
+def _check_override_keys(overrides: dict, config_class, key: str) -> None:
+    """Reject override keys the megatron-core class does not have, naming our config key."""
+    known = {item.name for item in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - known)
+    _require(not unknown, f"`{key}` sets {', '.join(f'`{name}`' for name in unknown)}, which megatron-core's "
+             f"{config_class.__name__} does not have. Remove or rename them in `{key}`.")
+
+
+def _value(config, dotted: str):
+    """The value of a dotted key."""
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)

@@ -20,10 +20,12 @@ TEMPLATES = [
     ("*", (2, 9), (2, 9), "{name} has {a} bags with {b} {thing} in each bag. How many {thing} does {name} have in total?"),
 ]
 
-OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# The problems never divide, but the `arithmetic` reward checks division in a model's working.
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
-# A number as GSM8K writes it: optional sign, optional thousands commas, optional decimals.
-NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
+# A number as GSM8K or a model writes it: optional sign, optional thousands commas, optional decimals,
+# or decimals alone (`.5`).
+NUMBER = r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 
 
 def generate_problems(count: int, seed: int) -> list[dict]:
@@ -54,7 +56,10 @@ def extract_final_answer(text: str, strict: bool = True) -> str | None:
         marker = text.rfind("####")
         if marker < 0:
             return None
-        match = re.match(rf"\s*\$?({NUMBER})", text[marker + 4 :])
-        return match.group(1).replace(",", "") if match else None
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1].replace(",", "") if numbers else None
+        match = re.match(rf"\s*(?:\$\s*)?({NUMBER})", text[marker + 4 :])
+        number = match.group(1) if match else None
+    else:
+        numbers = re.findall(NUMBER, text)
+        number = numbers[-1] if numbers else None
+    # Without commas or a plus sign, so that callers comparing the strings see `+1,000` and `1000` agree.
+    return number.replace(",", "").removeprefix("+") if number is not None else None

@@ -11,13 +11,29 @@ import math
 import re
 from collections.abc import Callable
 
-from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 from config.errors import UserError
+from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 
 RewardFunction = Callable[[str, str], float]
 
-# `a op b = c` as the bundled task shows its working.
-EQUATION = re.compile(rf"({NUMBER})\s*([-+*])\s*({NUMBER})\s*=\s*({NUMBER})")
+# A piece of shown working: a number (with its sign, as NUMBER reads it, or a `%`), an operator, a
+# parenthesis or `=`. Spaces, tabs and `$` sit between pieces; anything else (a word, a newline, `<<`)
+# ends the run. A number glued to a letter (`5A`, `s+55`) is part of a name or a term, not a number.
+TOKEN = re.compile(
+    rf"(?P<number>(?<![^\W\d])(?>{NUMBER})(?:[ \t]*%)?(?![^\W\d]))"
+    r"|(?P<symbol>[-+*/()=×÷−–]|(?<!\w)x(?!\w))|(?P<gap>[ \t$]+)|(?P<other>.)",
+    re.DOTALL,
+)
+# How people write the operators: `2 x 3`, `6 ÷ 2`, and a minus sign or an en dash for `-`.
+SYMBOL_SPELLINGS = {"x": "*", "×": "*", "÷": "/", "−": "-", "–": "-"}
+SYMBOLS = frozenset("+-*/()=")
+PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+# A shown result is right when it equals the computed value up to floating-point noise (relative 1e-9;
+# 1e-6 would pass `1,000,000 + 1 = 1,000,000`), or when it is written with decimals and is the value
+# rounded to them (`1 / 3 = 0.33`). A whole number claims an exact result: `10 / 3 = 3` is wrong.
+RELATIVE_TOLERANCE = 1e-9
+ABSOLUTE_TOLERANCE = 1e-9
 
 
 def _same_number(answer: str | None, reference: str | None) -> bool:
@@ -37,13 +53,127 @@ def gsm8k_flexible(completion: str, reference: str) -> float:
     return float(_same_number(extract_final_answer(completion, strict=False), extract_final_answer(reference, strict=True)))
 
 
+def _runs(text: str) -> list[list[str]]:
+    """The runs of arithmetic in `text` as token lists; a sign right after an operand is an operator (`5-3`)."""
+    runs, run = [], []
+    for match in TOKEN.finditer(text):
+        kind, token = match.lastgroup, match.group()
+        if kind == "other":
+            if run:
+                runs.append(run)
+            run = []
+        elif kind == "number" and token[0] in "+-" and run and (run[-1] == ")" or run[-1] not in SYMBOLS):
+            run += [token[0], token[1:]]
+        elif kind != "gap":
+            run.append(SYMBOL_SPELLINGS.get(token, token))
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _steps(text: str) -> list[tuple[list[str], list[str]]]:
+    """Each `left = right` pair of sides in the text's runs of arithmetic (a chain `a = b = c` gives two)."""
+    steps = []
+    for run in _runs(text):
+        sides = [[]]
+        for token in run:
+            if token == "=":
+                sides.append([])
+            else:
+                sides[-1].append(token)
+        steps += zip(sides, sides[1:])
+    return steps
+
+
+def _number(token: str) -> tuple[float, int]:
+    """The value of a number token (`1,000.5`, `-3`, `20%`) and how many decimal places it is written to."""
+    digits = token.rstrip("% \t").replace(",", "")
+    decimals = len(digits.partition(".")[2])
+    if token.endswith("%"):
+        return float(digits) / 100, decimals + 2
+    return float(digits), decimals
+
+
+def _evaluate(tokens: list[str]) -> tuple[float, int]:
+    """The value of `tokens` (* and / before + and -, left to right) and its operator count; ValueError if malformed."""
+    # Operator precedence parsing with two stacks, so that no input nests Python calls deeply. There is
+    # no unary minus: a sign is part of its number, and a side that starts with an operator is a fragment.
+    values, pending = [], []
+
+    def apply():
+        right, left = values.pop(), values.pop()
+        values.append(OPERATIONS[pending.pop()](left, right))
+
+    expect_operand, operators = True, 0
+    for token in tokens:
+        if token == "(" and expect_operand:
+            pending.append(token)
+        elif token == ")" and not expect_operand:
+            while pending and pending[-1] != "(":
+                apply()
+            if not pending:
+                raise ValueError("unmatched `)`")
+            pending.pop()
+        elif token in PRECEDENCE and not expect_operand:
+            while pending and pending[-1] != "(" and PRECEDENCE[pending[-1]] >= PRECEDENCE[token]:
+                apply()
+            pending.append(token)
+            expect_operand, operators = True, operators + 1
+        elif token not in SYMBOLS and expect_operand:
+            values.append(_number(token)[0])
+            expect_operand = False
+        else:
+            raise ValueError(f"`{token}` out of place")
+    if expect_operand or "(" in pending:
+        raise ValueError("incomplete expression")
+    while pending:
+        apply()
+    return values[0], operators
+
+
+def _without_stray_parentheses(tokens: list[str]) -> list[str]:
+    """`tokens` less the unmatched `(` they start with or `)` they end with, as in `(2 + 3 = 5)`."""
+    excess = tokens.count("(") - tokens.count(")")
+    if excess > 0 and tokens[:excess] == ["("] * excess:
+        return tokens[excess:]
+    if excess < 0 and tokens[excess:] == [")"] * -excess:
+        return tokens[:excess]
+    return tokens
+
+
+def _is_close(value: float, result: float, decimals: int = 0) -> bool:
+    """Whether `result`, written with `decimals` decimal places, is right for `value` (see RELATIVE_TOLERANCE)."""
+    rounding = 0.5 * 10.0**-decimals if decimals else 0.0
+    return math.isclose(value, result, rel_tol=RELATIVE_TOLERANCE, abs_tol=ABSOLUTE_TOLERANCE + rounding)
+
+
+def _step_holds(left: list[str], right: list[str]) -> bool:
+    """Whether the step `left = right` is true; one showing no computation, or part of one, is not judged: True."""
+    left, right = _without_stray_parentheses(left), _without_stray_parentheses(right)
+    try:
+        value, operators = _evaluate(left)
+    except ValueError:  # e.g. `* 3 + 4` from `2 apples * 3 + 4 = 10`: its start is not arithmetic
+        return True
+    except ZeroDivisionError:
+        return False
+    if operators == 0:  # `Day 1 = 5 + 3 = 8` shows no computation on the left of its first `=`
+        return True
+    if right and right[0] not in SYMBOLS and _is_close(value, *_number(right[0])):
+        return True  # the result, which a running total may go on from: `3 * 4 = 12 + 2 = 14`
+    try:
+        whole = _evaluate(right)[0]  # a rewriting: `2 + 3 * 4 = 2 + 12`
+    except ValueError:  # `3 / 2 = 1 1/2`, `8/3 = 24/Y`: a result this cannot read is not judged
+        return True
+    except ZeroDivisionError:
+        return False
+    return _is_close(value, whole)
+
+
 def arithmetic(completion: str, reference: str) -> float:
-    """The bundled task: 1.0 when the `#### N` answer is right and every `a op b = c` shown holds, else 0.0."""
-    for left, symbol, right, result in EQUATION.findall(completion):
-        values = [float(number.replace(",", "")) for number in (left, right, result)]
-        if OPERATIONS[symbol](values[0], values[1]) != values[2]:
-            return 0.0
-    return gsm8k(completion, reference)
+    """The bundled task: 1.0 when the `#### N` answer is right and every computation shown holds, else 0.0."""
+    if all(_step_holds(left, right) for left, right in _steps(completion)):
+        return gsm8k(completion, reference)
+    return 0.0
 
 
 REWARDS: dict[str, RewardFunction] = {"arithmetic": arithmetic, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible}

@@ -1,9 +1,12 @@
-"""Reward functions on hand examples, scoring that survives a raising reward, and the unknown-name error."""
+"""Reward functions on hand examples and on GSM8K, scoring that survives a raising reward, and the unknown-name error."""
+
+import json
 
 import pytest
 
-from data import rewards
 from config.errors import UserError
+from data import rewards
+from tests.conftest import GSM8K
 
 REFERENCE = "3 + 5 = 8\n#### 8"
 
@@ -43,6 +46,97 @@ def test_thousands_separators_in_the_reference():
 ])
 def test_arithmetic(completion, expected):
     assert rewards.arithmetic(completion, REFERENCE) == expected
+
+
+@pytest.mark.parametrize("working, expected", [
+    ("2 + 3 * 4 = 14", 1.0),                    # * before +, not `3 * 4 = 14`
+    ("2 + 3 * 4 = 20", 0.0),                    # what left to right without precedence gives
+    ("10 - 4 - 3 = 3", 1.0),                    # same precedence: left to right
+    ("8 / 4 / 2 = 1", 1.0),
+    ("(2 + 3) * 4 = 20", 1.0),
+    ("2 * (3 + 4) = 14", 1.0),
+    ("5 - 8 = -3", 1.0),
+    ("2 * -3 = -6", 1.0),
+])
+def test_arithmetic_evaluates_each_step_with_precedence(working, expected):
+    answer = working.rpartition("=")[2].strip()
+    assert rewards.arithmetic(f"{working}\n#### {answer}", f"#### {answer}") == expected
+
+
+@pytest.mark.parametrize("working, expected", [
+    ("3 / 4 = 0.75", 1.0),
+    ("3 / 4 = 5", 0.0),
+    ("6 ÷ 4 = 1.5", 1.0),
+    ("5 / 0 = 0", 0.0),                         # no result is right for a division by zero
+])
+def test_arithmetic_checks_division(working, expected):
+    answer = working.rpartition("=")[2].strip()
+    assert rewards.arithmetic(f"{working}\n#### {answer}", f"#### {answer}") == expected
+
+
+@pytest.mark.parametrize("working, expected", [
+    ("0.1 + 0.2 = 0.3", 1.0),                   # 0.30000000000000004 in floating point
+    ("1 / 3 = 0.33", 1.0),                      # rounded to the decimals shown
+    ("2 / 3 = 0.67", 1.0),
+    ("2 / 3 = 0.66", 0.0),
+    ("10 / 3 = 3", 0.0),                        # a whole number claims an exact result
+    ("1,000,000 + 1 = 1,000,000", 0.0),         # the tolerance is relative 1e-9, not 1e-6
+])
+def test_arithmetic_compares_results_with_a_tolerance(working, expected):
+    answer = working.rpartition("=")[2].strip()
+    assert rewards.arithmetic(f"{working}\n#### {answer}", f"#### {answer}") == expected
+
+
+@pytest.mark.parametrize("working, answer, expected", [
+    ("3 * 4 = 12 + 2 = 14", "14", 1.0),        # a running total goes on from each result
+    ("2 + 3 * 4 = 2 + 12 = 14", "14", 1.0),    # or each side is rewritten
+    ("2 + 3 = 6 + 1 = 7", "7", 0.0),
+    ("(2 + 3 = 5) apples", "5", 1.0),
+    ("(2 + 3 = 6) apples", "6", 0.0),
+    ("$5 + $3 = $8", "8", 1.0),
+    ("2 x 3 = 6", "6", 1.0),
+    ("2 x 3 = 7", "7", 0.0),
+    ("3 / 6 = 50%", "50", 1.0),
+    ("She has 48/2 = <<48/2=24>>24 clips", "24", 1.0),  # GSM8K's calculator annotations
+    ("Day 1 = 5 + 3 = 8", "8", 1.0),           # `1 = 5 + 3` shows no computation on its left
+    ("2 apples * 3 + 4 = 10", "10", 1.0),      # `* 3 + 4` is the end of a computation, not judged
+    ("3 / 2 = 1 1/2", "1.5", 1.0),              # a mixed number is not read, not judged
+])
+def test_arithmetic_reads_working_as_written(working, answer, expected):
+    assert rewards.arithmetic(f"{working}\n#### {answer}", f"#### {answer}") == expected
+
+
+@pytest.mark.parametrize("written, value", [
+    (".5", "0.5"),
+    ("+5", "5"),
+    ("$18", "18"),
+    ("$ 18", "18"),
+    ("1,000", "1000"),
+    ("-3", "-3"),
+    ("1,000.50", "1000.5"),
+])
+def test_answers_as_written_are_numbers(written, value):
+    assert rewards.gsm8k(f"#### {written}", f"#### {written}") == 1.0
+    assert rewards.gsm8k(f"#### {written}", f"#### {value}") == 1.0
+    assert rewards.gsm8k(f"#### {value}", f"#### {written}") == 1.0
+    assert rewards.gsm8k_flexible(f"#### {written}", f"#### {written}") == 1.0
+    assert rewards.gsm8k_flexible(f"so the answer is {written}.", f"#### {value}") == 1.0
+
+
+@pytest.mark.parametrize("written, other", [(".5", "5"), ("-3", "3"), ("1,000.50", "1000"), ("1,000", "1")])
+def test_answers_as_written_are_read_whole(written, other):
+    assert rewards.gsm8k(f"#### {written}", f"#### {other}") == 0.0
+    assert rewards.gsm8k_flexible(f"so the answer is {written}.", f"#### {other}") == 0.0
+
+
+def test_every_gsm8k_test_answer_scores_full_marks_against_itself():
+    test_file = GSM8K / "test.jsonl"
+    if not test_file.exists():
+        pytest.skip(f"GSM8K is not at {test_file}")
+    answers = [json.loads(line)["answer"] for line in test_file.read_text().splitlines()]
+    assert len(answers) == 1319
+    assert [answer for answer in answers if rewards.gsm8k(answer, answer) != 1.0] == []
+    assert [answer for answer in answers if rewards.gsm8k_flexible(answer, answer) != 1.0] == []
 
 
 def test_format_bonus_and_accuracy_are_separate():

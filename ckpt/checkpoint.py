@@ -378,8 +378,9 @@ class Preemption:
 
 
 class Checkpointer:
-    """Saves and restores one run's named stateful parts: the model chunks and optimizer (sharded), every
-    rank's RNG, and any objects with `state_dict()` / `load_state_dict()` (LR schedule, data position)."""
+    """Saves and restores one run's named stateful parts: the policy's model chunks and optimizer (sharded),
+    every rank's RNG, and any objects with `state_dict()` / `load_state_dict()` (LR schedule, data position).
+    After the last step it also writes the run's output, the trained model as a Hugging Face checkpoint."""
 
     def __init__(self, config, resume: str, model_path: Path):
         """Resolve what to resume from before any model is built: a bad target costs nothing and overwrites nothing."""
@@ -387,23 +388,26 @@ class Checkpointer:
         self.directory = checkpoint_dir(config)
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
-        self.chunks, self.optimizer, self.parts, self.preemption = None, None, {}, None
+        self.policy, self.parts, self.preemption = None, {}, None
 
-    @property
     def finished(self) -> bool:
-        """Whether the checkpoint resumed from has already run every step."""
-        return self.resume_step >= self.config.train.steps
+        """Whether the checkpoint resumed from has already run every step (said once, then there is nothing to do)."""
+        if self.resume_step < self.config.train.steps:
+            return False
+        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", self.config.train.steps,
+                 self.resume_path)
+        return True
 
-    def track(self, chunks: list, optimizer, **parts) -> None:
+    def track(self, policy, **parts) -> None:
         """Name what a checkpoint holds; from now on SIGTERM/SIGINT ask the loop to save and stop."""
-        self.chunks, self.optimizer, self.parts = chunks, optimizer, parts
+        self.policy, self.parts = policy, parts
         self.preemption = Preemption()
 
     def resume(self) -> int:
         """Load every tracked part from the resume target; returns the step to continue after (0: fresh start)."""
         if self.resume_path is None:
             return 0
-        state = load(self.resume_path, self.chunks, self.optimizer)
+        state = load(self.resume_path, self.policy.chunks, self.policy.optimizer)
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
         log.info("resumed from %s at step %d", self.resume_path, state["step"])
@@ -413,16 +417,19 @@ class Checkpointer:
         """Write every tracked part after `step`. Collective."""
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
-        return save(self.directory, step, self.chunks, self.optimizer, state, self.config.ckpt.keep_last,
+        return save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
                     dist.get_rank() == 0)
 
     def maybe_save(self, step: int) -> bool:
-        """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal); True: stop now."""
+        """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
+        the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished)."""
         train = self.config.train
         stop = self.preemption.agreed() or step == train.exit_interval
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
             self.save(step)
+        if step == train.steps:
+            self.policy.export(Path(train.out_dir), dist.get_rank() == 0)
         if stop:
             log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
                      "signal" if self.preemption.requested else "train.exit_interval")

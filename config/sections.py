@@ -101,6 +101,10 @@ class TrainConfig:
     eval_samples: int = field(default=100, metadata={"help": "held-out samples per evaluation (0: no evaluation)"})
     log_interval: int = field(default=20, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
 
+    def evaluates_at(self, step: int) -> bool:
+        """Held-out evaluation after `step`: every `eval_interval` steps, and after the last."""
+        return step == self.steps or bool(self.eval_interval and step % self.eval_interval == 0)
+
 
 @dataclass
 class CkptConfig:
@@ -299,7 +303,7 @@ class GRPOConfig(TrainerConfig):
         return super()._model_path_exists_now() and not self.starts_from_default_sft()
 
     def validate(self, world_size: int) -> None:
-        """The shared checks and GRPO's own; with the default start, also the default SFT's for this world size."""
+        """The shared checks and GRPO's own (the default start's SFT is checked by `trainer.default_start`)."""
         parallel, grpo, data = self.parallel, self.grpo, self.data
         _require(parallel.pp == 1 and parallel.vpp == 1,
                  "GRPO samples its rollouts with the policy itself, which needs the whole model on every rank: "
@@ -323,13 +327,6 @@ class GRPOConfig(TrainerConfig):
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
         super().validate(world_size)
-        if self.starts_from_default_sft():
-            try:
-                SFTConfig().validate(world_size)
-            except UserError as error:
-                raise UserError(f"GRPO starts from the default SFT's output `{DEFAULT_GRPO_START}`, which does not exist yet, "
-                                f"and the default SFT cannot run on {world_size} processes: {error} Run `torchrun -m "
-                                "trainer.sft` with settings for this many processes first, or set `--model.path`.") from None
 
     def _validate_batch(self, world_size: int) -> None:
         train, grpo = self.train, self.grpo

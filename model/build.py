@@ -45,13 +45,17 @@ def _stand_in_for_bridge_lora_layers() -> None:
     sys.modules[name] = stand_in
 
 
-def resolve_model_path(path: str) -> Path:
-    """`tiny` -> the embedded default checkpoint (built offline on first use); anything else is an HF directory."""
-    if path == "tiny":
+def resolve_model_path(config) -> Path:
+    """`model.path`: `tiny` is the embedded default (built offline on first use), else an HF directory; its shape
+    is checked against the parallel layout before anything is built."""
+    if config.model.path == "tiny":
         from model.tiny import ensure_tiny_checkpoint
 
-        return ensure_tiny_checkpoint()
-    return Path(path)
+        path = ensure_tiny_checkpoint()
+    else:
+        path = Path(config.model.path)
+    config.validate_model_shape(path)
+    return path
 
 
 def environment_ddp_defaults() -> dict:

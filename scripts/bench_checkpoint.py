@@ -102,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(1)
     config = SFTConfig()
     metrics.setup_logging(True)
-    tiny = build.resolve_model_path("tiny")
+    tiny = build.resolve_model_path(config)
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:

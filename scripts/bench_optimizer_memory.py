@@ -125,7 +125,7 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
         config, _ = cli.parse_args(SFTConfig, [*SAME_BATCH, f"--model.path={model_path}", *VARIANTS[name][1]],
                                    "bench_optimizer_memory")
         config.validate(runtime.world_size)
-        policy = build.build_policy(config, build.resolve_model_path(config.model.path), tokenizer)
+        policy = build.build_policy(config, build.resolve_model_path(config), tokenizer)
         chunks, optimizer = policy.chunks, policy.optimizer
         schedule = sft_data.BatchSchedule(len(examples), config.train.global_batch_size, config.train.micro_batch_size,
                                           runtime.dp_rank, runtime.dp_size, config.train.seed)
@@ -151,13 +151,13 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from config.sections import ParallelConfig
+    from config.sections import ModelConfig, ParallelConfig, SFTConfig
     from data import sft as sft_data
     from model import build, parallel
     from trainer import metrics
 
     metrics.setup_logging(False)
-    path = build.resolve_model_path(model_path)
+    path = build.resolve_model_path(SFTConfig(model=ModelConfig(path=model_path)))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = sft_data.load_rows("arithmetic")[:64]
     conversations, report = sft_data.to_conversations(rows)

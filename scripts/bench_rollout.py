@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if torch.cuda.is_available() else "fp32")
     args = parser.parse_args()
 
-    path = build.resolve_model_path(args.model)
+    path = build.resolve_model_path(SFTConfig(model=ModelConfig(path=args.model)))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     problems = generate_problems(args.batch, EVAL_SEED)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": problem["question"]}], add_generation_prompt=True,

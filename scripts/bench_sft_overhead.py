@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     config = SFTConfig()
     metrics.setup_logging(True)
-    path = build.resolve_model_path("tiny")
+    path = build.resolve_model_path(config)
     tokenizer = build.load_tokenizer(path)
     rows = sft_data.load_rows("arithmetic")[: config.train.global_batch_size]
     conversations, report = sft_data.to_conversations(rows)

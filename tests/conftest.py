@@ -32,10 +32,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node nproc ARGS` from the repository root; on failure show its output."""
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True, cwd: Path = REPO,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc-per-node nproc ARGS` (from the repository root unless `cwd`); on failure show its output."""
     command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env=None if env is None else {**os.environ, **env})
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result

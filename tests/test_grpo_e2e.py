@@ -3,8 +3,10 @@ accuracy, and bad inputs (unknown reward, over-long prompts, a raising reward) e
 Also the fast checks of the entry point's pure parts: its key set, start-up validation, prompt order and seeds."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -178,3 +180,38 @@ def test_prompts_longer_than_the_context_are_a_start_up_error(sft_checkpoint, tm
     result = run_single_process([f"--model.path={sft_checkpoint}", "--data.max_seq_len=40", f"--train.out_dir={tmp_path}"])
     assert result.returncode == 2
     assert "leaves no room for `grpo.max_new_tokens=32` within `data.max_seq_len=40`" in result.stderr
+
+
+# ---------------------------------------------------------------- the default start, as a user runs it
+
+
+@pytest.mark.distributed
+def test_bad_parallel_layout_of_the_default_run_fails_before_any_sft_step(tmp_path):
+    """From a fresh directory (no outputs/sft/hf yet), `--parallel.tp=3` on 2 processes is refused at once."""
+    start = time.perf_counter()
+    result = torchrun(["-m", "trainer.grpo", "--parallel.tp=3"], nproc=2, check=False, cwd=tmp_path)
+    seconds = time.perf_counter() - start
+    assert result.returncode != 0
+    assert "error: `parallel.tp=3` x `parallel.pp=1` must divide the number of processes (2)" in result.stderr
+    assert not (tmp_path / "outputs").exists() and "step 0" not in result.stdout
+    print(f"refused in {seconds:.1f} s")
+    assert seconds < 30
+    # The same error without torchrun is exactly one paragraph.
+    single = subprocess.run([sys.executable, "-m", "trainer.grpo", "--parallel.tp=3"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
+    assert single.returncode == 2 and single.stderr.count("\n") == 1 and "Traceback" not in single.stderr
+
+
+@pytest.mark.distributed
+def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_path):
+    """`torchrun -m trainer.grpo` from another directory with no SFT output yet: the default SFT runs first, in the
+    same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export."""
+    sft_args = "--train.steps=20 --train.global_batch_size=8 --train.micro_batch_size=4 --train.eval_samples=0"
+    result = torchrun(["-m", "trainer.grpo", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+                       "--train.eval_samples=16"], nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
+    assert "running the default SFT first" in result.stdout
+    sft_rows, grpo_rows = metrics(tmp_path / "outputs" / "sft"), metrics(tmp_path / "outputs" / "grpo")
+    assert [row["step"] for row in sft_rows] == list(range(1, 21)) and sft_rows[-1]["loss"] < sft_rows[0]["loss"]
+    assert [row["step"] for row in grpo_rows if "reward_mean" in row] == [1, 2]
+    assert "eval_accuracy" in grpo_rows[0] and grpo_rows[0]["step"] == 0
+    assert (tmp_path / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()

@@ -1,21 +1,51 @@
 """GRPO's embedded default starts from the default SFT's output; when it is missing, that SFT runs first.
 
 It runs in the same processes and the same process group (`model.parallel.init_distributed` keeps the group
-and lays out the model-parallel groups anew), so there is no second rendezvous that could fail. This module
-sits above both loops, so that neither loop imports the other.
+and lays out the model-parallel groups anew), so there is no second rendezvous that could fail. Extra
+arguments for that SFT come from `$TRAINER_DEFAULT_SFT_ARGS` (e.g. `--train.steps=100`). This module sits
+above both loops, so that neither loop imports the other.
 """
 
-from config.sections import DEFAULT_GRPO_START
+import os
+import shlex
+from pathlib import Path
+
+from config import cli
+from config.errors import UserError
+from config.sections import DEFAULT_GRPO_START, SFTConfig
 from model import parallel
 from trainer import sft
 from trainer.metrics import log
 
+ARGS_VARIABLE = "TRAINER_DEFAULT_SFT_ARGS"
+
+
+def sft_arguments() -> list[str]:
+    """The default SFT's command line: none, or what `$TRAINER_DEFAULT_SFT_ARGS` holds."""
+    return shlex.split(os.environ.get(ARGS_VARIABLE, ""))
+
+
+def validate(world_size: int) -> None:
+    """Every check of the default SFT that needs no model, before GRPO (or that SFT) does any work."""
+    try:
+        config, _ = cli.parse_args(SFTConfig, sft_arguments(), "trainer.sft")
+        config.validate(world_size)
+    except UserError as error:
+        raise UserError(f"GRPO starts from the default SFT's output `{DEFAULT_GRPO_START}`, which does not exist yet, and "
+                        f"the default SFT cannot run as set up here ({world_size} processes, ${ARGS_VARIABLE}="
+                        f"{os.environ.get(ARGS_VARIABLE, '')!r}): {error} Run `torchrun -m trainer.sft` with working "
+                        "settings first, or set `--model.path`.") from None
+    if Path(config.train.out_dir) / "hf" != Path(DEFAULT_GRPO_START):
+        raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but GRPO's default "
+                        f"start reads `{DEFAULT_GRPO_START}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
+                        "`--model.path` for GRPO.")
+
 
 def train_default_sft(grpo_config) -> None:
-    """Run `trainer.sft` with its defaults (validated by `GRPOConfig.validate` already), writing `outputs/sft/hf`.
+    """Run `trainer.sft` (checked by `validate` already), writing `outputs/sft/hf`.
 
     GRPO has joined the process group already; afterwards the model-parallel groups and seeds are GRPO's again.
     """
     log.info("%s does not exist yet: running the default SFT first (as `torchrun -m trainer.sft` would)", DEFAULT_GRPO_START)
-    sft.main([])
+    sft.main(sft_arguments())
     parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)

@@ -229,24 +229,23 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str]):
-    """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
+def main(argv: list[str]) -> None:
+    """Parse -> validate -> build -> resume -> loop -> save."""
     # ---- parse, and every check that needs no model (the default SFT's too, before it runs)
     config, resume = cli.parse_args(GRPOConfig, argv, "trainer.grpo")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
+    if config.starts_from_default_sft():
+        default_start.validate(world_size)
     metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     reward = rewards.get_reward(config.grpo.reward)
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     if config.starts_from_default_sft():
         default_start.train_default_sft(config)
-    model_path = build.resolve_model_path(config.model.path)
-    config.validate_model_shape(model_path)
+    model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
-    if checkpointer.finished:
-        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps,
-                 checkpointer.resume_path)
-        return None
+    if checkpointer.finished():
+        return
     tokenizer = build.load_tokenizer(model_path)
     train_prompts = prompt_data.load_prompts(config.data, tokenizer, config.data.path, "train", config.grpo.max_new_tokens)
     eval_prompts = prompt_data.trim_for_data_parallel(
@@ -261,38 +260,32 @@ def main(argv: list[str]):
     settings = LossSettings.from_config(config.grpo)
 
     # ---- resume
-    checkpointer.track(policy.chunks, policy.optimizer, lr_schedule=policy.lr_schedule)
+    checkpointer.track(policy, lr_schedule=policy.lr_schedule)
     start_step = checkpointer.resume()
 
-    # ---- loop
-    out_dir = Path(config.train.out_dir)
-    writer = metrics.MetricsWriter(out_dir, runtime.is_main, config.train.steps, start_step, config.train.log_interval)
+    # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
     evaluate = functools.partial(evaluation.held_out_metrics, policy, eval_prompts, reward, runtime, config,
                                  max_new_tokens=config.grpo.max_new_tokens)
-    if start_step == 0 and (baseline := evaluate()):
-        writer.write({"step": 0, **baseline})  # the starting policy: the figure the run is judged against
-    for step in range(start_step + 1, config.train.steps + 1):
-        with metrics.StepTimer() as timer:
-            rollouts = collect_rollouts(policy, train_prompts, config, step, runtime, reward)
-            microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
-            update = update_policy(policy, microbatches, seq_len, config, settings)
-            policy.lr_schedule.step(increment=1)
-        rollout = rollout_metrics(rollouts)
-        row = {"step": step, "loss": update.pop("loss"), "lr": policy.optimizer.param_groups[0]["lr"],
-               "grad_norm": update.pop("grad_norm"), "tokens_per_s": rollout.pop("sequence_tokens") / timer.seconds,
-               "step_time_s": timer.seconds, **rollout, **update}
-        if config.train.eval_interval and step % config.train.eval_interval == 0 or step == config.train.steps:
-            row.update(evaluate())
-        writer.write(row)
-        if checkpointer.maybe_save(step):
-            break
-    writer.close()
-
-    # ---- save
-    if step == config.train.steps:
-        policy.export(out_dir, runtime.is_main)
+    with metrics.MetricsWriter(Path(config.train.out_dir), runtime.is_main, config.train.steps, start_step,
+                               config.train.log_interval) as writer:
+        if start_step == 0 and (baseline := evaluate()):
+            writer.write({"step": 0, **baseline})  # the starting policy: the figure the run is judged against
+        for step in range(start_step + 1, config.train.steps + 1):
+            with metrics.StepTimer() as timer:
+                rollouts = collect_rollouts(policy, train_prompts, config, step, runtime, reward)
+                microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
+                update = update_policy(policy, microbatches, seq_len, config, settings)
+                policy.lr_schedule.step(increment=1)
+            rollout = rollout_metrics(rollouts)
+            row = {"step": step, "loss": update.pop("loss"), "lr": policy.optimizer.param_groups[0]["lr"],
+                   "grad_norm": update.pop("grad_norm"), "tokens_per_s": rollout.pop("sequence_tokens") / timer.seconds,
+                   "step_time_s": timer.seconds, **rollout, **update}
+            if config.train.evaluates_at(step):
+                row.update(evaluate())
+            writer.write(row)
+            if checkpointer.maybe_save(step):
+                break
     parallel.shutdown(runtime)
-    return policy
 
 
 if __name__ == "__main__":

@@ -93,6 +93,12 @@ class MetricsWriter:
             self.file.close()
             self.progress.close()
 
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _short(value):
     """Compact number formatting for console lines."""

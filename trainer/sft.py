@@ -165,12 +165,9 @@ def main(argv: list[str]):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
-    model_path = build.resolve_model_path(config.model.path)
-    config.validate_model_shape(model_path)
+    model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
-    if checkpointer.finished:
-        log.info("this run already finished all %d steps (checkpoint %s); nothing to do", config.train.steps,
-                 checkpointer.resume_path)
+    if checkpointer.finished():
         return None
     tokenizer = build.load_tokenizer(model_path)
     data = load_data(config, tokenizer, config.parallel.data_parallel_size(world_size))
@@ -182,30 +179,26 @@ def main(argv: list[str]):
     policy = build.build_policy(config, model_path, tokenizer)
 
     # ---- resume
-    checkpointer.track(policy.chunks, policy.optimizer, lr_schedule=policy.lr_schedule, data=schedule)
+    checkpointer.track(policy, lr_schedule=policy.lr_schedule, data=schedule)
     start_step = checkpointer.resume()
 
-    # ---- loop
-    out_dir = Path(config.train.out_dir)
-    writer = metrics.MetricsWriter(out_dir, runtime.is_main, config.train.steps, start_step, config.train.log_interval)
-    if start_step == 0 and (baseline := evaluate(policy, data, config, runtime)):
-        writer.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
-    for step in range(start_step + 1, config.train.steps + 1):
-        with metrics.StepTimer() as timer:
-            microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,
-                                                         tokenizer.pad_token_id, runtime.device)
-            loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len)
-        row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer.seconds, schedule.epoch)
-        if (config.train.eval_interval and step % config.train.eval_interval == 0) or step == config.train.steps:
-            row.update(evaluate(policy, data, config, runtime))
-        writer.write(row)
-        if checkpointer.maybe_save(step):
-            break
-    writer.close()
-
-    # ---- save
-    if step == config.train.steps:
-        policy.export(out_dir, runtime.is_main)
+    # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
+    with metrics.MetricsWriter(Path(config.train.out_dir), runtime.is_main, config.train.steps, start_step,
+                               config.train.log_interval) as writer:
+        if start_step == 0 and (baseline := evaluate(policy, data, config, runtime)):
+            writer.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
+        for step in range(start_step + 1, config.train.steps + 1):
+            with metrics.StepTimer() as timer:
+                microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,
+                                                             tokenizer.pad_token_id, runtime.device)
+                loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len)
+            row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer.seconds,
+                           schedule.epoch)
+            if config.train.evaluates_at(step):
+                row.update(evaluate(policy, data, config, runtime))
+            writer.write(row)
+            if checkpointer.maybe_save(step):
+                break
     parallel.shutdown(runtime)
     return policy
 

@@ -340,11 +340,15 @@ def _restore_step_counters(optimizer) -> None:
 
 def load(path: Path, chunks: list, optimizer) -> dict:
     """Load model chunks, optimizer and this rank's RNG from a checkpoint; return the loop's saved state."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
-    except Exception as error:  # a truncated or corrupted shard: torch.distributed.checkpoint raises EOFError and others
+    # A truncated or corrupted shard: torch.distributed.checkpoint gathers every rank's failure (an EOFError, say) into
+    # one CheckpointException, raised on every rank alike (it derives from BaseException, not Exception).
+    except (Exception, CheckpointException) as error:
         raise UserError(f"Checkpoint `{path}` cannot be loaded: its model/optimizer shards in `{path / SHARDED_DIR}` are "
-                        f"truncated or corrupted ({type(error).__name__}: {error}). Resume from an earlier checkpoint with "
+                        f"truncated or corrupted ({type(error).__name__}: {' '.join(str(error).split())[:300]}). Resume from an earlier checkpoint with "
                         "`--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():

@@ -61,12 +61,18 @@ def load_local(path: pathlib.Path, split: str) -> list[dict]:
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
                         f"files of one of those formats; found {[file.name for file in files]}.")
+    empty = [file.name for file in files if file.stat().st_size == 0]
+    if empty:
+        raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
     try:
-        loaded = datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train")
+        return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
+    except UnicodeDecodeError as error:
+        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
+                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
     except Exception as error:
-        raise UserError(f"data.path {str(path)!r} could not be read as a table ({error}). Fix the file, or set "
-                        "data.path to another one.") from error
-    return loaded.to_list()
+        reason = str(error).strip() or type(error).__name__
+        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
+                        "data.path to another one.") from None
 
 
 # --- conversations ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from config.errors import UserError
 from config.sections import have_transformer_engine
 from model import parallel, precision
 
@@ -55,7 +56,21 @@ def resolve_model_path(config) -> Path:
     else:
         path = Path(config.model.path)
     config.validate_model_shape(path)
+    check_weight_files(path)
     return path
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file's header and length, read without loading weights: a truncated download is named now."""
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(weights, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise UserError(f"`{weights}` is truncated or corrupted ({error}). Download or save the checkpoint again, "
+                            "or point `--model.path` at another one.") from None
 
 
 def environment_ddp_defaults() -> dict:

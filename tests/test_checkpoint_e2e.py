@@ -91,6 +91,18 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
         print(f"DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")
         assert abs(continued[step] - reference[step]) < 1e-4 * reference[step]
 
+    # 7. A truncated model/optimizer shard is a one-paragraph error naming the checkpoint, on every rank, exit 2.
+    broken = tmp_path / "broken"
+    shutil.copytree(straight / "checkpoints", broken / "checkpoints")
+    shard = next((broken / "checkpoints" / "step_00000040" / "model_and_optimizer").glob("*.distcp"))
+    with open(shard, "r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+    failed = torchrun([*RUN, f"--train.out_dir={broken}", "--train.steps=41", "--resume-from-checkpoint", "latest"],
+                      check=False)
+    assert failed.returncode != 0
+    assert "error: Checkpoint `" in failed.stderr and "step_00000040` cannot be loaded" in failed.stderr
+    assert "are truncated or corrupted (CheckpointException" in failed.stderr and "Traceback" not in failed.stderr.split("error:")[0]
+
 
 FSDP_RUN = ["-m", "trainer.sft", "--parallel.use_megatron_fsdp=true", "--train.steps=12", "--train.global_batch_size=8",
             "--train.micro_batch_size=2", "--train.eval_samples=0", "--optim.warmup_steps=2", "--ckpt.save_interval=4"]

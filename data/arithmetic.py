@@ -1,4 +1,5 @@
-"""Seeded, offline arithmetic word problems in GSM8K's answer format (reasoning, then `#### N`)."""
+"""Seeded, offline arithmetic word problems: the working `a op b = c`, then the answer as GSM8K writes it
+(`#### N`) or, for a seeded share, as a plain sentence (`The answer is N.`)."""
 
 import operator
 import random
@@ -28,9 +29,15 @@ OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": oper
 NUMBER = r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 
 
-def generate_problems(count: int, seed: int) -> list[dict]:
-    """Return `count` problems `{"question", "answer"}`, deterministic for a given seed."""
+def generate_problems(count: int, seed: int, plain_share: float = 0.0) -> list[dict]:
+    """Return `count` problems `{"question", "answer"}`, deterministic for a given seed.
+
+    A seeded `round(plain_share * count)` of them end in `The answer is N.` instead of `#### N`; the
+    problems themselves, and which ones, do not depend on anything else.
+    """
     rng = random.Random(seed)
+    # Its own generator, so the problems are the same whatever the share.
+    plain = set(random.Random(f"plain-{seed}").sample(range(count), round(plain_share * count)))
     problems = []
     for _ in range(count):
         symbol, a_range, b_range, text = rng.choice(TEMPLATES)
@@ -40,7 +47,8 @@ def generate_problems(count: int, seed: int) -> list[dict]:
             a, b = b, a
         result = OPERATIONS[symbol](a, b)
         question = text.format(name=rng.choice(NAMES), thing=rng.choice(OBJECTS), a=a, b=b)
-        problems.append({"question": question, "answer": f"{a} {symbol} {b} = {result}\n#### {result}"})
+        answer = f"The answer is {result}." if len(problems) in plain else f"#### {result}"
+        problems.append({"question": question, "answer": f"{a} {symbol} {b} = {result}\n{answer}"})
     return problems
 
 

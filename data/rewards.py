@@ -205,17 +205,27 @@ def has_answer_format(completion: str) -> bool:
 
 @dataclasses.dataclass
 class Scores:
-    """Rewards of a list of completions, which of them earned full marks, and how many the reward function failed on."""
+    """Rewards of a list of completions, which earned full marks, how many the reward function failed on, and what
+    the answers looked like: in the rewarded `#### N` form, and with the reference's number as the last number in
+    any form (`#### N` or `The answer is N.`, as `gsm8k_flexible` reads them)."""
 
     rewards: list[float]
     correct: list[bool]
     errors: int
+    in_format: list[bool]
+    right_answer: list[bool]
+
+    def totals(self) -> dict[str, float]:
+        """Sums that add up over data-parallel ranks (rates are these over the number of completions)."""
+        return {"reward": sum(self.rewards), "correct": sum(self.correct), "errors": self.errors,
+                "in_format": sum(self.in_format), "right_answer": sum(self.right_answer)}
 
 
 def score(reward: RewardFunction, completions: list[str], references: list[str], format_bonus: float = 0.0) -> Scores:
     """Score each completion; one the reward function raises on scores 0 and is counted, never stopping the run."""
     rewards, correct, errors = [], [], 0
-    for completion, reference in zip(completions, references, strict=True):
+    in_format = [has_answer_format(completion) for completion in completions]
+    for completion, reference, formatted in zip(completions, references, in_format, strict=True):
         try:
             value = float(reward(completion, reference))
             if not math.isfinite(value):
@@ -223,5 +233,6 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
         except Exception:  # a user's reward function may fail in any way on odd model output
             value, errors = 0.0, errors + 1
         correct.append(value >= 1.0)
-        rewards.append(value + (format_bonus if has_answer_format(completion) else 0.0))
-    return Scores(rewards, correct, errors)
+        rewards.append(value + (format_bonus if formatted else 0.0))
+    right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
+    return Scores(rewards, correct, errors, in_format, right_answer)

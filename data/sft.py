@@ -24,18 +24,27 @@ from config.errors import UserError
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (1000, EVAL_SEED), "eval": (1000, EVAL_SEED)}
+# SFT's targets on the bundled train split: this share answers `The answer is N.`, the rest `#### N`. The SFT
+# model then knows both styles and greedily prefers the plain one, which GRPO's `#### N` reward must teach it out
+# of; GRPO's prompts and every held-out reference keep `#### N`.
+ARITHMETIC_SFT_PLAIN_SHARE = 0.75
 DROP_EXAMPLES_KEPT = 5
 TOKENIZE_CHUNK = 1024
 
 # --- loading ----------------------------------------------------------------------------------
 
 
-def load_rows(path: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
-    """Return the rows of the bundled arithmetic set, a local json/jsonl/parquet file or folder, or a hub dataset."""
+def load_rows(path: str, *, split: str = "train", hub_config: str | None = None, sft_targets: bool = False) -> list[dict]:
+    """Return the rows of the bundled arithmetic set, a local json/jsonl/parquet file or folder, or a hub dataset.
+
+    `sft_targets`: the rows are SFT training targets; only the bundled train split differs then (a seeded
+    `ARITHMETIC_SFT_PLAIN_SHARE` answers in the plain style).
+    """
     if path == "arithmetic":
         if split not in ARITHMETIC_SPLITS:
             raise UserError(f"The arithmetic data set has splits {sorted(ARITHMETIC_SPLITS)}, not {split!r}.")
-        return generate_problems(*ARITHMETIC_SPLITS[split])
+        plain_share = ARITHMETIC_SFT_PLAIN_SHARE if sft_targets and split == "train" else 0.0
+        return generate_problems(*ARITHMETIC_SPLITS[split], plain_share=plain_share)
     local = pathlib.Path(path).expanduser()
     looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS
     if local.exists():

@@ -112,19 +112,28 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
     rows = metrics(tmp_path)
     steps = [row for row in rows if "reward_mean" in row]
     evaluations = [row for row in rows if "eval_accuracy" in row]
-    rewards = [row["reward_mean"] for row in steps]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    before, after = evaluations[0]["eval_accuracy"], evaluations[-1]["eval_accuracy"]
-    print(f"default GRPO: reward first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out greedy accuracy "
-          f"{before:.3f} -> {after:.3f}; rollout {steps[-1]['rollout_tokens_per_s']:.0f} tokens/s")
+
+    def gain(key: str) -> tuple[float, float]:
+        values = [row[key] for row in steps]
+        return sum(values[:10]) / 10, sum(values[-10:]) / 10
+
+    (first, last), (format_first, format_last) = gain("reward_mean"), gain("format_rate")
+    before, after = evaluations[0], evaluations[-1]
+    print(f"default GRPO: reward first 10 steps {first:.3f} -> last 10 {last:.3f}; `#### N` form {format_first:.3f} -> "
+          f"{format_last:.3f}; held-out greedy accuracy {before['eval_accuracy']:.3f} -> {after['eval_accuracy']:.3f}, "
+          f"answer accuracy {before['eval_answer_accuracy']:.3f} -> {after['eval_answer_accuracy']:.3f}; "
+          f"rollout {steps[-1]['rollout_tokens_per_s']:.0f} tokens/s")
     contract = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "reward_mean", "accuracy", "kl",
-                "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "reward_errors", "zero_advantage_groups"}
+                "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "reward_errors", "zero_advantage_groups",
+                "format_rate", "answer_accuracy"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
-    # Measured on 2 CPU processes: 0.537 -> 0.601 (+0.064; the same steps at learning rate 0 give +0.020),
-    # held-out greedy accuracy on 1000 problems 0.702 -> 0.734. See README for why the gain is this small.
-    assert last - first >= 0.05
-    assert after > before
+    # Measured on 2 CPU processes from the two-style SFT (seed 1): reward 0.148 -> 0.459 (+0.31; at learning rate 0
+    # +0.010), `#### N` form 0.25 -> 0.70, held-out greedy accuracy 0.000 -> 0.829, answer accuracy 0.792 -> 0.830.
+    assert last - first >= 0.20
+    assert format_last - format_first >= 0.30
+    assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.15
+    assert after["eval_answer_accuracy"] >= before["eval_answer_accuracy"] - 0.02
     assert all(row["reward_errors"] == 0 for row in steps)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 

@@ -26,13 +26,18 @@ def test_default_run_learns(tmp_path):
     losses = [row["loss"] for row in rows if "loss" in row]
     evaluations = [row for row in rows if "eval_accuracy" in row]
     baseline, final = evaluations[0], evaluations[-1]
-    print(f"default SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-          f"held-out accuracy {baseline['eval_accuracy']:.2f} -> {final['eval_accuracy']:.2f}")
+    print(f"default SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out answer accuracy "
+          f"{baseline['eval_answer_accuracy']:.2f} -> {final['eval_answer_accuracy']:.2f}, `#### N` form "
+          f"{final['eval_format_rate']:.2f}, reward's full marks {final['eval_accuracy']:.2f}")
     assert len(losses) == 600
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
     assert losses[-1] <= 0.5 * losses[0]
-    assert baseline["step"] == 0 and baseline["eval_accuracy"] == 0.0
-    assert final["eval_accuracy"] >= 0.5  # 0.68 measured; the untrained model scores 0
+    assert baseline["step"] == 0 and baseline["eval_answer_accuracy"] == 0.0
+    # It learned the arithmetic (0.79 measured at seed 1; the untrained model scores 0), and greedily answers in
+    # the majority style of its targets, `The answer is N.`, which the `arithmetic` reward does not grade: the
+    # choice GRPO's default run then teaches (README, GRPO).
+    assert final["eval_answer_accuracy"] >= 0.6
+    assert final["eval_format_rate"] <= 0.1 and final["eval_accuracy"] <= 0.1
     assert final["eval_loss"] < 0.5 * baseline["eval_loss"]
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 

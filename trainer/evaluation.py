@@ -1,7 +1,8 @@
 """The held-out evaluation both loops run: greedy completions of held-out prompts, scored by the reward function.
 
 `eval_accuracy` means one thing in both loops: the share of held-out prompts whose greedy completion the
-reward function gives full marks.
+reward function gives full marks. Beside it, `eval_format_rate` (answers in the rewarded `#### N` form) and
+`eval_answer_accuracy` (the right number as the last number, in any form) say what moved.
 """
 
 from data import rewards
@@ -9,7 +10,8 @@ from model import generate, parallel
 
 
 def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tokens: int) -> dict:
-    """`eval_accuracy` over every held-out prompt (empty when there are none, or the model cannot generate). Collective."""
+    """`eval_accuracy`, `eval_format_rate`, `eval_answer_accuracy` over every held-out prompt (empty when there are
+    none, or the model cannot generate). Collective."""
     if not prompts or not policy.can_generate:
         return {}
     # Every data-parallel rank scores an equal share (the set was trimmed to a multiple of the DP size), in
@@ -23,5 +25,6 @@ def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tok
                                          vocab_size=policy.vocab_size)
     scores = rewards.score(reward, policy.tokenizer.batch_decode(completions, skip_special_tokens=True),
                            [prompt.reference for prompt in mine])
-    correct, = parallel.data_parallel_sum([float(sum(scores.correct))])
-    return {"eval_accuracy": correct / len(prompts)}
+    totals = dict(zip(scores.totals(), parallel.data_parallel_sum(list(scores.totals().values()))))
+    return {"eval_accuracy": totals["correct"] / len(prompts), "eval_format_rate": totals["in_format"] / len(prompts),
+            "eval_answer_accuracy": totals["right_answer"] / len(prompts)}

@@ -105,16 +105,17 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
 
 
 def rollout_metrics(rollouts: Rollouts) -> dict:
-    """Global (all data-parallel ranks) reward, accuracy and length figures of one step's rollouts."""
-    completion_tokens = sum(sum(example.loss_mask) for example in rollouts.examples)
-    totals = parallel.data_parallel_sum([
-        sum(rollouts.scores.rewards), sum(rollouts.scores.correct), len(rollouts.examples), rollouts.scores.errors,
-        rollouts.zero_advantage_groups, completion_tokens, sum(len(example.input_ids) for example in rollouts.examples),
-    ])
-    reward_sum, correct, count, errors, zero_groups, completion_tokens, all_tokens = totals
-    return {"reward_mean": reward_sum / count, "accuracy": correct / count, "response_len": completion_tokens / count,
-            "rollout_tokens_per_s": completion_tokens / rollouts.seconds, "reward_errors": int(errors),
-            "zero_advantage_groups": int(zero_groups), "sequence_tokens": all_tokens}
+    """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of one step's rollouts."""
+    local = {**rollouts.scores.totals(), "count": len(rollouts.examples), "zero_groups": rollouts.zero_advantage_groups,
+             "completion_tokens": sum(sum(example.loss_mask) for example in rollouts.examples),
+             "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
+    total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
+    count = total["count"]
+    return {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
+            "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
+            "response_len": total["completion_tokens"] / count,
+            "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds, "reward_errors": int(total["errors"]),
+            "zero_advantage_groups": int(total["zero_groups"]), "sequence_tokens": total["all_tokens"]}
 
 
 # ---------------------------------------------------------------- log-probs and loss

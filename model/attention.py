@@ -64,8 +64,11 @@ class SDPACoreAttention(MegatronModule):
         # [s, b, heads, hn] -> [b, heads, s, hn]: the layout SDPA reads.
         query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
         allowed, is_causal = None, False  # SDPA's boolean mask means the opposite of megatron's: True = may attend
-        if self.window_size is not None:  # as local attention does: the window mask replaces any given mask
-            allowed = ~get_sliding_window_causal_mask(query_len, key_len, self.window_size).to(query.device)
+        if self.window_size is not None:
+            # Causal within the window, aligned bottom-right (a KV cache). A given mask (left pads while generating,
+            # packed rows) still applies: megatron's local softmax drops it, which lets a windowed model attend to pads.
+            blocked = get_sliding_window_causal_mask(query_len, key_len, self.window_size).to(query.device)
+            allowed = ~(blocked if attention_mask is None else blocked | attention_mask)
         elif attention_mask is not None:
             allowed = ~attention_mask
         elif mask_type == AttnMaskType.causal and query_len == key_len:

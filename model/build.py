@@ -118,6 +118,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
                        attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None):
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set."""
     provider = bridge.to_megatron_provider(load_weights=load_weights)
+    _refuse_family_specific_layer_spec(bridge, provider)
     spec_name = layer_spec_name(attention)
     provider.transformer_layer_spec = _layer_spec(spec_name)
     log.info("layer spec: %s", spec_name)
@@ -139,8 +140,62 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     provider.masked_softmax_fusion = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
     for key, value in (transformer_overrides or {}).items():
         setattr(provider, key, value)
+    _disable_fusions_needing_transformer_engine(provider)
     provider.finalize()
     return provider
+
+
+def _refuse_family_specific_layer_spec(bridge, provider) -> None:
+    """Refuse a family whose Bridge provider brings its own layer spec, which configure_provider would replace with ours.
+
+    Gemma 2 and 3 are such families (measured with Megatron-Bridge 0.6.2): their specs add post-attention and post-MLP
+    norms inside Transformer Engine linear layers, soft-capping or per-layer sliding windows, and norms computing
+    x * (1 + w), which megatron-core's non-TE norm refuses. Built from our spec they would be a different model.
+    """
+    from megatron.bridge.models import gpt_provider
+
+    from trainer.errors import UserError
+
+    spec = provider.transformer_layer_spec
+    if spec is gpt_provider.default_layer_spec:
+        return
+    path = bridge.hf_pretrained.model_name_or_path
+    architecture = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
+    raise UserError(
+        f"`model.path={path}` is a {architecture} checkpoint, a family Megatron-Bridge builds from its own layer "
+        f"specification (`{getattr(spec, '__name__', type(spec).__name__)}`). This trainer builds every model from "
+        "megatron-core's standard GPT layers (Transformer Engine's, or the local/SDPA ones without it), which lack that "
+        "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "
+        "windows, norms scaled by 1 + weight), so it would train a different model and refuses the checkpoint. Point "
+        "`--model.path` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (README: Model families verified).")
+
+
+# Fusions a Bridge provider may switch on whose only implementation is Transformer Engine's. The rest
+# (bias_activation_fusion, bias_dropout_fusion, native cross_entropy_loss_fusion) are megatron-core's own
+# torch.compile'd PyTorch and run anywhere; masked_softmax_fusion and gradient_accumulation_fusion are set
+# above from whether their CUDA extensions are installed.
+TRANSFORMER_ENGINE_FUSIONS = {
+    "apply_rope_fusion": "TE's fused rotary kernel; finalize() fails without it (set by the Llama provider)",
+    "persist_layer_norm": "a fused CUDA LayerNorm kernel; megatron's non-TE norm refuses it (set by the Llama provider)",
+    "moe_permute_fusion": "TE >= 2.1's token permutation; finalize() fails without it (Qwen3-MoE and most MoE providers)",
+    "moe_router_fusion": "TE >= 2.7's top-k routing and aux-loss kernels",
+}
+
+
+def _disable_fusions_needing_transformer_engine(provider) -> None:
+    """Without Transformer Engine, switch off the fusions only TE implements (logged once); with TE, change nothing."""
+    if HAVE_TRANSFORMER_ENGINE:
+        return
+    turned_off = [name for name in TRANSFORMER_ENGINE_FUSIONS if getattr(provider, name, False)]
+    for name in turned_off:
+        setattr(provider, name, False)
+    # TE's parallel cross entropy (DeepSeek/Kimi providers pick it); megatron-core's native fused one is the same loss.
+    uses_te_cross_entropy = getattr(provider, "cross_entropy_fusion_impl", "native") == "te"
+    if getattr(provider, "cross_entropy_loss_fusion", False) and uses_te_cross_entropy:
+        provider.cross_entropy_fusion_impl = "native"
+        turned_off.append("cross_entropy_fusion_impl=te (now native)")
+    if turned_off:
+        log.info("Transformer Engine is not installed: turned off %s", ", ".join(turned_off))
 
 
 def build_chunks(provider, ddp_config=None) -> list:

@@ -1,0 +1,163 @@
+"""Model families through the real model path on CPU (fp32, no Transformer Engine), on tiny random checkpoints.
+
+For each family: HF -> Megatron logits, greedy generation against `transformers.generate` and the export round trip
+at TP=2, then 6 SFT steps through the SFT entry point; families this trainer cannot build are refused at start-up.
+One torchrun launch covers every family (tests/distributed/family_worker.py); the figures are in README.md.
+"""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import torchrun
+
+WORKER = "tests/distributed/family_worker.py"
+LOGIT_TOLERANCE = 1e-5
+PROMPTS, NEW_TOKENS = 3, 16
+
+# Shared by every family: 2 layers, GQA (4 query heads over 2 KV heads), the tiny model's 512-token vocabulary.
+# A wider weight init than transformers' 0.02 sharpens attention, so rope scaling and windows move the logits
+# by far more than the tolerance (Llama-3 rope scaling: 4.7e-5 at 0.02, 1.7e-3 at 0.05).
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             max_position_embeddings=256, initializer_range=0.05)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# family -> (transformers config class, model class, settings beyond SHAPE)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=16)),
+    # A window shorter than the parity sequence (48) and the prompts, so windowed attention is exercised.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=64, norm_topk_prob=True)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16)),
+}
+SUPPORTED = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+# Megatron-Bridge builds these from their own Transformer Engine layer specs (see model/build.py).
+REFUSED = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+def build_family_checkpoint(family: str, directory, tokenizer_dir) -> None:
+    """A seeded random checkpoint of `family` with the tiny model's tokenizer files beside it."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config_class, model_class, settings = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        **{**SHAPE, **settings}, vocab_size=512, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    assert len(tokenizer) <= config.vocab_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(config).float()
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+
+
+@pytest.fixture(scope="module")
+def family_results(tmp_path_factory) -> dict[str, dict]:
+    """Every family's per-rank results and SFT metrics, from one torchrun launch of the worker."""
+    from model.tiny import ensure_tiny_checkpoint
+
+    from data.arithmetic import generate_problems
+
+    tokenizer_dir = ensure_tiny_checkpoint()
+    checkpoints, out = tmp_path_factory.mktemp("families"), tmp_path_factory.mktemp("family-results")
+    for family in FAMILIES:
+        build_family_checkpoint(family, checkpoints / family, tokenizer_dir)
+    # A small arithmetic set: tokenizing the bundled 11,000 problems would cost each family 7 s per process.
+    sft_data = tmp_path_factory.mktemp("family-sft-data")
+    for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
+        (sft_data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
+    torchrun([WORKER, "--out", str(out), "--sft-data", str(sft_data),
+              *(f"--model={family}={checkpoints / family}" for family in FAMILIES)], nproc=2, timeout=1500)
+    results = {}
+    for family in FAMILIES:
+        ranks = {int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+                 for path in (out / family).glob("rank*.json")}
+        metrics = out / family / "sft" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        results[family] = {"ranks": ranks, "train_losses": [row["loss"] for row in rows if "loss" in row],
+                           "eval_losses": [row["eval_loss"] for row in rows if "eval_loss" in row]}
+    print_figures(results)
+    return results
+
+
+def print_figures(results: dict[str, dict]) -> None:
+    """The README table's figures (shown with `pytest -s`)."""
+    print("\nfamily: max |logit diff| over TP ranks, greedy equal, round trip bit-identical (tensors), SFT loss first -> last")
+    for family in SUPPORTED:
+        ranks, losses = results[family]["ranks"], results[family]["train_losses"]
+        if sorted(ranks) != [0, 1] or len(losses) < 2 or any("conversion_error" in rank for rank in ranks.values()):
+            print(f"{family}: incomplete (see the assertions)")
+            continue
+        print(f"{family}: {max(rank['max_abs_logit_diff'] for rank in ranks.values()):.2g}, {ranks[0]['greedy_equal']}, "
+              f"{ranks[0]['round_trip_bit_identical']} ({ranks[0]['round_trip_tensors']}), {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def no_crash(ranks: dict[int, dict]) -> None:
+    """Fail with the worker's traceback when a step crashed instead of measuring."""
+    for rank in ranks.values():
+        for key in ("conversion_error", "sft_error"):
+            assert key not in rank, f"{rank['family']} rank: {key}\n{rank[key]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_family_matches_transformers_round_trips_and_trains(family, family_results):
+    ranks, losses = family_results[family]["ranks"], family_results[family]["train_losses"]
+    assert sorted(ranks) == [0, 1]
+    no_crash(ranks)
+    for rank in ranks.values():
+        assert rank["max_abs_logit_diff"] < LOGIT_TOLERANCE
+        assert rank["greedy_equal"] is True, "greedy generation must match transformers.generate token for token"
+        assert 0 < rank["generated_tokens"] <= PROMPTS * NEW_TOKENS
+    main = ranks[0]
+    assert main["round_trip_mismatched_names"] == []
+    assert main["round_trip_tensors"] > 0 and main["round_trip_bit_identical"] is True
+    if family == "llama":
+        # Without its rope scaling the model's logits move 100x the tolerance: parity does check the scaling.
+        assert main["rope_scaling_effect"] > 100 * LOGIT_TOLERANCE
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] - 0.1, f"SFT loss did not fall: {losses}"
+    before, after = family_results[family]["eval_losses"]  # held-out, at step 0 and step 6
+    assert after < before - 0.1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_family_without_a_cpu_path_is_refused_at_start_up(family, family_results):
+    ranks = family_results[family]["ranks"]
+    assert sorted(ranks) == [0, 1]
+    no_crash(ranks)
+    for rank in ranks.values():
+        for key in ("conversion_refused", "sft_refused"):
+            assert f"`model.path=" in rank[key] and REFUSED[family] in rank[key], rank[key]
+    assert family_results[family]["train_losses"] == []
+
+
+def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(monkeypatch):
+    from model import build
+
+    def provider():
+        return SimpleNamespace(apply_rope_fusion=True, persist_layer_norm=True, moe_permute_fusion=True,
+                               moe_router_fusion=False, bias_activation_fusion=True, bias_dropout_fusion=True,
+                               cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
+
+    monkeypatch.setattr(build, "HAVE_TRANSFORMER_ENGINE", False)
+    without = provider()
+    build._disable_fusions_needing_transformer_engine(without)
+    assert vars(without) == {**vars(provider()), "apply_rope_fusion": False, "persist_layer_norm": False,
+                             "moe_permute_fusion": False, "cross_entropy_fusion_impl": "native"}
+    monkeypatch.setattr(build, "HAVE_TRANSFORMER_ENGINE", True)
+    with_te = provider()
+    build._disable_fusions_needing_transformer_engine(with_te)
+    assert vars(with_te) == vars(provider())

@@ -154,8 +154,6 @@ def _refuse_family_specific_layer_spec(bridge, provider) -> None:
     """
     from megatron.bridge.models import gpt_provider
 
-    from trainer.errors import UserError
-
     spec = provider.transformer_layer_spec
     if spec is gpt_provider.default_layer_spec:
         return

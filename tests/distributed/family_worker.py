@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from config.errors import UserError  # noqa: E402
+from config.sections import ParallelConfig  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 from trainer import sft  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
 
 PROMPTS = [
     "Tom has 3 apples and buys 5 more. How many apples does Tom have now?",
@@ -73,7 +74,7 @@ def check_conversion(path: Path, reference: dict, out_dir: Path, tp: int) -> dic
     """Megatron logits and greedy completions against the reference, and the export's tensors against the checkpoint's."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    runtime = parallel.init_distributed(tp, 1, None, seed=7)
+    runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=7)
     try:
         bridge = build.auto_bridge(path)
         provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64)
@@ -99,7 +100,7 @@ def check_conversion(path: Path, reference: dict, out_dir: Path, tp: int) -> dic
             result["round_trip_bit_identical"] = all(torch.equal(original[name], exported[name]) for name in shared)
         return result
     finally:
-        parallel.shutdown()
+        parallel.shutdown(runtime)
 
 
 def run_family(name: str, path: Path, reference: dict, out_dir: Path, tp: int, sft_data: str) -> dict:
@@ -124,20 +125,9 @@ def run_family(name: str, path: Path, reference: dict, out_dir: Path, tp: int, s
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():  # main() stopped before its own shutdown
-            parallel.shutdown()
+            parallel_state.destroy_model_parallel()
     result["sft_cpu_seconds"] = round(time.process_time() - started, 1)
     return result
-
-
-def keep_process_group_between_families() -> None:
-    """Make `parallel.shutdown` (called by main() and above) tear down only megatron's parallel state.
-
-    A second gloo process group in the same torchrun launch reads the first one's addresses from the rendezvous
-    store and fails to connect (measured), so the one process group lives until the worker ends.
-    """
-    from megatron.core import parallel_state
-
-    parallel.shutdown = parallel_state.destroy_model_parallel
 
 
 def main() -> None:
@@ -152,7 +142,10 @@ def main() -> None:
     # rotary `inv_freq` buffer uninitialised when loading after initialize_model_parallel (and the CPU layer stays on).
     references = {name: reference_outputs(path) for name, path in models.items()}
     print(f"[family] imports and references: {time.process_time():.1f} CPU s", flush=True)
-    keep_process_group_between_families()
+    # One process group for every family: a second gloo group in the same torchrun launch reads the first one's
+    # addresses from the rendezvous store and fails to connect (measured). Later phases join this one, and their
+    # `parallel.shutdown` leaves it up (it was created here).
+    parallel.init_distributed(ParallelConfig(), seed=7)
     for name, path in models.items():
         out_dir = Path(args.out) / name
         result = run_family(name, path, references[name], out_dir, args.tp, args.sft_data)

@@ -128,12 +128,13 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
                 "format_rate", "answer_accuracy"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
-    # Measured on 2 CPU processes from the two-style SFT (seed 1): reward 0.148 -> 0.459 (+0.31; at learning rate 0
-    # +0.010), `#### N` form 0.25 -> 0.70, held-out greedy accuracy 0.000 -> 0.829, answer accuracy 0.792 -> 0.830.
-    assert last - first >= 0.20
+    # Measured on 2 CPU processes from the default SFT at seeds 1, 2, 3: reward +0.311 / +0.242 / +0.227 (at
+    # learning rate 0: +0.010 / +0.013), `#### N` form +0.45 / +0.40 / +0.45, held-out greedy accuracy 0.000 ->
+    # 0.829 / 0.688 / 0.596, held-out answer accuracy +0.038 / +0.026 / -0.008. Pins leave room for the seed spread.
+    assert last - first >= 0.18
     assert format_last - format_first >= 0.30
-    assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.15
-    assert after["eval_answer_accuracy"] >= before["eval_answer_accuracy"] - 0.02
+    assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.4
+    assert after["eval_answer_accuracy"] >= before["eval_answer_accuracy"] - 0.03
     assert all(row["reward_errors"] == 0 for row in steps)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 

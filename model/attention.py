@@ -5,6 +5,9 @@ megatron-core's local `DotProductAttention` materialises the [batch, heads, quer
 for plain causal attention, the memory-efficient kernel when a mask is given) and computes the same
 softmax(Q K^T * scale + mask) V. `SDPACoreAttention` takes the local class's constructor arguments and
 forward signature, so `sdpa_layer_spec` is megatron-core's local spec with only `core_attention` replaced.
+
+Both specs without Transformer Engine (`sdpa` and `local`) also use `RotateOnceSelfAttention`, whose KV cache
+holds keys after the rotary embedding, so generation rotates each key once (see its docstring).
 """
 
 import contextlib
@@ -14,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import get_sliding_window_causal_mask, is_layer_window_attention
@@ -88,10 +93,62 @@ class SDPACoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(query_len, batch, -1)
 
 
+class RotateOnceSelfAttention(SelfAttention):
+    """megatron-core's `SelfAttention` whose static KV cache holds keys after the rotary embedding.
+
+    megatron-core caches keys before the rotation and rotates the whole cached prefix again, in every layer,
+    at every decode step. Here each new key is rotated once, as it is written to the cache, and the caller
+    rotates only the query (it skips a key whose embedding comes back as None), as `transformers` does. The
+    numbers are the same: a key's rotation depends only on its own position. The cache keeps megatron's
+    layout ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
+    can copy prompts' rows to several samples and drop finished rows. Without a static cache, or with a
+    dynamic context, flash decoding or no rotary embedding, megatron-core's own path runs unchanged.
+    """
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
+                                        rotary_pos_sin=None, rotary_pos_cos_sin=None, sequence_len_offset=None, *,
+                                        inference_params=None):
+        context = inference_context if inference_context is not None else inference_params
+        if (context is None or not context.is_static_batching() or rotary_pos_emb is None or self.config.flash_decode
+                or context.batch_size_offset != 0):
+            return super()._adjust_key_value_for_inference(
+                context, query, key, value, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                sequence_len_offset)
+        query_embedding, key_embedding = rotary_pos_emb  # each [max_seq, 1, 1, rotary dim]
+        start, end, batch = context.sequence_len_offset, context.sequence_len_offset + key.size(0), key.size(1)
+        # key/value: [new tokens, batch, groups, head dim]
+        key = apply_rotary_pos_emb(key, key_embedding[start:end], config=self.config,
+                                   mscale=self._yarn_concentration_factor, cp_group=self.pg_collection.cp)
+        if self.layer_number not in context.key_value_memory_dict:
+            context.key_value_memory_dict[self.layer_number] = tuple(
+                tensor.new_empty(context.max_sequence_length, context.max_batch_size, *tensor.shape[2:])
+                for tensor in (key, value))
+        keys, values = context.key_value_memory_dict[self.layer_number]
+        keys[start:end, :batch] = key
+        values[start:end, :batch] = value
+        # Past the prefill a query attends to every cached key, as in megatron-core (a given mask still applies).
+        mask_type = AttnMaskType.no_mask if start > 0 else self.attn_mask_type
+        return query, keys[:end, :batch], values[:end, :batch], (query_embedding[start:end], None), mask_type, None
+
+
+def _rotate_once(spec):
+    """The layer spec with `RotateOnceSelfAttention` in place of megatron-core's `SelfAttention`."""
+    if spec.submodules.self_attention.module is SelfAttention:
+        spec.submodules.self_attention.module = RotateOnceSelfAttention
+    return spec
+
+
 def sdpa_layer_spec(config):
     """megatron-core's local GPT layer spec (as Megatron-Bridge builds it) with SDPA as the core attention."""
     from megatron.bridge.models import gpt_provider
 
-    spec = gpt_provider.local_layer_spec(config)
+    spec = _rotate_once(gpt_provider.local_layer_spec(config))
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
+
+
+def local_layer_spec(config):
+    """megatron-core's local GPT layer spec (its own core attention), with keys cached after the rotation."""
+    from megatron.bridge.models import gpt_provider
+
+    return _rotate_once(gpt_provider.local_layer_spec(config))

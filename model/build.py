@@ -107,10 +107,10 @@ def _layer_spec(name: str):
     """
     from megatron.bridge.models import gpt_provider
 
-    from model.attention import sdpa_layer_spec
+    from model.attention import local_layer_spec, sdpa_layer_spec
 
     specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec, "sdpa": sdpa_layer_spec,
-             "local": gpt_provider.local_layer_spec}
+             "local": local_layer_spec}
     return specs[name]
 
 

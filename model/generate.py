@@ -6,6 +6,14 @@ each step decodes one token per row. The pads are hidden from attention by a boo
 between query and key, so a row's shift by its pads leaves its attention unchanged. Batches whose prompts
 all have one length need no mask at all.
 
+What a rollout does not pay for:
+- a prompt's prefill more than once: with `samples=N` each distinct prompt is prefilled once and its cached
+  keys/values are copied to its N rows, which then sample independently (GRPO's groups);
+- finished rows: once an eighth of the live rows have ended at EOS, the batch and its cache are compacted
+  to the live rows;
+- rotating cached keys again: without Transformer Engine the layers cache keys after the rotary embedding
+  (`model.attention.RotateOnceSelfAttention`).
+
 Transformer Engine's attention is told `no_mask` by megatron-core while decoding and would ignore the mask,
 so with that layer spec prompts are not padded: the common prefix is prefilled, and rows with longer
 prompts advance through the rest one token per step (megatron-core's own static batching).
@@ -56,12 +64,21 @@ def masks_pads(model) -> bool:
                for layer in unwrap(model).decoder.layers)
 
 
+def _keep_cache_rows(context, rows: torch.Tensor) -> None:
+    """Reorder (copy, drop) the batch rows of every layer's cached keys and values: row i becomes old row rows[i]."""
+    for layer, (keys, values) in context.key_value_memory_dict.items():  # each [max_seq, max_batch, groups, head dim]
+        context.key_value_memory_dict[layer] = (keys[:, rows], values[:, rows])
+    context.max_batch_size = len(rows)
+
+
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> list[list[int]]:
-    """Completions (token ids, up to and including EOS) for each prompt. Needs pipeline size 1; TP-aware.
+             samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int = 0) -> list[list[int]]:
+    """Completions (token ids, up to and including EOS): `samples` per prompt, a prompt's consecutively.
 
-    Every tensor-parallel rank must call it with the same prompts and seed (they sample identically).
+    Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
+    (they sample identically, and so finish and compact identically).
     """
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -69,27 +86,30 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
         raise ValueError("generation runs on a single model chunk (pipeline-parallel size 1)")
     model = chunks[0]
     device = next(unwrap(model).parameters()).device
-    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [batch]
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [prompts]
     width = int(lengths.max())
     # Row r's prompt occupies columns [pads[r], ends[r]); left of it are pads (zero of them without masks).
-    pads = width - lengths if masks_pads(model) else torch.zeros_like(lengths)  # [batch]
-    ends = pads + lengths  # [batch]
-    batch, total = len(prompts), width + max_new_tokens
-    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)  # [batch, total]
+    pads = width - lengths if masks_pads(model) else torch.zeros_like(lengths)  # [prompts]
+    ends = pads + lengths  # [rows]: one per prompt until the prefill is copied to the samples
+    total = width + max_new_tokens
+    tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)  # [rows, total]
     for row, prompt in enumerate(prompts):
         tokens[row, int(pads[row]) : int(ends[row])] = torch.tensor(prompt, device=device)
     columns = torch.arange(total, device=device)  # [total]
-    is_pad = columns[None, :] < pads[:, None]  # [batch, total]
+    is_pad = columns[None, :] < pads[:, None]  # [rows, total]
     any_pads = bool(is_pad.any())
     generator = torch.Generator().manual_seed(seed)
-    context = StaticInferenceContext(batch, total)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)  # [batch]
-    previous = 0
+    context = StaticInferenceContext(len(prompts), total)
+    # The output: finished rows are moved here when the batch is compacted, the rest at the end.
+    output = torch.zeros(len(prompts) * samples, total, dtype=torch.long, device=device)  # [prompts * samples, total]
+    output_rows = torch.arange(len(prompts) * samples, device=device)  # [rows]: each live row's output row
+    done = torch.zeros(len(prompts) * samples, dtype=torch.bool, device=device)  # [rows]
+    previous, last_position = 0, total - 1
     was_training = model.training
     model.eval()
     for position in range(int(ends.min()), total):
-        window = tokens[:, previous:position]  # [batch, new tokens]
-        positions = columns[previous:position].unsqueeze(0).expand(batch, -1)
+        window = tokens[:, previous:position]  # [rows, new tokens]
+        positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
         mask = None  # megatron's convention: True = may not attend
         if any_pads:
             queries, keys = columns[previous:position], columns[:position]
@@ -100,20 +120,32 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
             context.enable_decode_mode()
         logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context)
         context.sequence_len_offset += window.size(1)
+        # Only the last position's logits are sampled from: [rows, vocab].
+        last = _full_vocab_logits(logits[:, -1], vocab_size)
+        if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
+            copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
+            tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
+            _keep_cache_rows(context, copies)
         previous = position
-        # Only the last position's logits are materialised: [batch, 1, vocab shard].
-        next_tokens = sample_next(_full_vocab_logits(logits[:, -1], vocab_size), temperature, top_p, top_k, generator)
-        in_prompt = position < ends  # [batch]
+        next_tokens = sample_next(last, temperature, top_p, top_k, generator)
+        in_prompt = position < ends  # [rows]
         tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
         done |= ~in_prompt & (tokens[:, position] == eos_id)
-        if bool(done.all()):
-            total = position + 1
+        finished = int(done.sum())
+        if finished == len(done):
+            last_position = position
             break
+        if finished > 0 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
+            output[output_rows[done]] = tokens[done]
+            live = (~done).nonzero().squeeze(1)  # [live rows]
+            tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
+            _keep_cache_rows(context, live)
     model.train(was_training)
+    output[output_rows] = tokens
+    prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()
     completions = []
-    for row in range(batch):
-        end = int(ends[row])
-        completion = tokens[row, end : min(total, end + max_new_tokens)].tolist()
+    for row, end in enumerate(prompt_ends):
+        completion = output[row, end : min(last_position + 1, end + max_new_tokens)].tolist()
         if eos_id in completion:
             completion = completion[: completion.index(eos_id) + 1]
         completions.append(completion)

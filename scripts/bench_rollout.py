@@ -1,13 +1,18 @@
 """Rollout throughput: our megatron-core generation (model.generate) vs transformers `generate`, in one process.
 
 Same checkpoint, prompts, batch and lengths (every row generates exactly --new-tokens tokens: EOS is
-ignored by both), sampling at temperature 1. The two run in alternating rounds (one warm-up each first),
-so a busy machine slows both alike; prints the median generated tokens/s of each and their ratio.
+ignored by both), sampling at temperature 1. `--group N` samples N completions of each of batch / N
+distinct prompts, as a GRPO step does (`samples=N` here, `num_return_sequences=N` in transformers). The
+prompts are the bundled arithmetic task's (26-33 tokens), or GSM8K's questions with `--prompts gsm8k`
+(read from ../shared/data/gsm8k). The two run in alternating rounds (one warm-up each first), so a busy
+machine slows both alike; prints the median generated tokens/s of each and their ratio.
 
-    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--new-tokens 32] [--rounds 7] [--dtype fp32|bf16]
+    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--group 1] [--new-tokens 32]
+        [--prompts arithmetic|gsm8k] [--rounds 7] [--dtype fp32|bf16]
 """
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -23,6 +28,7 @@ from data.arithmetic import EVAL_SEED, generate_problems  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def synchronize() -> None:
@@ -44,17 +50,25 @@ def main() -> None:
     """Load transformers first (it must load before megatron's parallel state exists), then ours; time them in turns."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="`tiny` or an HF checkpoint directory (e.g. outputs/sft/hf)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="completions per call")
+    parser.add_argument("--group", type=int, default=1, help="completions per distinct prompt (divides --batch)")
+    parser.add_argument("--prompts", choices=["arithmetic", "gsm8k"], default="arithmetic")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if torch.cuda.is_available() else "fp32")
     args = parser.parse_args()
+    if args.batch % args.group:
+        parser.error(f"--group {args.group} must divide --batch {args.batch}")
 
     path = build.resolve_model_path(SFTConfig(model=ModelConfig(path=args.model)))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    problems = generate_problems(args.batch, EVAL_SEED)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": problem["question"]}], add_generation_prompt=True,
-                                             tokenize=False) for problem in problems]
+    distinct = args.batch // args.group
+    if args.prompts == "gsm8k":
+        rows = [json.loads(line) for line in open(GSM8K_TEST)][:distinct]
+    else:
+        rows = generate_problems(distinct, EVAL_SEED)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}], add_generation_prompt=True,
+                                             tokenize=False) for row in rows]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,7 +80,8 @@ def main() -> None:
     @torch.no_grad()
     def run_transformers():
         reference.generate(**padded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                           min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
+                           min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id,
+                           num_return_sequences=args.group)
 
     config = SFTConfig(model=ModelConfig(dtype=args.dtype), data=DataConfig(max_seq_len=max(map(len, prompt_ids)) + args.new_tokens))
     runtime = parallel.init_distributed(config.parallel, seed=0)
@@ -74,8 +89,8 @@ def main() -> None:
 
     def run_ours():
         # eos_id=-1 never matches a token, so every row runs the full length, as with min_new_tokens above.
-        generate.generate(policy.chunks, prompt_ids, max_new_tokens=args.new_tokens, eos_id=-1, vocab_size=policy.vocab_size,
-                          temperature=1.0, seed=0)
+        generate.generate(policy.chunks, prompt_ids, samples=args.group, max_new_tokens=args.new_tokens, eos_id=-1,
+                          vocab_size=policy.vocab_size, temperature=1.0, seed=0)
 
     run_transformers(), run_ours()  # warm-up
     theirs, ours = [], []
@@ -84,8 +99,9 @@ def main() -> None:
         ours.append(tokens_per_second(run_ours, args.batch, args.new_tokens))
     theirs, ours = statistics.median(theirs), statistics.median(ours)
     lengths = sorted(map(len, prompt_ids))
-    print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch}, prompts of {lengths[0]}-{lengths[-1]} tokens, "
-          f"{args.new_tokens} new tokens per row, median of {args.rounds} alternating rounds")
+    print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch} = {distinct} {args.prompts} prompts x "
+          f"{args.group}, prompts of {lengths[0]}-{lengths[-1]} tokens, {args.new_tokens} new tokens per row, median of "
+          f"{args.rounds} alternating rounds")
     print(f"transformers generate: {theirs:10.0f} tokens/s")
     print(f"model.generate:        {ours:10.0f} tokens/s")
     print(f"ratio ours / transformers: {ours / theirs:.2f}")

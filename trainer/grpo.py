@@ -87,11 +87,11 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     grpo = config.grpo
     prompts_per_rank = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
     indices = step_prompt_indices(len(prompts), prompts_per_rank * runtime.dp_size, step, config.train.seed)
-    mine = [prompts[index] for index in indices[runtime.dp_rank * prompts_per_rank : (runtime.dp_rank + 1) * prompts_per_rank]
-            for _ in range(grpo.n_samples)]
+    distinct = [prompts[index] for index in indices[runtime.dp_rank * prompts_per_rank : (runtime.dp_rank + 1) * prompts_per_rank]]
+    mine = [prompt for prompt in distinct for _ in range(grpo.n_samples)]  # one row per completion
     start = time.perf_counter()
     completions = generate.generate(
-        policy.chunks, [prompt.ids for prompt in mine], max_new_tokens=grpo.max_new_tokens,
+        policy.chunks, [prompt.ids for prompt in distinct], samples=grpo.n_samples, max_new_tokens=grpo.max_new_tokens,
         eos_id=policy.tokenizer.eos_token_id, vocab_size=policy.vocab_size, temperature=grpo.temperature, top_p=grpo.top_p,
         top_k=grpo.top_k, seed=rollout_seed(config.train.seed, step, runtime.dp_rank))
     seconds = time.perf_counter() - start
@@ -104,17 +104,18 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     return Rollouts(examples, advantages.flatten(), scores, zero_groups, seconds)
 
 
-def rollout_metrics(rollouts: Rollouts) -> dict:
+def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
     """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of one step's rollouts."""
     local = {**rollouts.scores.totals(), "count": len(rollouts.examples), "zero_groups": rollouts.zero_advantage_groups,
-             "completion_tokens": sum(sum(example.loss_mask) for example in rollouts.examples),
+             "completion_tokens": sum(sum(example.loss_mask) for example in rollouts.examples), "seconds": rollouts.seconds,
              "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
     total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
     count = total["count"]
     return {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
             "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
             "response_len": total["completion_tokens"] / count,
-            "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds, "reward_errors": int(total["errors"]),
+            "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds,
+            "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
             "zero_advantage_groups": int(total["zero_groups"]), "sequence_tokens": total["all_tokens"]}
 
 
@@ -277,7 +278,7 @@ def main(argv: list[str]) -> None:
                 microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
                 update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
-            rollout = rollout_metrics(rollouts)
+            rollout = rollout_metrics(rollouts, runtime)
             row = {"step": step, "loss": update.pop("loss"), "lr": policy.optimizer.param_groups[0]["lr"],
                    "grad_norm": update.pop("grad_norm"), "tokens_per_s": rollout.pop("sequence_tokens") / timer.seconds,
                    "step_time_s": timer.seconds, **rollout, **update}

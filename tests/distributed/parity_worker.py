@@ -70,6 +70,12 @@ def main() -> None:
         output = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         reference_completions.append(output[0, len(prompt):].tolist())
+    # A stop token the prompts reach at different steps (the random model never emits the real EOS): the first
+    # row to stop finishes early, so the batch is compacted while the others go on.
+    stop = reference_completions[0][4]
+    stopped_completions = [
+        reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=stop,
+                           pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist() for prompt in prompts]
 
     runtime = parallel.init_distributed(ParallelConfig(tp=args.tp, pp=args.pp), seed=7)
     bridge = build.auto_bridge(path)
@@ -91,6 +97,18 @@ def main() -> None:
         other = generate.generate(chunks, prompts, temperature=1.0, seed=12, **kwargs)
         result["sampling_reproducible"] = first == second
         result["sampling_seed_matters"] = first != other
+        stopped = generate.generate(chunks, prompts, **{**kwargs, "eos_id": stop})
+        result["stop_lengths"] = [len(completion) for completion in stopped]
+        result["greedy_equal_with_early_stops"] = stopped == stopped_completions
+        # samples=N: one prefill per prompt, its N rows in a row; greedy rows repeat the prompt's completion.
+        grouped = generate.generate(chunks, prompts, samples=3, **{**kwargs, "eos_id": stop})
+        result["samples_greedy_repeat"] = grouped == [completion for completion in stopped for _ in range(3)]
+        sampled = [generate.generate(chunks, prompts, samples=4, temperature=1.0, seed=5, **{**kwargs, "eos_id": stop})
+                   for _ in range(2)]
+        result["samples_reproducible"] = sampled[0] == sampled[1]
+        result["samples_differ_within_groups"] = sum(len({tuple(row) for row in sampled[0][i : i + 4]})
+                                                     for i in range(0, len(sampled[0]), 4))
+        result["sampled"] = sampled[0]
 
     export_dir = Path(args.out) / "export"
     build.export_hf(bridge, chunks, export_dir)

@@ -24,16 +24,6 @@ import torch
 from model.build import unwrap
 
 
-def _full_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gather tensor-parallel vocab shards (the output layer is column-parallel) and drop vocab padding."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        logits = gather_from_tensor_model_parallel_region(logits)
-    return logits[..., :vocab_size]
-
-
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> torch.Tensor:
     """Next tokens from last-position logits: greedy at temperature 0, else top-k / top-p sampling."""
     # logits: [batch, vocab]
@@ -81,6 +71,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     (they sample identically, and so finish and compact identically).
     """
     from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.utils import InferenceMode
 
     if len(chunks) != 1:
         raise ValueError("generation runs on a single model chunk (pipeline-parallel size 1)")
@@ -107,39 +98,42 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     previous, last_position = 0, total - 1
     was_training = model.training
     model.eval()
-    for position in range(int(ends.min()), total):
-        window = tokens[:, previous:position]  # [rows, new tokens]
-        positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
-        mask = None  # megatron's convention: True = may not attend
-        if any_pads:
-            queries, keys = columns[previous:position], columns[:position]
-            future = keys[None, :] > queries[:, None]  # [new tokens, keys]
-            # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
-            mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
-        if previous > 0:
-            context.enable_decode_mode()
-        logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context)
-        context.sequence_len_offset += window.size(1)
-        # Only the last position's logits are sampled from: [rows, vocab].
-        last = _full_vocab_logits(logits[:, -1], vocab_size)
-        if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
-            copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
-            tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
-            _keep_cache_rows(context, copies)
-        previous = position
-        next_tokens = sample_next(last, temperature, top_p, top_k, generator)
-        in_prompt = position < ends  # [rows]
-        tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
-        done |= ~in_prompt & (tokens[:, position] == eos_id)
-        finished = int(done.sum())
-        if finished == len(done):
-            last_position = position
-            break
-        if finished > 0 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
-            output[output_rows[done]] = tokens[done]
-            live = (~done).nonzero().squeeze(1)  # [live rows]
-            tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
-            _keep_cache_rows(context, live)
+    # megatron-core's inference mode: the output layer sees only each row's last position (in the prefill too),
+    # and gathers the tensor-parallel vocab shards itself.
+    with InferenceMode.active():
+        for position in range(int(ends.min()), total):
+            window = tokens[:, previous:position]  # [rows, new tokens]
+            positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
+            mask = None  # megatron's convention: True = may not attend
+            if any_pads:
+                queries, keys = columns[previous:position], columns[:position]
+                future = keys[None, :] > queries[:, None]  # [new tokens, keys]
+                # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
+                mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
+            if previous > 0:
+                context.enable_decode_mode()
+            logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context,
+                           runtime_gather_output=True)  # [rows, 1, padded vocab]
+            context.sequence_len_offset += window.size(1)
+            last = logits[:, -1, :vocab_size]  # [rows, vocab]
+            if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
+                copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
+                tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
+                _keep_cache_rows(context, copies)
+            previous = position
+            next_tokens = sample_next(last, temperature, top_p, top_k, generator)
+            in_prompt = position < ends  # [rows]
+            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
+            done |= ~in_prompt & (tokens[:, position] == eos_id)
+            finished = int(done.sum())
+            if finished == len(done):
+                last_position = position
+                break
+            if finished > 0 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
+                output[output_rows[done]] = tokens[done]
+                live = (~done).nonzero().squeeze(1)  # [live rows]
+                tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
+                _keep_cache_rows(context, live)
     model.train(was_training)
     output[output_rows] = tokens
     prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()

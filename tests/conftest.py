@@ -41,3 +41,13 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = 
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+@pytest.fixture(scope="session")
+def default_sft(tmp_path_factory) -> Path:
+    """The embedded default SFT exactly as a user starts it (only the output directory moved), run once per session:
+    its figures are asserted in test_sft_e2e, and the GRPO tests start from its export, as the default GRPO does."""
+    out_dir = tmp_path_factory.mktemp("default-sft")
+    torchrun(["-m", "trainer.sft", f"--train.out_dir={out_dir}"], nproc=2, timeout=900)
+    return out_dir
+

@@ -24,12 +24,6 @@ GRPO_KEYS = {
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
 }
 
-# The embedded default SFT, its settings spelled out so that retuning the SFT defaults does not move the GRPO
-# figures pinned below; one microbatch of 16 per rank instead of two of 8 (the same loss, less overhead) and no
-# evaluation, to keep CI time down. GRPO then runs with its own defaults.
-SFT_ARGS = ["--train.steps=600", "--optim.lr=2e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
-            "--train.global_batch_size=32", "--train.micro_batch_size=16", "--train.seed=1234", "--train.eval_samples=0"]
-
 
 def metrics(out_dir) -> list[dict]:
     """Rows of metrics.jsonl."""
@@ -98,11 +92,9 @@ def test_prompt_order_and_rollout_seeds_are_pure_functions_of_the_step():
 
 
 @pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory):
-    """A policy to start GRPO from: the SFT entry point, as a user runs it, with fewer steps."""
-    out_dir = tmp_path_factory.mktemp("sft")
-    torchrun(["-m", "trainer.sft", f"--train.out_dir={out_dir}", *SFT_ARGS], nproc=2, timeout=600)
-    return out_dir / "hf"
+def sft_checkpoint(default_sft):
+    """The policy the default GRPO starts from: the default SFT's export (shared with test_sft_e2e)."""
+    return default_sft / "hf"
 
 
 @pytest.mark.distributed
@@ -124,7 +116,7 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
           f"answer accuracy {before['eval_answer_accuracy']:.3f} -> {after['eval_answer_accuracy']:.3f}; "
           f"rollout {steps[-1]['rollout_tokens_per_s']:.0f} tokens/s")
     contract = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "reward_mean", "accuracy", "kl",
-                "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "reward_errors", "zero_advantage_groups",
+                "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "rollout_time_s", "reward_errors", "zero_advantage_groups",
                 "format_rate", "answer_accuracy"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40

@@ -19,9 +19,9 @@ def step_losses(out_dir) -> list[float]:
     return [row["loss"] for row in metrics(out_dir) if "loss" in row]
 
 
-def test_default_run_learns(tmp_path):
+def test_default_run_learns(default_sft):
     """The embedded default exactly as a user starts it (only the output directory moved)."""
-    torchrun(["-m", "trainer.sft", f"--train.out_dir={tmp_path}"], nproc=2, timeout=900)
+    tmp_path = default_sft
     rows = metrics(tmp_path)
     losses = [row["loss"] for row in rows if "loss" in row]
     evaluations = [row for row in rows if "eval_accuracy" in row]

@@ -121,8 +121,8 @@ def test_wandb_offline_run_holds_the_final_scalars(sft_run):
     history = {}
     for record in records:
         if record.WhichOneof("record_type") == "history":
-            items = {item.key: json.loads(item.value_json) for item in record.history.item if item.key}
-            history[items["_step"]] = items
+            history[record.history.step.num] = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                                for item in record.history.item}
     final_row = metrics(sft_run)[-1]
     final = history[final_row["step"]]
     for key, value in final_row.items():
@@ -165,7 +165,9 @@ def png_text(path) -> dict:
 
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(path) as image:
-        image.verify()
+        image.verify()  # chunk checksums
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 800 and image.height > 400
         return dict(image.text)
 
 

@@ -87,8 +87,9 @@ SAMPLES_PER_LOG = 4
 
 
 def samples(rollouts: Rollouts, tokenizer, n_samples: int) -> list[dict]:
-    """A few of this rank's completions for samples.jsonl: the first of each of the first prompts' groups."""
-    picked = range(0, min(len(rollouts.completions), SAMPLES_PER_LOG * n_samples), n_samples)
+    """A few of this rank's completions for samples.jsonl: the first completion of each prompt, then the second, ..."""
+    order = sorted(range(len(rollouts.completions)), key=lambda index: (index % n_samples, index // n_samples))
+    picked = order[:SAMPLES_PER_LOG]
     return [{"prompt": tokenizer.decode(rollouts.prompts[index].ids, skip_special_tokens=True).strip(),
              "completion": rollouts.completions[index], "reward": rollouts.scores.rewards[index],
              "reference": rollouts.prompts[index].reference} for index in picked]

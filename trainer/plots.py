@@ -61,6 +61,7 @@ def figure(run_dirs: list[Path], labels: list[str] | None = None):
     """The matplotlib Figure of the runs' panels (the axes' titles are the panel titles)."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     runs = [read_rows(run_dir) for run_dir in run_dirs]
     labels = labels or run_labels(run_dirs)
@@ -74,6 +75,7 @@ def figure(run_dirs: list[Path], labels: list[str] | None = None):
         _draw_panel(axes, runs, keys, colors)
         axes.set_title(title)
         axes.grid(True, alpha=0.3)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
         if index >= len(panels) - columns:
             axes.set_xlabel("step")
     last_steps = [max((row["step"] for row in rows), default=0) for rows in runs]

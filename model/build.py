@@ -329,7 +329,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     from megatron.core.optimizer import get_megatron_optimizer
 
     bridge = auto_bridge(model_path)
-    on_phase("megatron and Bridge import, HF config")
+    on_phase("megatron and Bridge import")
     provider = configure_provider(
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,

@@ -27,6 +27,9 @@ pytestmark = pytest.mark.distributed
 # Long enough for the Slurm test's SIGTERM to land mid-run; evaluation on 8 held-out prompts gives the held-out panels.
 SFT = ["-m", "trainer.sft", "--train.steps=16", "--train.global_batch_size=8", "--train.micro_batch_size=4",
        "--train.eval_samples=8", "--optim.warmup_steps=2", "--train.log_interval=4"]
+# megatron-core torch.compile's its fused functions; on CPU the first steps of every process then spend tens of
+# seconds compiling. These tests compare runs made with the same setting, so they run eagerly.
+EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy"]
 GRPO_PANELS = ["training loss", "learning rate", "grad norm", "held-out accuracy", "reward", "rollout accuracy",
                "KL to the reference", "entropy", "response length (tokens)"]
@@ -84,7 +87,8 @@ def sft_run(tmp_path_factory):
     """The short SFT run, with TensorBoard and W&B (offline) on."""
     out_dir = tmp_path_factory.mktemp("sft")
     torchrun([*SFT, f"--train.out_dir={out_dir}", "--log.tensorboard=true", "--log.wandb=true",
-              "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"], nproc=2, env={"WANDB_MODE": "offline"})
+              "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"], nproc=2,
+             env={**EAGER, "WANDB_MODE": "offline"})
     return out_dir
 
 
@@ -94,7 +98,7 @@ def grpo_run(sft_run, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grpo")
     torchrun(["-m", "trainer.grpo", f"--model.path={sft_run / 'hf'}", "--train.steps=3", "--train.global_batch_size=16",
               "--train.micro_batch_size=8", "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2",
-              "--log.tensorboard=true", f"--train.out_dir={out_dir}"], nproc=1)
+              "--log.tensorboard=true", f"--train.out_dir={out_dir}"], nproc=1, env=EAGER)
     return out_dir
 
 
@@ -225,7 +229,7 @@ def test_slurm_script_trains_stops_on_sigterm_and_resumes_when_requeued(sft_run,
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
+    env = {**os.environ, **EAGER, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "1",
            "RDZV_PORT": str(free_port()), "OUT_DIR": str(out_dir), "FAKE_SLURM_LOG": str(scontrol_log)}
     command = ["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), *SFT]

@@ -236,25 +236,27 @@ def process_age() -> float:
 
 
 class StartupTimes:
-    """Where the time before the first step goes: wall seconds per phase, reported once by rank 0.
+    """Where the time before the first step goes: wall and CPU seconds per phase, reported once by rank 0.
 
-    The first phase runs from the process's own start to `main()`: the interpreter and the module imports.
+    The first phase runs from the process's own start to `main()`: the interpreter and the module imports. CPU
+    seconds (this process, all threads) say what the phase costs on a machine shared with other work.
     """
 
     def __init__(self):
-        self.seconds = {"python and imports": process_age()}
-        self.last = time.perf_counter()
+        self.seconds = {"python and imports": (process_age(), time.process_time())}
+        self.last = (time.perf_counter(), time.process_time())
 
     def mark(self, phase: str) -> None:
         """Close `phase`: the time since the previous mark is its."""
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        now = (time.perf_counter(), time.process_time())
+        wall, cpu = self.seconds.get(phase, (0.0, 0.0))
+        self.seconds[phase] = (wall + now[0] - self.last[0], cpu + now[1] - self.last[1])
         self.last = now
 
     def report(self) -> str:
         """Log (rank 0) and return the one-line breakdown."""
-        total = sum(self.seconds.values())
-        parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
-        line = f"start-up {total:.1f} s before the first step: {parts}"
+        total_wall, total_cpu = (sum(seconds[index] for seconds in self.seconds.values()) for index in (0, 1))
+        parts = ", ".join(f"{phase} {wall:.1f}/{cpu:.1f}" for phase, (wall, cpu) in self.seconds.items())
+        line = f"start-up before the first step, wall/CPU seconds: {total_wall:.1f}/{total_cpu:.1f} ({parts})"
         log.info(line)
         return line

@@ -33,6 +33,11 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def have_wandb() -> bool:
+    """Whether Weights & Biases is installed (the project's optional `wandb` extra)."""
+    return importlib.util.find_spec("wandb") is not None
+
+
 # ---------------------------------------------------------------- sections
 
 
@@ -95,15 +100,19 @@ class TrainConfig:
     global_batch_size: int = field(default=32, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
     micro_batch_size: int = field(default=8, metadata={"help": "samples per forward/backward on one rank"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
-    out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, hf/ and checkpoints"})
+    out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, metrics.png, hf/ and checkpoints (on a shared file system for several nodes)"})
     exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 at this step (0: off)"})
     eval_interval: int = field(default=300, metadata={"help": "evaluate on held-out data every N steps and at the end (0: only at the end)"})
     eval_samples: int = field(default=100, metadata={"help": "held-out samples per evaluation (0: no evaluation)"})
-    log_interval: int = field(default=20, metadata={"help": "console line every N steps (metrics.jsonl gets every step)"})
+    log_interval: int = field(default=20, metadata={"help": "console line every N steps, and GRPO's sampled completions to samples.jsonl (metrics.jsonl, TensorBoard and W&B get every step)"})
 
     def evaluates_at(self, step: int) -> bool:
         """Held-out evaluation after `step`: every `eval_interval` steps, and after the last."""
         return step == self.steps or bool(self.eval_interval and step % self.eval_interval == 0)
+
+    def logs_at(self, step: int) -> bool:
+        """A console line (and GRPO's samples) after `step`: the first step, every `log_interval` steps, and the last."""
+        return step in (1, self.steps) or step % self.log_interval == 0
 
 
 @dataclass
@@ -111,6 +120,14 @@ class CkptConfig:
     dir: str = field(default="", metadata={"help": "checkpoint directory (default: <train.out_dir>/checkpoints)"})
     save_interval: int = field(default=0, metadata={"help": "save every N steps (0: only at the end)"})
     keep_last: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints"})
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = field(default=False, metadata={"help": "also write every metrics.jsonl scalar to TensorBoard event files in <train.out_dir>/tb/ (rank 0)"})
+    wandb: bool = field(default=False, metadata={"help": "also log every metrics.jsonl scalar to Weights & Biases (needs the `wandb` extra; WANDB_MODE=offline works without a network)"})
+    wandb_project: str = field(default="", metadata={"help": "W&B project (default: $WANDB_PROJECT, else `megatron-trainer`)"})
+    wandb_name: str = field(default="", metadata={"help": "W&B run name (default: $WANDB_NAME, else W&B picks one)"})
 
 
 @dataclass
@@ -154,6 +171,7 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def precision_aware(self) -> bool:
@@ -167,6 +185,7 @@ class TrainerConfig:
         self._validate_optimizer()
         self._validate_schedule()
         self._validate_batch(world_size)
+        self._validate_log()
 
     def validate_model_shape(self, model_path: Path) -> None:
         """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
@@ -223,11 +242,16 @@ class TrainerConfig:
         for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             _require(getattr(optim, key) in DTYPE_NAMES,
                      f"`optim.{key}={getattr(optim, key)}` is not one of {', '.join(DTYPE_NAMES)}. Change `--optim.{key}`.")
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
+        # megatron-core is imported only when there are override keys to check: importing it takes several seconds,
+        # which would otherwise delay every later start-up error (in the data, say) by as much.
+        if optim.override_optimizer_config:
+            from megatron.core.optimizer import OptimizerConfig
 
-        _check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
-        _check_override_keys(self.ddp.override_ddp_config, DistributedDataParallelConfig, "ddp.override_ddp_config")
+            _check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
+        if self.ddp.override_ddp_config:
+            from megatron.core.distributed import DistributedDataParallelConfig
+
+            _check_override_keys(self.ddp.override_ddp_config, DistributedDataParallelConfig, "ddp.override_ddp_config")
         if optim.use_precision_aware_optimizer and self.model.dtype == "fp32":
             log.warning("`optim.use_precision_aware_optimizer=true` has no effect with `model.dtype=fp32`: fp32 training "
                         "keeps fp32 weights, gradients and Adam state already (set `--model.dtype=bf16` to use it).")
@@ -256,6 +280,12 @@ class TrainerConfig:
                   ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"))
         for key, holds, rule in checks:
             _require(holds, f"`{key}` must be {rule}, got {_value(self, key)}. Change `--{key}`.")
+
+    def _validate_log(self) -> None:
+        _require(not self.log.wandb or have_wandb(),
+                 "`log.wandb=true` needs Weights & Biases, which is not installed in this environment. Install the "
+                 "project's `wandb` extra (`.venv/bin/uv sync --extra wandb`; `scripts/setup.sh` installs it with the "
+                 "test dependencies), or use `--log.wandb=false` (`--log.tensorboard=true` needs nothing extra).")
 
     def _validate_batch(self, world_size: int) -> None:
         train = self.train

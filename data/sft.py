@@ -16,7 +16,6 @@ import dataclasses
 import math
 import pathlib
 
-import datasets
 import torch
 
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
@@ -52,6 +51,8 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
     if looks_local:
         raise UserError(f"data.path points to {path!r}, which does not exist. Set data.path to an existing "
                         ".json, .jsonl or .parquet file, a folder of them, 'arithmetic', or a hub dataset name.")
+    import datasets  # imported where used: 3-4 s of start-up (pandas, pyarrow) that the bundled data never needs
+
     try:
         return datasets.load_dataset(path, hub_config, split=split).to_list()
     except Exception as error:
@@ -73,6 +74,8 @@ def load_local(path: pathlib.Path, split: str) -> list[dict]:
     empty = [file.name for file in files if file.stat().st_size == 0]
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
+    import datasets
+
     try:
         return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
     except UnicodeDecodeError as error:

@@ -317,16 +317,19 @@ class Policy:
             log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
 
 
-def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True, make_optimizer=None) -> Policy:
+def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True, make_optimizer=None,
+                 on_phase=lambda phase: None) -> Policy:
     """Everything a loop trains, in one fixed order: layer spec and TP/PP/VPP, DDP or Megatron-FSDP (after a
     parameter sync over every chunk), optimizer and LR schedule, then the pipeline schedule's training hooks.
 
     `trainable=False` stops after the layer spec and parallel layout: bare chunks for generation and parity
     checks, no optimizer. `make_optimizer(optimizer_config, chunks)` defaults to megatron-core's `get_megatron_optimizer`.
+    `on_phase(name)` is called as each phase ends (the loops' start-up report times them).
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
     bridge = auto_bridge(model_path)
+    on_phase("megatron and Bridge import")
     provider = configure_provider(
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
@@ -338,9 +341,11 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     optimizer_config = precision.optimizer_config(config)
     ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults())
     chunks = build_chunks(provider, ddp_config)
+    on_phase("model build and HF weights")
     optimizer = (make_optimizer or get_megatron_optimizer)(optimizer_config, chunks)
     lr_schedule = warmup_cosine_schedule(optimizer, config)
     attach_training_hooks(provider, chunks, optimizer)
+    on_phase("optimizer")
     log.info("resolved optimizer and DDP settings:\n%s", precision.settings_table(optimizer_config, ddp_config))
     return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config)
 

@@ -31,10 +31,10 @@ echo "setting up .venv with $python312 (first time: a few minutes, mostly downlo
 start=$(date +%s)
 [ -x .venv/bin/python ] || "$python312" -m venv .venv
 # uv resolves and installs exactly what uv.lock records (it is pinned in the lock itself too).
+# --compile-bytecode writes every module's .pyc now: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# machines) Python would otherwise compile torch, megatron and transformers from source in every process, which
+# was 37 of a run's 69.5 CPU-seconds of start-up (README, Start-up time).
 [ -x .venv/bin/uv ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.9
-# --compile-bytecode writes every package's .pyc once, here: where PYTHONDONTWRITEBYTECODE is set (as on CI
-# machines and many containers) Python would otherwise recompile megatron, Bridge and their imports from source
-# in every process, about 30 CPU-seconds per process on these machines.
 UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --compile-bytecode --python .venv/bin/python
 cp uv.lock "$stamp"
 echo "environment ready in $(( $(date +%s) - start )) s" >&2

@@ -22,6 +22,7 @@ SFT_KEYS = {
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",
+    "log.tensorboard", "log.wandb", "log.wandb_project", "log.wandb_name",
 }
 
 

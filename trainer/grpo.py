@@ -35,7 +35,6 @@ import functools
 import hashlib
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -80,6 +79,20 @@ class Rollouts:
     scores: rewards.Scores
     zero_advantage_groups: int
     seconds: float
+    prompts: list[prompt_data.Prompt]  # one per completion
+    completions: list[str]  # decoded
+
+
+SAMPLES_PER_LOG = 4
+
+
+def samples(rollouts: Rollouts, tokenizer, n_samples: int) -> list[dict]:
+    """A few of this rank's completions for samples.jsonl: the first completion of each prompt, then the second, ..."""
+    order = sorted(range(len(rollouts.completions)), key=lambda index: (index % n_samples, index // n_samples))
+    picked = order[:SAMPLES_PER_LOG]
+    return [{"prompt": tokenizer.decode(rollouts.prompts[index].ids, skip_special_tokens=True).strip(),
+             "completion": rollouts.completions[index], "reward": rollouts.scores.rewards[index],
+             "reference": rollouts.prompts[index].reference} for index in picked]
 
 
 def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts:
@@ -101,7 +114,7 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     advantages, zero_groups = grpo_math.group_advantages(group_rewards, grpo.baseline, grpo.scale_rewards)
     examples = [sft_data.Example(prompt.ids + completion, [0] * len(prompt.ids) + [1] * len(completion))
                 for prompt, completion in zip(mine, completions)]
-    return Rollouts(examples, advantages.flatten(), scores, zero_groups, seconds)
+    return Rollouts(examples, advantages.flatten(), scores, zero_groups, seconds, mine, texts)
 
 
 def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
@@ -234,6 +247,7 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
 def main(argv: list[str]) -> None:
     """Parse -> validate -> build -> resume -> loop -> save."""
     # ---- parse, and every check that needs no model (the default SFT's too, before it runs)
+    startup = metrics.StartupTimes()
     config, resume = cli.parse_args(GRPOConfig, argv, "trainer.grpo")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
@@ -241,9 +255,12 @@ def main(argv: list[str]) -> None:
         default_start.validate(world_size)
     metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
     reward = rewards.get_reward(config.grpo.reward)
+    startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    startup.mark("process group")
     if config.starts_from_default_sft():
         default_start.train_default_sft(config)
+        startup.mark("the default SFT run")
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
@@ -254,24 +271,29 @@ def main(argv: list[str]) -> None:
         prompt_data.held_out_split(config.data, functools.partial(prompt_data.load_prompts, config.data, tokenizer,
                                                                   max_new_tokens=config.grpo.max_new_tokens)) or [],
         config.train.eval_samples, config.parallel.data_parallel_size(world_size))
+    startup.mark("tokenizer and data")
 
     # ---- build
-    policy = build.build_policy(config, model_path, tokenizer)
+    policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
     # The frozen reference of the KL penalty: the same starting checkpoint, never trained, only when it is used.
     reference = policy.frozen_copy() if config.grpo.kl_coef > 0 else None
     settings = LossSettings.from_config(config.grpo)
+    startup.mark("reference model")
 
     # ---- resume
     checkpointer.track(policy, lr_schedule=policy.lr_schedule)
     start_step = checkpointer.resume()
+    startup.mark("resume")
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
     evaluate = functools.partial(evaluation.held_out_metrics, policy, eval_prompts, reward, runtime, config,
                                  max_new_tokens=config.grpo.max_new_tokens)
-    with metrics.MetricsWriter(Path(config.train.out_dir), runtime.is_main, config.train.steps, start_step,
-                               config.train.log_interval) as writer:
+    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
+        startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate()):
             writer.write({"step": 0, **baseline})  # the starting policy: the figure the run is judged against
+            startup.mark("baseline evaluation")
+        startup.report()
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
                 rollouts = collect_rollouts(policy, train_prompts, config, step, runtime, reward)
@@ -285,6 +307,8 @@ def main(argv: list[str]) -> None:
             if config.train.evaluates_at(step):
                 row.update(evaluate())
             writer.write(row)
+            if config.train.logs_at(step):
+                writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples))
             if checkpointer.maybe_save(step):
                 break
     parallel.shutdown(runtime)

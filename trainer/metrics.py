@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -53,51 +54,153 @@ def peak_flops() -> float | None:
 
 
 class MetricsWriter:
-    """Rank 0's metrics.jsonl (one object per step) and its console progress bar with ETA."""
+    """Rank 0's record of a run: metrics.jsonl (one object per step), the console line, TensorBoard and W&B when
+    switched on (`log.*`), GRPO's sampled completions, and metrics.png when the run ends."""
 
-    def __init__(self, out_dir: Path, is_main: bool, total_steps: int, start_step: int, log_interval: int):
-        self.is_main, self.log_interval = is_main, log_interval
-        self.file = None
-        self.progress = None
+    def __init__(self, config, is_main: bool, start_step: int):
+        self.is_main, self.train, self.start_step = is_main, config.train, start_step
+        self.out_dir = Path(config.train.out_dir)
+        self.file = self.samples_file = self.progress = None
+        self.loggers = []
         if is_main:
             from tqdm import tqdm
 
-            out_dir.mkdir(parents=True, exist_ok=True)
-            path = out_dir / "metrics.jsonl"
-            # A resumed run continues the file from its checkpoint's step; rows a crashed run wrote past
-            # that step are replaced by the rerun's. A fresh run starts a new file.
-            kept = [line for line in (path.read_text().splitlines() if path.exists() and start_step else [])
-                    if json.loads(line)["step"] <= start_step]
-            path.write_text("".join(line + "\n" for line in kept))
-            self.file = open(path, "a")
-            self.progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.file = _continue_file(self.out_dir / "metrics.jsonl", start_step)
+            self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
+            if config.log.tensorboard:
+                self.loggers.append(TensorBoardLogger(self.out_dir / "tb", start_step))
+            if config.log.wandb:
+                self.loggers.append(WandbLogger(config, self.out_dir, start_step))
 
     def write(self, row: dict) -> None:
-        """Append one row; print a concise console line every `log_interval` steps and on eval rows."""
+        """Append one row and send its scalars to every logger; a console line on logged steps and evaluation rows."""
         if not self.is_main:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        scalars = {key: value for key, value in row.items() if key != "step" and _is_number(value)}
+        for logger in self.loggers:
+            logger.scalars(row["step"], scalars)
         if self.progress is not None and "loss" in row:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
-        if row["step"] % self.log_interval == 0 or "eval_loss" in row or "loss" not in row:
+        if self.train.logs_at(row["step"]) or "eval_loss" in row or "loss" not in row:
             shown = {key: value for key, value in row.items() if key != "step"}
             text = " ".join(f"{key}={_short(value)}" for key, value in shown.items())
             (self.progress.write if self.progress is not None else print)(f"step {row['step']}: {text}")
 
-    def close(self) -> None:
-        """Flush and close the file and the bar."""
-        if self.is_main:
-            self.file.close()
-            self.progress.close()
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """A few completions of one step (prompt, completion, reward, ...) to samples.jsonl and, as text, to the loggers."""
+        if not self.is_main or not samples:
+            return
+        if self.samples_file is None:  # opened on first use: only GRPO writes samples
+            self.samples_file = _continue_file(self.out_dir / "samples.jsonl", self.start_step)
+        self.samples_file.write("".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
+        self.samples_file.flush()
+        for logger in self.loggers:
+            logger.samples(step, samples)
+
+    def close(self, draw: bool = True) -> None:
+        """Flush and close the files, the bar and the loggers; then draw metrics.png from metrics.jsonl."""
+        if not self.is_main:
+            return
+        for handle in (self.file, self.samples_file, self.progress, *self.loggers):
+            if handle is not None:
+                handle.close()
+        if draw:
+            from trainer import plots
+
+            # A picture is a by-product: a failure to draw is reported and never fails the finished run.
+            try:
+                plots.draw_runs([self.out_dir], self.out_dir / "metrics.png")
+            except Exception as error:  # noqa: BLE001
+                log.warning("metrics.png was not written: %s: %s", type(error).__name__, error)
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(draw=exc_type is None)
+
+
+def _continue_file(path: Path, start_step: int):
+    """`path` opened for appending rows: a resumed run keeps the rows up to its checkpoint's step (those a stopped run
+    wrote past it are replaced by the rerun's); a fresh run starts a new file."""
+    kept = [line for line in (path.read_text().splitlines() if path.exists() and start_step else [])
+            if json.loads(line)["step"] <= start_step]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a")
+
+
+def _is_number(value) -> bool:
+    """Scalars the loggers take: ints and floats (None, e.g. `kl` without a KL penalty, is left out)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class TensorBoardLogger:
+    """Scalars under their metrics.jsonl names, and samples as a text table, in `<train.out_dir>/tb/`."""
+
+    def __init__(self, directory: Path, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run hides what a stopped run logged after its checkpoint (TensorBoard's purge_step).
+        self.writer = SummaryWriter(str(directory), purge_step=start_step + 1 if start_step else None)
+
+    def scalars(self, step: int, scalars: dict) -> None:
+        """One step's scalars."""
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """One step's samples as a markdown table (TensorBoard's Text tab)."""
+        columns = list(samples[0])
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(sample[column]) for column in columns) + " |" for sample in samples]
+        self.writer.add_text("samples", "\n".join(lines), step)
+
+    def close(self) -> None:
+        """Flush the event file."""
+        self.writer.close()
+
+
+class WandbLogger:
+    """Scalars under their metrics.jsonl names, and samples as a table, in a Weights & Biases run.
+
+    W&B's environment variables apply (WANDB_MODE=offline writes `<train.out_dir>/wandb/offline-run-*` without a
+    network; `wandb sync` uploads it later). A resumed run continues the W&B run of the same output directory.
+    """
+
+    def __init__(self, config, out_dir: Path, start_step: int):
+        import wandb
+
+        from config.cli import to_dict
+
+        id_file = out_dir / "wandb" / "trainer-run-id"
+        run_id = id_file.read_text().strip() if start_step and id_file.is_file() else None
+        self.run = wandb.init(project=config.log.wandb_project or os.environ.get("WANDB_PROJECT") or "megatron-trainer",
+                              name=config.log.wandb_name or None, dir=str(out_dir), config=to_dict(config),
+                              id=run_id, resume="allow" if run_id else None)
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(self.run.id)
+
+    def scalars(self, step: int, scalars: dict) -> None:
+        """One step's scalars."""
+        self.run.log(scalars, step=step)
+
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """One step's samples as a W&B table."""
+        import wandb
+
+        columns = list(samples[0])
+        self.run.log({"samples": wandb.Table(columns=columns, data=[[sample[column] for column in columns] for sample in samples])},
+                     step=step)
+
+    def close(self) -> None:
+        """Finish the run (offline: the run directory is complete)."""
+        self.run.finish()
 
 
 def _short(value):
@@ -120,3 +223,40 @@ class StepTimer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.start
+
+
+def process_age() -> float:
+    """Seconds since this process started (interpreter start-up and imports included), from /proc on Linux."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+class StartupTimes:
+    """Where the time before the first step goes: wall and CPU seconds per phase, reported once by rank 0.
+
+    The first phase runs from the process's own start to `main()`: the interpreter and the module imports. CPU
+    seconds (this process, all threads) say what the phase costs on a machine shared with other work.
+    """
+
+    def __init__(self):
+        self.seconds = {"python and imports": (process_age(), time.process_time())}
+        self.last = (time.perf_counter(), time.process_time())
+
+    def mark(self, phase: str) -> None:
+        """Close `phase`: the time since the previous mark is its."""
+        now = (time.perf_counter(), time.process_time())
+        wall, cpu = self.seconds.get(phase, (0.0, 0.0))
+        self.seconds[phase] = (wall + now[0] - self.last[0], cpu + now[1] - self.last[1])
+        self.last = now
+
+    def report(self) -> str:
+        """Log (rank 0) and return the one-line breakdown."""
+        total_wall, total_cpu = (sum(seconds[index] for seconds in self.seconds.values()) for index in (0, 1))
+        parts = ", ".join(f"{phase} {wall:.1f}/{cpu:.1f}" for phase, (wall, cpu) in self.seconds.items())
+        line = f"start-up before the first step, wall/CPU seconds: {total_wall:.1f}/{total_cpu:.1f} ({parts})"
+        log.info(line)
+        return line

@@ -8,7 +8,6 @@ whole global batch (summed per microbatch, divided once by the global token coun
 import dataclasses
 import functools
 import os
-from pathlib import Path
 
 import torch
 
@@ -161,6 +160,7 @@ def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_no
 def main(argv: list[str]):
     """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model
+    startup = metrics.StartupTimes()
     config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
@@ -169,24 +169,30 @@ def main(argv: list[str]):
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
         return None
+    startup.mark("config")
     tokenizer = build.load_tokenizer(model_path)
     data = load_data(config, tokenizer, config.parallel.data_parallel_size(world_size))
+    startup.mark("tokenizer and data")
 
     # ---- build
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    startup.mark("process group")
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
                                       runtime.dp_rank, runtime.dp_size, config.train.seed)
-    policy = build.build_policy(config, model_path, tokenizer)
+    policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
 
     # ---- resume
     checkpointer.track(policy, lr_schedule=policy.lr_schedule, data=schedule)
     start_step = checkpointer.resume()
+    startup.mark("resume")
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
-    with metrics.MetricsWriter(Path(config.train.out_dir), runtime.is_main, config.train.steps, start_step,
-                               config.train.log_interval) as writer:
+    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
+        startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate(policy, data, config, runtime)):
             writer.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against
+            startup.mark("baseline evaluation")
+        startup.report()
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
                 microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,

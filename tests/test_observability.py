@@ -1,0 +1,259 @@
+"""Watching a run: TensorBoard and W&B carry metrics.jsonl's scalars, metrics.png and scripts/plot_metrics.py draw them,
+GRPO writes sampled completions, and the Slurm script trains, stops on SIGTERM and resumes when requeued.
+
+One short SFT run (TensorBoard and offline W&B on) and one short GRPO run from its output are shared by the tests.
+"""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from config.cli import parse_args
+from config.errors import UserError
+from config.sections import SFTConfig
+from tests.conftest import REPO, free_port, torchrun
+from trainer import plots
+
+pytestmark = pytest.mark.distributed
+
+# Long enough for the Slurm test's SIGTERM to land mid-run; evaluation on 8 held-out prompts gives the held-out panels.
+SFT = ["-m", "trainer.sft", "--train.steps=16", "--train.global_batch_size=8", "--train.micro_batch_size=4",
+       "--train.eval_samples=8", "--optim.warmup_steps=2", "--train.log_interval=4"]
+# megatron-core torch.compile's its fused functions; on CPU the first steps of every process then spend tens of
+# seconds compiling. These tests compare runs made with the same setting, so they run eagerly.
+EAGER = {"TORCH_COMPILE_DISABLE": "1"}
+SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy"]
+GRPO_PANELS = ["training loss", "learning rate", "grad norm", "held-out accuracy", "reward", "rollout accuracy",
+               "KL to the reference", "entropy", "response length (tokens)"]
+
+
+def metrics(out_dir) -> list[dict]:
+    """Rows of metrics.jsonl."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def jsonl_scalars(out_dir) -> dict[str, dict[int, float]]:
+    """key -> {step: value} of every number in metrics.jsonl (what the loggers must carry)."""
+    scalars = {}
+    for row in metrics(out_dir):
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                scalars.setdefault(key, {})[row["step"]] = value
+    return scalars
+
+
+def tensorboard_events(out_dir):
+    """TensorBoard's own reader over `<out_dir>/tb`, every event kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(out_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def wandb_records(out_dir) -> list:
+    """The records of the offline W&B run under `<out_dir>/wandb` (a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (run_file,) = (out_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, block, position, pending, records = run_file.read_bytes(), 32768, 7, b"", []  # 7: the file header
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a record header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last fragment of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """The short SFT run, with TensorBoard and W&B (offline) on."""
+    out_dir = tmp_path_factory.mktemp("sft")
+    torchrun([*SFT, f"--train.out_dir={out_dir}", "--log.tensorboard=true", "--log.wandb=true",
+              "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"], nproc=2,
+             env={**EAGER, "WANDB_MODE": "offline"})
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def grpo_run(sft_run, tmp_path_factory):
+    """A short GRPO run (one process) from the SFT run's output, with TensorBoard on."""
+    out_dir = tmp_path_factory.mktemp("grpo")
+    torchrun(["-m", "trainer.grpo", f"--model.path={sft_run / 'hf'}", "--train.steps=3", "--train.global_batch_size=16",
+              "--train.micro_batch_size=8", "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2",
+              "--log.tensorboard=true", f"--train.out_dir={out_dir}"], nproc=1, env=EAGER)
+    return out_dir
+
+
+# ---------------------------------------------------------------- loggers
+
+
+@pytest.mark.parametrize("run", ["sft_run", "grpo_run"])
+def test_tensorboard_scalars_equal_metrics_jsonl(run, request):
+    out_dir = request.getfixturevalue(run)
+    expected = jsonl_scalars(out_dir)
+    events = tensorboard_events(out_dir)
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for key, by_step in expected.items():
+        logged = {event.step: event.value for event in events.Scalars(key)}
+        # Event files store float32.
+        assert logged == {step: float(np.float32(value)) for step, value in by_step.items()}, key
+    assert len(expected["loss"]) == max(expected["loss"])  # every step
+
+
+def test_wandb_offline_run_holds_the_final_scalars(sft_run):
+    records = wandb_records(sft_run)
+    run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
+    assert (run.project, run.display_name) == ("observability-test", "short-sft")
+    history = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            history[record.history.step.num] = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                                for item in record.history.item}
+    final_row = metrics(sft_run)[-1]
+    final = history[final_row["step"]]
+    for key, value in final_row.items():
+        if key != "step" and value is not None:
+            assert final[key] == value, key
+    assert sorted(history) == [row["step"] for row in metrics(sft_run)]
+
+
+def test_wandb_switched_on_but_missing_is_a_clean_error_before_any_work(tmp_path, monkeypatch):
+    config, _ = parse_args(SFTConfig, ["--log.wandb=true"], "trainer.sft")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(UserError, match="`log.wandb=true` needs Weights & Biases, which is not installed"):
+        config.validate(world_size=1)
+    # The entry point as a user runs it: one paragraph, exit 2, nothing loaded or written.
+    out_dir = tmp_path / "run"
+    script = ("import runpy, sys; sys.modules['wandb'] = None; "
+              f"sys.argv = ['trainer.sft', '--log.wandb=true', '--train.out_dir={out_dir}']; "
+              "runpy.run_module('trainer.sft', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: `log.wandb=true` needs Weights & Biases") and result.stderr.count("\n") == 1
+    assert "uv sync --extra wandb" in result.stderr
+    assert "data arithmetic" not in result.stdout and not out_dir.exists()
+
+
+def test_grpo_writes_sampled_completions(grpo_run):
+    rows = [json.loads(line) for line in (grpo_run / "samples.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [1, 2, 3]  # the first step, every log_interval, the last
+    assert all({"step", "prompt", "completion", "reward", "reference"} <= set(row) for row in rows)
+    assert all(isinstance(row["reward"], float) and row["prompt"] and "####" in row["reference"] for row in rows)
+    assert "samples/text_summary" in tensorboard_events(grpo_run).Tags()["tensors"]
+
+
+# ---------------------------------------------------------------- pictures
+
+
+def png_text(path) -> dict:
+    """A PNG's text chunks, after checking that it is one."""
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as image:
+        image.verify()  # chunk checksums
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 800 and image.height > 400
+        return dict(image.text)
+
+
+def test_metrics_png_has_each_loops_panels(sft_run, grpo_run):
+    for out_dir, panels in ((sft_run, SFT_PANELS), (grpo_run, GRPO_PANELS)):
+        assert [axes.get_title() for axes in plots.figure([out_dir]).axes] == panels
+        assert png_text(out_dir / "metrics.png")["Description"] == "panels: " + "; ".join(panels)
+
+
+def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):
+    out = tmp_path / "overlay.png"
+    result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(sft_run), str(grpo_run), "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert png_text(out)["Description"] == "panels: " + "; ".join(dict.fromkeys(SFT_PANELS + GRPO_PANELS))
+    figure = plots.figure([sft_run, grpo_run])
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [sft_run.name, grpo_run.name]
+    loss_axes = next(axes for axes in figure.axes if axes.get_title() == "training loss")
+    assert {line.get_color() for line in loss_axes.get_lines() if len(line.get_xdata())} == {"C0", "C1"}
+
+
+# ---------------------------------------------------------------- Slurm
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one machine: the command once per simulated node, in parallel (options are dropped).
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
+  SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1" in
+  show) echo 127.0.0.1 ;;
+  requeue) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
+esac
+"""
+
+
+def losses(out_dir) -> dict[int, float]:
+    """step -> training loss."""
+    return {row["step"]: row["loss"] for row in metrics(out_dir) if "loss" in row}
+
+
+def test_slurm_script_trains_stops_on_sigterm_and_resumes_when_requeued(sft_run, tmp_path):
+    """The sbatch script under a simulated Slurm: two 'nodes' of one process (c10d on 127.0.0.1), Slurm's time-limit
+    SIGTERM to every process of the step, then the requeued job; its losses equal the straight run's (`sft_run`)."""
+    bin_dir, out_dir, scontrol_log = tmp_path / "bin", tmp_path / "run", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, **EAGER, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "1",
+           "RDZV_PORT": str(free_port()), "OUT_DIR": str(out_dir), "FAKE_SLURM_LOG": str(scontrol_log)}
+    command = ["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), *SFT]
+
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and job.poll() is None:
+        rows = metrics(out_dir) if (out_dir / "metrics.jsonl").exists() else []
+        if any(row["step"] >= 2 and "loss" in row for row in rows):
+            # Slurm's --signal: every process of the job step (the torchrun agents and their workers).
+            for process in psutil.Process(job.pid).children(recursive=True):
+                if process.name() != "bash":
+                    process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output, _ = job.communicate(timeout=600)
+    assert job.returncode != 0, output[-4000:]
+    assert scontrol_log.read_text() == "requeue 4242\n", output[-4000:]
+    stopped_at = max(losses(out_dir))
+    assert 2 <= stopped_at < 16 and "stopping at step" in output
+    assert (out_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+
+    requeued = subprocess.run(command, cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": "1", "RDZV_PORT": str(free_port())},
+                              capture_output=True, text=True, timeout=600)
+    assert requeued.returncode == 0, requeued.stdout[-4000:] + requeued.stderr[-4000:]
+    assert "resumed from" in requeued.stdout and scontrol_log.read_text() == "requeue 4242\n"
+    assert losses(out_dir) == losses(sft_run)

@@ -1,0 +1,126 @@
+"""metrics.png: a run's curves drawn from its metrics.jsonl, one panel per quantity; several runs overlay (one colour each).
+
+Drawn by both loops when a run ends, and on demand by `scripts/plot_metrics.py RUN_DIR [RUN_DIR ...]`. matplotlib's
+Agg canvas only: no display is needed.
+"""
+
+import json
+import math
+from pathlib import Path
+
+# (panel title, metrics.jsonl keys drawn in it). A panel appears when any run has any of its keys; the
+# panels of a loop the runs did not use (GRPO's for an SFT run) are left out.
+PANELS = (
+    ("training loss", ("loss",)),
+    ("learning rate", ("lr",)),
+    ("grad norm", ("grad_norm",)),
+    ("held-out loss", ("eval_loss",)),
+    ("held-out accuracy", ("eval_accuracy", "eval_answer_accuracy", "eval_format_rate")),
+    ("reward", ("reward_mean",)),
+    ("rollout accuracy", ("accuracy", "answer_accuracy", "format_rate")),
+    ("KL to the reference", ("kl",)),
+    ("entropy", ("entropy",)),
+    ("response length (tokens)", ("response_len",)),
+)
+# How a key is named in a panel that holds several.
+KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answer", "eval_format_rate": "#### N form",
+              "accuracy": "full marks", "answer_accuracy": "right answer", "format_rate": "#### N form"}
+LINE_STYLES = ("-", "--", ":")
+# Per-step series longer than this also get a smoothed line (centred moving average) over the raw one; the
+# learning rate is a schedule, not a noisy measurement, and is drawn as it is.
+SMOOTH_AFTER = 20
+NOT_SMOOTHED = ("lr",)
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """The rows of `<run_dir>/metrics.jsonl`."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key, rows without it (or with null) left out."""
+    points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+    return [step for step, _ in points], [float(value) for _, value in points]
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Centred moving average over `window` points (fewer at the ends), so the trend does not lag the data."""
+    half = window // 2
+    return [sum(values[max(index - half, 0) : index + half + 1]) / len(values[max(index - half, 0) : index + half + 1])
+            for index in range(len(values))]
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name, with its parent's where two names collide."""
+    names = [Path(run_dir).resolve().name for run_dir in run_dirs]
+    return [f"{Path(run_dir).resolve().parent.name}/{name}" if names.count(name) > 1 else name
+            for run_dir, name in zip(run_dirs, names)]
+
+
+def figure(run_dirs: list[Path], labels: list[str] | None = None):
+    """The matplotlib Figure of the runs' panels (the axes' titles are the panel titles)."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [read_rows(run_dir) for run_dir in run_dirs]
+    labels = labels or run_labels(run_dirs)
+    panels = [(title, keys) for title, keys in PANELS if any(series(rows, key)[0] for rows in runs for key in keys)]
+    columns = 3 if len(panels) > 4 else 2
+    grid_rows = max(math.ceil(len(panels) / columns), 1)
+    fig = Figure(figsize=(5.2 * columns, 3.3 * grid_rows + 0.8), layout="constrained")
+    colors = [f"C{index % 10}" for index in range(len(runs))]
+    for index, (title, keys) in enumerate(panels):
+        axes = fig.add_subplot(grid_rows, columns, index + 1)
+        _draw_panel(axes, runs, keys, colors)
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
+        if index >= len(panels) - columns:
+            axes.set_xlabel("step")
+    last_steps = [max((row["step"] for row in rows), default=0) for rows in runs]
+    fig.suptitle(" vs ".join(f"{label} ({steps} steps)" for label, steps in zip(labels, last_steps)), fontsize=12)
+    if len(runs) > 1:
+        handles = [Line2D([], [], color=color, linewidth=2) for color in colors]
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(runs), 4), frameon=False)
+    return fig
+
+
+def _draw_panel(axes, runs: list[list[dict]], keys: tuple[str, ...], colors: list[str]) -> None:
+    """One panel: every run's series of `keys` (a line style per key, a colour per run)."""
+    from matplotlib.lines import Line2D
+
+    drawn_values = []
+    for rows, color in zip(runs, colors):
+        for key, style in zip(keys, LINE_STYLES):
+            steps, values = series(rows, key)
+            if not steps:
+                continue
+            drawn_values += values
+            label = KEY_LABELS.get(key, key) if len(keys) > 1 else None
+            if len(steps) <= SMOOTH_AFTER and len(steps) < len(rows) / 2:  # sparse: held-out evaluations
+                axes.plot(steps, values, style, color=color, marker="o", markersize=4, label=label)
+            elif len(steps) > SMOOTH_AFTER and key not in NOT_SMOOTHED:  # noisy per-step figures: faint raw, smoothed on top
+                axes.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
+                axes.plot(steps, smoothed(values, max(len(steps) // 40, 5)), style, color=color, linewidth=1.8, label=label)
+            else:
+                axes.plot(steps, values, style, color=color, linewidth=1.6, label=label,
+                          marker="." if len(steps) <= SMOOTH_AFTER else None)
+    # Losses and gradient norms falling by orders of magnitude read better on a log scale.
+    positive = [value for value in drawn_values if value > 0]
+    if keys[0] in ("loss", "grad_norm") and positive and len(positive) == len(drawn_values) and max(positive) > 10 * min(positive):
+        axes.set_yscale("log")
+    else:
+        axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    if len(keys) > 1:
+        # One legend entry per key, in a neutral colour (the colours are the runs').
+        handles = [Line2D([], [], linestyle=style, color="0.3") for style in LINE_STYLES[: len(keys)]]
+        axes.legend(handles, [KEY_LABELS.get(key, key) for key in keys], fontsize=8, loc="best")
+
+
+def draw_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> list[str]:
+    """Write the runs' figure to `out` (PNG); returns the panel titles (also in the PNG's Description text)."""
+    fig = figure(run_dirs, labels)
+    titles = [axes.get_title() for axes in fig.axes]
+    fig.savefig(out, dpi=100, metadata={"Title": fig.get_suptitle(), "Description": "panels: " + "; ".join(titles)})
+    return titles

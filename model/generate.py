@@ -9,7 +9,13 @@ all have one length need no mask at all.
 Transformer Engine's attention is told `no_mask` by megatron-core while decoding and would ignore the mask,
 so with that layer spec prompts are not padded: the common prefix is prefilled, and rows with longer
 prompts advance through the rest one token per step (megatron-core's own static batching).
+
+Sequence parallelism is off while generating, as megatron-core's own static-batching generation turns it off
+(`set_model_to_sequence_parallel`, for all but MoE layers): a decode step's one token cannot be split over the tensor-parallel ranks, and
+the output layer's last-position slice assumes the whole sequence. Weights and results are the same either way.
 """
+
+import contextlib
 
 import torch
 
@@ -56,6 +62,34 @@ def masks_pads(model) -> bool:
                for layer in unwrap(model).decoder.layers)
 
 
+# The module attributes megatron-core's `set_model_to_sequence_parallel` switches (megatron/core/transformer/utils.py).
+SEQUENCE_PARALLEL_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model):
+    """Run the model without sequence parallelism inside the block, and exactly as it was after (training keeps it).
+
+    The same switch as megatron-core's `set_model_to_sequence_parallel`, without its cache of modules keyed by
+    `id(model)`, which a later model (GRPO after its default SFT, in one process) could inherit.
+    """
+    bare = unwrap(model)
+    if not bare.config.sequence_parallel:
+        yield
+        return
+    saved = [(module, name, getattr(module, name)) for module in bare.modules()
+             for name in SEQUENCE_PARALLEL_ATTRIBUTES if hasattr(module, name)]
+    bare.config.sequence_parallel = False  # the config object every chunk (and the KL reference) shares
+    for module, name, _ in saved:
+        setattr(module, name, False)
+    try:
+        yield
+    finally:
+        bare.config.sequence_parallel = True
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> list[list[int]]:
@@ -87,28 +121,29 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     previous = 0
     was_training = model.training
     model.eval()
-    for position in range(int(ends.min()), total):
-        window = tokens[:, previous:position]  # [batch, new tokens]
-        positions = columns[previous:position].unsqueeze(0).expand(batch, -1)
-        mask = None  # megatron's convention: True = may not attend
-        if any_pads:
-            queries, keys = columns[previous:position], columns[:position]
-            future = keys[None, :] > queries[:, None]  # [new tokens, keys]
-            # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
-            mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
-        if previous > 0:
-            context.enable_decode_mode()
-        logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context)
-        context.sequence_len_offset += window.size(1)
-        previous = position
-        # Only the last position's logits are materialised: [batch, 1, vocab shard].
-        next_tokens = sample_next(_full_vocab_logits(logits[:, -1], vocab_size), temperature, top_p, top_k, generator)
-        in_prompt = position < ends  # [batch]
-        tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
-        done |= ~in_prompt & (tokens[:, position] == eos_id)
-        if bool(done.all()):
-            total = position + 1
-            break
+    with sequence_parallel_off(model):
+        for position in range(int(ends.min()), total):
+            window = tokens[:, previous:position]  # [batch, new tokens]
+            positions = columns[previous:position].unsqueeze(0).expand(batch, -1)
+            mask = None  # megatron's convention: True = may not attend
+            if any_pads:
+                queries, keys = columns[previous:position], columns[:position]
+                future = keys[None, :] > queries[:, None]  # [new tokens, keys]
+                # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
+                mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
+            if previous > 0:
+                context.enable_decode_mode()
+            logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context)
+            context.sequence_len_offset += window.size(1)
+            previous = position
+            # Only the last position's logits are materialised: [batch, 1, vocab shard].
+            next_tokens = sample_next(_full_vocab_logits(logits[:, -1], vocab_size), temperature, top_p, top_k, generator)
+            in_prompt = position < ends  # [batch]
+            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
+            done |= ~in_prompt & (tokens[:, position] == eos_id)
+            if bool(done.all()):
+                total = position + 1
+                break
     model.train(was_training)
     completions = []
     for row in range(batch):

@@ -47,7 +47,7 @@ class ModelConfig:
     dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
     attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | selective (model.recompute_modules) | full (whole layers)"})
-    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata={"help": "selective: submodules recomputed in backward: core_attn | layernorm | mlp | moe | shared_experts"})
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata={"help": "selective: submodules recomputed in backward: core_attn | mlp | moe | shared_experts | layernorm (needs Transformer Engine)"})
     recompute_method: str = field(default="uniform", metadata={"help": "full: uniform (every layer, in groups of recompute_num_layers) | block (the first recompute_num_layers of each stage)"})
     recompute_num_layers: int = field(default=1, metadata={"help": "full: layers per recomputed group (uniform) or recomputed layers per pipeline stage (block)"})
 
@@ -237,12 +237,23 @@ class TrainerConfig:
                  f"`model.recompute_modules={modules}` must name one or more of {', '.join(RECOMPUTE_MODULES)} with "
                  "`model.recompute=selective`. Change `--model.recompute_modules` (e.g. `[core_attn]`), or use "
                  "`--model.recompute=full`.")
-        uses_transformer_engine = model.attention == "transformer_engine" or (model.attention == "auto" and have_transformer_engine())
+        if "layernorm" in modules:
+            self._validate_layernorm_recompute()
+
+    def _validate_layernorm_recompute(self) -> None:
+        """`layernorm` recomputation needs Transformer Engine, and a layer spec that keeps the norms separate."""
+        attention = self.model.attention
+        # megatron-core 0.19.2's output-discarding checkpoint (CheckpointWithoutOutput, which recomputes the norms)
+        # sets `fp8 = fp8 is not None`, always true, and then reads TE's FP8 state: without TE it fails (measured).
+        _require(have_transformer_engine(),
+                 "`model.recompute_modules` names `layernorm`, which megatron-core 0.19.2 recomputes with a checkpoint "
+                 "that reads Transformer Engine's FP8 state even without FP8, and Transformer Engine is not installed. "
+                 "Remove `layernorm` from `--model.recompute_modules` (e.g. `[core_attn,mlp]`).")
         # Transformer Engine's layer spec fuses each norm into the linear layer after it (no separate norm module).
-        _require(not (uses_transformer_engine and "layernorm" in modules),
+        _require(attention not in ("transformer_engine", "auto"),
                  f"`model.recompute_modules` names `layernorm`, but the Transformer Engine layer spec (`model.attention="
-                 f"{model.attention}`) fuses each norm into the linear layer after it, so megatron-core has no separate "
-                 "norm to recompute. Remove `layernorm` from `--model.recompute_modules`, or use `--model.attention=sdpa`.")
+                 f"{attention}`) fuses each norm into the linear layer after it, so megatron-core has no separate norm to "
+                 "recompute. Remove `layernorm` from `--model.recompute_modules`, or use `--model.attention=sdpa`.")
 
     def _model_path_exists_now(self) -> bool:
         """Whether `model.path` must already be an HF directory at start-up (`tiny` is built on first use)."""

@@ -101,8 +101,9 @@ def overlap_settings(config, distributed_optimizer: bool, environment: Environme
     and more than one data-parallel rank, gradient reduce-scatters run during backward and parameter all-gathers during
     the next forward; with virtual pipeline stages every stage starts its all-gathers together (`align_param_gather`).
 
-    Empty (megatron-core's synchronous defaults) elsewhere: on CPU, gloo's collectives run on the calling thread, so
-    there is nothing to overlap with; with one data-parallel rank there is nothing to reduce.
+    Empty (megatron-core's synchronous defaults) elsewhere: on CPU, gloo's communication runs on the cores the
+    compute it would hide behind needs (it works there when forced: tests/test_levers.py); with one data-parallel
+    rank there is nothing to reduce.
     """
     if not (environment.cuda and distributed_optimizer and environment.data_parallel_size > 1):
         return {}

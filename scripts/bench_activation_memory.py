@@ -17,6 +17,7 @@ whole; the TP-sharded parts (attention heads, MLP) are split by TP with or witho
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +31,16 @@ LAYER_COUNTS = (2, 4)
 VARIANTS = {
     "none": ("TP=1, no recompute", [], None),
     "selective": ("TP=1, selective: core_attn", ["--model.recompute=selective"], "none"),
-    "selective_more": ("TP=1, selective: core_attn,layernorm,mlp",
-                       ["--model.recompute=selective", "--model.recompute_modules=[core_attn,layernorm,mlp]"], "none"),
+    "selective_mlp": ("TP=1, selective: core_attn,mlp",
+                      ["--model.recompute=selective", "--model.recompute_modules=[core_attn,mlp]"], "none"),
     "full": ("TP=1, full (uniform, 1 layer)", ["--model.recompute=full"], "none"),
     "local_none": ("TP=1, local attention, no recompute", ["--model.attention=local"], None),
     "local_selective": ("TP=1, local attention, selective: core_attn",
                         ["--model.attention=local", "--model.recompute=selective"], "local_none"),
     "tp2": ("TP=2, sequence parallelism off", ["--parallel.tp=2", "--parallel.sequence_parallel=false"], None),
     "tp2_sp": ("TP=2, sequence parallelism on", ["--parallel.tp=2"], "tp2"),
+    "tp2_sp_selective": ("TP=2, sequence parallelism on, selective: core_attn,mlp",
+                         ["--parallel.tp=2", "--model.recompute=selective", "--model.recompute_modules=[core_attn,mlp]"], "tp2"),
     "tp2_sp_full": ("TP=2, sequence parallelism on, full recompute", ["--parallel.tp=2", "--model.recompute=full"], "tp2"),
 }
 
@@ -49,21 +52,21 @@ def saved_bytes(model, batch: dict, hidden_size: int, parameter_storages: set) -
     """Bytes of the distinct storages autograd keeps for backward over one forward, and the hidden-sized part of them."""
     import torch
 
-    storages = {}
+    storages = {}  # data pointer -> (bytes, whether a view of it is a [tokens, ..., hidden] activation)
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameter_storages:
-            storages[storage.data_ptr()] = (storage.nbytes(), tensor.numel())
+            hidden = tensor.shape[-1:] == (hidden_size,) and tensor.numel() == batch["rank_tokens"] * hidden_size
+            storages[storage.data_ptr()] = (storage.nbytes(), hidden or storages.get(storage.data_ptr(), (0, False))[1])
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         per_token_loss = model(input_ids=batch["tokens"], position_ids=batch["positions"], attention_mask=None,
                                labels=batch["labels"])  # [batch, seq]
     del per_token_loss
-    rank_tokens = batch["rank_tokens"]  # tokens of the sequence this rank's hidden-sized activations hold
-    hidden_sized = sum(nbytes for nbytes, numel in storages.values() if numel == rank_tokens * hidden_size)
-    return {"total": sum(nbytes for nbytes, _ in storages.values()), "hidden_sized": hidden_sized}
+    return {"total": sum(nbytes for nbytes, _ in storages.values()),
+            "hidden_sized": sum(nbytes for nbytes, hidden in storages.values() if hidden)}
 
 
 def measure(name: str, checkpoints: dict, seq_len: int, dtype: str, tokenizer) -> dict:
@@ -118,16 +121,26 @@ def worker(out: Path, seq_len: int, dtype: str) -> None:
 # ---------------------------------------------------------------- the table (launcher side)
 
 
+def free_port() -> int:
+    """A free local TCP port for the worker group's rendezvous (torchrun's `--master-port 0` hangs the workers)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+
 def table(rows: dict, seq_len: int, dtype: str) -> str:
     """Bytes per token per layer and the ratios, one line per variant."""
     lines = [f"Activation memory per token per layer, one rank, {dtype}, sequence {seq_len}, Qwen2.5-0.5B layer shape:",
-             f"{'variant':<50} {'bytes':>8} {'ratio':>7} {'hidden-sized part':>18} {'its ratio':>10}"]
+             f"{'variant':<58} {'bytes':>8} {'ratio':>7} {'hidden-sized part':>18} {'its ratio':>10}"]
     for name, (label, _, baseline) in VARIANTS.items():
         row = rows[name]
         ratio = f"{row['total'] / rows[baseline]['total']:.3f}" if baseline else "1"
-        part_ratio = (f"{row['hidden_sized'] / rows[baseline]['hidden_sized']:.3f}"
-                      if baseline and rows[baseline]["hidden_sized"] else "")
-        lines.append(f"{label:<50} {row['total']:>8.0f} {ratio:>7} {row['hidden_sized']:>18.0f} {part_ratio:>10}")
+        # The split by sequence parallelism is the TP=2 rows' story (at TP=1 the attention output is hidden-sized too).
+        shows_part = name.startswith("tp2")
+        part = f"{row['hidden_sized']:.0f}" if shows_part else ""
+        part_ratio = f"{row['hidden_sized'] / rows[baseline]['hidden_sized']:.3f}" if shows_part and baseline else ""
+        lines.append(f"{label:<58} {row['total']:>8.0f} {ratio:>7} {part:>18} {part_ratio:>10}")
     return "\n".join(lines)
 
 
@@ -142,7 +155,7 @@ def main() -> None:
         worker(Path(args.out), args.seq_len, args.dtype)
         return
     with tempfile.TemporaryDirectory() as scratch:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                    str(Path(__file__).resolve()), "--worker", "--out", scratch, "--seq-len", str(args.seq_len),
                    "--dtype", args.dtype]
         process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=os.environ)

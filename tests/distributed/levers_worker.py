@@ -19,9 +19,11 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import transformers
-from safetensors.torch import load_file
+STARTED = time.time()  # before the heavy imports: the launch's fixed cost is part of the figures
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -44,7 +46,7 @@ SFT_RUNS = {  # name: arguments beyond COMMON
     "dp2": [],
     "dp2_overlap": ["--ddp.override_ddp_config={overlap_grad_reduce: true, overlap_param_gather: true}"],
 }
-GRADIENT_RECOMPUTES = {"none": [], "selective": ["--model.recompute=selective", "--model.recompute_modules=[core_attn,layernorm,mlp]"],
+GRADIENT_RECOMPUTES = {"none": [], "selective": ["--model.recompute=selective", "--model.recompute_modules=[core_attn,mlp]"],
                        "full": ["--model.recompute=full", "--model.recompute_num_layers=2"]}
 
 
@@ -124,14 +126,19 @@ def greedy_with_sequence_parallel(model_path: Path, tokenizer, prompts: list, ex
             "sequence_parallel_restored": bool(bare.config.sequence_parallel and bare.output_layer.sequence_parallel)}
 
 
+def varied_reward(completion: str, reference: str) -> float:
+    """A reward that differs between completions of an untrained model, so GRPO's advantages (and updates) are not zero."""
+    return float(sum(map(ord, completion)) % 2)
+
+
 def run_grpo(out: Path, model_path: Path, data: str) -> dict:
-    """Two GRPO steps at TP=2 with sequence parallelism (KL reference on): per-step losses and rewards."""
+    """Two GRPO steps at TP=2 with sequence parallelism (KL reference on): per-step losses, KL and grad norms."""
     grpo.main([f"--model.path={model_path}", f"--data.path={data}", f"--train.out_dir={out / 'grpo'}", "--parallel.tp=2",
                "--train.steps=2", "--train.global_batch_size=8", "--train.micro_batch_size=4", "--grpo.n_samples=4",
-               "--grpo.max_new_tokens=8", "--data.max_seq_len=64", "--train.eval_samples=0", "--train.log_interval=1"])
+               "--grpo.max_new_tokens=8", "--data.max_seq_len=64", "--train.eval_samples=0", "--optim.warmup_steps=0",
+               "--grpo.reward=levers_worker:varied_reward"])  # this file's directory is on sys.path
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": [row["loss"] for row in rows if "loss" in row], "kl": [row["kl"] for row in rows if "kl" in row],
-            "response_len": [row["response_len"] for row in rows if "response_len" in row]}
+    return {key: [row[key] for row in rows if key in row] for key in ("loss", "kl", "grad_norm", "response_len")}
 
 
 def main() -> None:
@@ -143,10 +150,10 @@ def main() -> None:
     model_path = ensure_tiny_checkpoint()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     prompts, expected = reference_completions(model_path)
+    results = {"start_up": {"wall_seconds": round(time.time() - STARTED, 1)}}  # imports, tiny model, transformers' reference
     # One process group for every phase (a second gloo group in one launch fails to connect); the phases'
     # `parallel.shutdown` leaves it up, since it was created here.
     parallel.init_distributed(ParallelConfig(), seed=7)
-    results = {}
     phases = {**{f"sft_{name}": (lambda name=name: run_sft(name, out, args.data)) for name in SFT_RUNS},
               "recompute_gradients": lambda: recompute_gradients(model_path, tokenizer, args.data),
               "greedy_sp": lambda: greedy_with_sequence_parallel(model_path, tokenizer, prompts, expected),
@@ -157,7 +164,7 @@ def main() -> None:
             results[name] = phase()
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-        print(f"[levers] {name}: {time.time() - started:.1f} s", flush=True)
+        results[name]["wall_seconds"] = round(time.time() - started, 1)
     for first, second in (("tp2_sp_off", "tp2_sp_on"), ("dp2", "dp2_overlap")):
         if all("error" not in results[f"sft_{name}"] for name in (first, second)):
             results[f"export_{first}_vs_{second}"] = export_difference(out / first / "hf", out / second / "hf")

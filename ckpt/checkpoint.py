@@ -421,6 +421,7 @@ class Checkpointer:
         """Write every tracked part after `step`. Collective."""
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
+        self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather is still pending
         return save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
                     dist.get_rank() == 0)
 

@@ -23,6 +23,11 @@ ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 BASELINES = ("mean", "leave_one_out")
 KL_ESTIMATOR_NAMES = ("k1", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+RECOMPUTE_NAMES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+# megatron-core 0.19.2's recompute_modules that the model families this trainer builds have. Left out: `moe_act`
+# (needs grouped-GEMM experts), `mla_up_proj` (multi-latent attention), `gdn_norm_out` (gated delta nets).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 # The reward whose full marks are the held-out accuracy of SFT, and GRPO's default reward.
 DEFAULT_REWARD = "arithmetic"
 
@@ -46,6 +51,10 @@ class ModelConfig:
     path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or `tiny` (the embedded default, built offline on first use)"})
     dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
     attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
+    recompute: str = field(default="none", metadata={"help": "activation recomputation: none | selective (model.recompute_modules) | full (whole layers)"})
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata={"help": "selective: submodules recomputed in backward: core_attn | mlp | moe | shared_experts | layernorm (needs Transformer Engine)"})
+    recompute_method: str = field(default="uniform", metadata={"help": "full: uniform (every layer, in groups of recompute_num_layers) | block (the first recompute_num_layers of each stage)"})
+    recompute_num_layers: int = field(default=1, metadata={"help": "full: layers per recomputed group (uniform) or recomputed layers per pipeline stage (block)"})
 
 
 @dataclass
@@ -53,12 +62,23 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (divides the attention and KV heads)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (divides the layers)"})
     vpp: int = field(default=1, metadata={"help": "virtual pipeline stages per PP rank (interleaved 1F1B when > 1)"})
+    sequence_parallel: bool = field(default=True, metadata={"help": "with tp > 1, split norms, dropout and residuals along the sequence over the TP group (no effect at tp=1)"})
     use_megatron_fsdp: bool = field(default=False, metadata={"help": "shard params, grads and optimizer state with Megatron-FSDP"})
     use_distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state across data-parallel ranks (ZeRO-1)"})
 
     def data_parallel_size(self, world_size: int) -> int:
         """Processes per model replica are tp x pp; the rest is data parallelism."""
         return world_size // (self.tp * self.pp)
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        """Sequence parallelism splits the tensor-parallel group's work, so it exists only with tp > 1."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every batch's sequence length must be a multiple of this: sequence parallelism splits it over the TP ranks."""
+        return self.tp if self.uses_sequence_parallel else 1
 
 
 @dataclass
@@ -199,6 +219,13 @@ class TrainerConfig:
         layers = hf.get("num_hidden_layers", 1)
         _require(layers % (parallel.pp * parallel.vpp) == 0,
                  f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the model's {layers} layers.")
+        per_chunk = layers // (parallel.pp * parallel.vpp)
+        model = self.model
+        _require(model.recompute != "full" or model.recompute_num_layers <= per_chunk,
+                 f"`model.recompute_num_layers={model.recompute_num_layers}` exceeds the {per_chunk} layers each model chunk "
+                 f"holds ({layers} layers over `parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}`); with "
+                 f"`model.recompute_method={model.recompute_method}` that recomputes no more than {per_chunk}. "
+                 f"Set `--model.recompute_num_layers` between 1 and {per_chunk}.")
 
     def _validate_model(self) -> None:
         model = self.model
@@ -208,8 +235,44 @@ class TrainerConfig:
         _require(model.attention != "transformer_engine" or have_transformer_engine(),
                  "`model.attention=transformer_engine` needs Transformer Engine, which is not installed. "
                  "Use `--model.attention=auto` (SDPA without it), or install it (README, GPUs).")
+        self._validate_recompute()
         if self._model_path_exists_now():
             self.validate_model_shape(Path(model.path))
+
+    def _validate_recompute(self) -> None:
+        model = self.model
+        _require(model.recompute in RECOMPUTE_NAMES, f"`model.recompute={model.recompute}` is not one of "
+                 f"{', '.join(RECOMPUTE_NAMES)}. Change `--model.recompute`.")
+        if model.recompute == "full":
+            _require(model.recompute_method in RECOMPUTE_METHODS, f"`model.recompute_method={model.recompute_method}` is "
+                     f"not one of {', '.join(RECOMPUTE_METHODS)}. Change `--model.recompute_method`.")
+            _require(model.recompute_num_layers >= 1, f"`model.recompute_num_layers` must be at least 1 with "
+                     f"`model.recompute=full`, got {model.recompute_num_layers}. Change `--model.recompute_num_layers`.")
+        if model.recompute != "selective":
+            return
+        modules = model.recompute_modules
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        _require(modules and not unknown,
+                 f"`model.recompute_modules={modules}` must name one or more of {', '.join(RECOMPUTE_MODULES)} with "
+                 "`model.recompute=selective`. Change `--model.recompute_modules` (e.g. `[core_attn]`), or use "
+                 "`--model.recompute=full`.")
+        if "layernorm" in modules:
+            self._validate_layernorm_recompute()
+
+    def _validate_layernorm_recompute(self) -> None:
+        """`layernorm` recomputation needs Transformer Engine, and a layer spec that keeps the norms separate."""
+        attention = self.model.attention
+        # megatron-core 0.19.2's output-discarding checkpoint (CheckpointWithoutOutput, which recomputes the norms)
+        # sets `fp8 = fp8 is not None`, always true, and then reads TE's FP8 state: without TE it fails (measured).
+        _require(have_transformer_engine(),
+                 "`model.recompute_modules` names `layernorm`, which megatron-core 0.19.2 recomputes with a checkpoint "
+                 "that reads Transformer Engine's FP8 state even without FP8, and Transformer Engine is not installed. "
+                 "Remove `layernorm` from `--model.recompute_modules` (e.g. `[core_attn,mlp]`).")
+        # Transformer Engine's layer spec fuses each norm into the linear layer after it (no separate norm module).
+        _require(attention not in ("transformer_engine", "auto"),
+                 f"`model.recompute_modules` names `layernorm`, but the Transformer Engine layer spec (`model.attention="
+                 f"{attention}`) fuses each norm into the linear layer after it, so megatron-core has no separate norm to "
+                 "recompute. Remove `layernorm` from `--model.recompute_modules`, or use `--model.attention=sdpa`.")
 
     def _model_path_exists_now(self) -> bool:
         """Whether `model.path` must already be an HF directory at start-up (`tiny` is built on first use)."""
@@ -223,6 +286,10 @@ class TrainerConfig:
                  f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
                  f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")
         _require(parallel.vpp == 1 or parallel.pp > 1, "`parallel.vpp` > 1 needs pipeline parallelism (`parallel.pp` > 1).")
+        _require(self.data.max_seq_len % parallel.sequence_multiple == 0,
+                 f"`data.max_seq_len={self.data.max_seq_len}` must be a multiple of `parallel.tp={parallel.tp}`: sequence "
+                 "parallelism splits every sequence over the tensor-parallel ranks. Change `--data.max_seq_len`, or set "
+                 "`--parallel.sequence_parallel=false`.")
         # Measured with megatron-fsdp 0.6.1: the model build fails in its device-mesh set-up (an einops error).
         _require(not (parallel.use_megatron_fsdp and parallel.pp > 1),
                  "`parallel.use_megatron_fsdp=true` does not work with pipeline parallelism in this stack "

@@ -285,10 +285,12 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
 # --- batching ---------------------------------------------------------------------------------
 
 
-def padded_length(examples: list[Example], max_seq_len: int) -> int:
-    """The row length a batch of these examples is padded to: the longest input, rounded up to 8, at most `max_seq_len`."""
+def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) -> int:
+    """The row length a batch of these examples is padded to: the longest input, rounded up to 8 and to `multiple`
+    (sequence parallelism's), at most `max_seq_len` (which start-up checks is a multiple of `multiple`)."""
     longest = max(len(example.input_ids) - 1 for example in examples)
-    return min(max_seq_len, 8 * math.ceil(longest / 8))
+    step = math.lcm(8, multiple)
+    return min(max_seq_len, step * math.ceil(longest / step))
 
 
 def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:

@@ -5,8 +5,10 @@ This is the one place where parallelism is applied to the model and where the la
 """
 
 import dataclasses
+import functools
 import importlib.util
 import logging
+import os
 import sys
 import types
 from pathlib import Path
@@ -108,15 +110,23 @@ def _layer_spec(name: str):
     from megatron.bridge.models import gpt_provider
 
     from model.attention import local_layer_spec, sdpa_layer_spec
+    from model.norm import torch_norm_block_spec
 
-    specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec, "sdpa": sdpa_layer_spec,
-             "local": local_layer_spec}
+    # Without TE or apex, megatron-core's local norms refuse sequence parallelism; TorchNorm is the same norm without
+    # that refusal (model/norm.py), so both non-TE specs run with and without it.
+    specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec,
+             "sdpa": functools.partial(torch_norm_block_spec, sdpa_layer_spec),
+             "local": functools.partial(torch_norm_block_spec, local_layer_spec)}
     return specs[name]
 
 
 def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
                        attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None):
-    """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set."""
+    """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
+
+    `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
+    passes `precision.transformer_overrides(config)` there (sequence parallelism, recomputation).
+    """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider)
     spec_name = layer_spec_name(attention)
@@ -125,7 +135,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.virtual_pipeline_model_parallel_size = vpp
-    # Sequence parallelism needs TE-style fused comms; keep it off so every layer spec behaves alike.
+    # Off unless the overrides switch it on (Bridge's providers may default it on; tp=1 refuses it).
     provider.sequence_parallel = False
     provider.seq_length = seq_length
     provider.params_dtype = precision.DTYPES[dtype]
@@ -241,15 +251,24 @@ def broadcast_parameters(chunks: list) -> None:
             torch.distributed.broadcast(param.data, src=torch.distributed.get_global_rank(group, 0), group=group)
 
 
-def attach_training_hooks(transformer_config, chunks: list, optimizer) -> None:
-    """Tell megatron-core's pipeline schedule how to finalise gradients, scale the loss and delay DP syncs."""
+def attach_training_hooks(transformer_config, chunks: list, optimizer, ddp_config) -> None:
+    """Tell megatron-core's pipeline schedule how to finalise gradients, scale the loss, delay DP syncs and, with
+    overlapped communication, when to start each chunk's gradient reduction and parameter gathering."""
     from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(method: str):
+        bound = [getattr(chunk, method) for chunk in chunks]
+        return bound[0] if len(bound) == 1 else bound
 
     transformer_config.finalize_model_grads_func = finalize_model_grads
     transformer_config.grad_scale_func = optimizer.scale_loss
-    # With overlapped reduction (Megatron-FSDP), gradient syncs must wait for the last microbatch.
-    no_sync = [chunk.no_sync for chunk in chunks]
-    transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    # With overlapped reduction, gradient syncs must wait for the last microbatch.
+    transformer_config.no_sync_func = per_chunk("no_sync")
+    if ddp_config.overlap_grad_reduce:
+        # With pipeline stages, a chunk's reduction starts as soon as its last backward is done (megatron's align_grad_reduce).
+        transformer_config.grad_sync_func = per_chunk("start_grad_sync")
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        transformer_config.param_sync_func = per_chunk("start_param_sync")
 
 
 def unwrap(chunk):
@@ -302,6 +321,14 @@ class Policy:
         return parallel.all_reduce_sum([float(local_tokens)])[0] / (config.tensor_model_parallel_size
                                                                      * config.pipeline_model_parallel_size)
 
+    def sync_parameters(self) -> None:
+        """Gather every parameter the distributed optimizer updated. With `overlap_param_gather` that gather waits
+        for the next forward; a checkpoint or an export taken before it would hold other ranks' shards stale."""
+        for chunk in self.chunks:
+            ddp_config = getattr(chunk, "ddp_config", None)
+            if ddp_config is not None and ddp_config.overlap_param_gather and not ddp_config.use_megatron_fsdp:
+                chunk.start_param_sync(force_sync=True)
+
     def frozen_copy(self) -> list:
         """A second copy of the starting weights that is never trained (GRPO's KL reference)."""
         chunks = build_chunks(self.transformer_config)
@@ -311,6 +338,7 @@ class Policy:
 
     def export(self, out_dir: Path, is_main: bool) -> None:
         """Write the model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
+        self.sync_parameters()
         export_hf(self.bridge, self.chunks, out_dir / "hf")
         if is_main:
             self.tokenizer.save_pretrained(out_dir / "hf")
@@ -339,14 +367,16 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     if not trainable:
         return Policy(bridge, provider, build_chunks(provider), None, None, tokenizer, hf_config)
     optimizer_config = precision.optimizer_config(config)
-    ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults())
+    environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
+    ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
     chunks = build_chunks(provider, ddp_config)
     on_phase("model build and HF weights")
     optimizer = (make_optimizer or get_megatron_optimizer)(optimizer_config, chunks)
     lr_schedule = warmup_cosine_schedule(optimizer, config)
-    attach_training_hooks(provider, chunks, optimizer)
+    attach_training_hooks(provider, chunks, optimizer, ddp_config)
     on_phase("optimizer")
-    log.info("resolved optimizer and DDP settings:\n%s", precision.settings_table(optimizer_config, ddp_config))
+    log.info("resolved settings:\n%s", precision.settings_table(
+        optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
     return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config)
 
 

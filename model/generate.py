@@ -17,7 +17,13 @@ What a rollout does not pay for:
 Transformer Engine's attention is told `no_mask` by megatron-core while decoding and would ignore the mask,
 so with that layer spec prompts are not padded: the common prefix is prefilled, and rows with longer
 prompts advance through the rest one token per step (megatron-core's own static batching).
+
+Sequence parallelism is off while generating, as megatron-core's own static-batching generation turns it off
+(`set_model_to_sequence_parallel`, for all but MoE layers): a decode step's one token cannot be split over the tensor-parallel ranks, and
+the output layer's last-position slice assumes the whole sequence. Weights and results are the same either way.
 """
+
+import contextlib
 
 import torch
 
@@ -63,6 +69,34 @@ def _keep_cache_rows(context, rows: torch.Tensor) -> None:
     context.max_batch_size = len(rows)
 
 
+# The module attributes megatron-core's `set_model_to_sequence_parallel` switches (megatron/core/transformer/utils.py).
+SEQUENCE_PARALLEL_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model):
+    """Run the model without sequence parallelism inside the block, and exactly as it was after (training keeps it).
+
+    The same switch as megatron-core's `set_model_to_sequence_parallel`, without its cache of modules keyed by
+    `id(model)`, which a later model (GRPO after its default SFT, in one process) could inherit.
+    """
+    bare = unwrap(model)
+    if not bare.config.sequence_parallel:
+        yield
+        return
+    saved = [(module, name, getattr(module, name)) for module in bare.modules()
+             for name in SEQUENCE_PARALLEL_ATTRIBUTES if hasattr(module, name)]
+    bare.config.sequence_parallel = False  # the config object every chunk (and the KL reference) shares
+    for module, name, _ in saved:
+        setattr(module, name, False)
+    try:
+        yield
+    finally:
+        bare.config.sequence_parallel = True
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
              samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -102,7 +136,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     model.eval()
     # megatron-core's inference mode: the output layer sees only each row's last position (in the prefill too),
     # and gathers the tensor-parallel vocab shards itself.
-    with InferenceMode.active():
+    with InferenceMode.active(), sequence_parallel_off(model):
         for position in range(int(ends.min()), total):
             window = tokens[:, previous:position]  # [rows, new tokens]
             positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)

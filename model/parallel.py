@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model import cpu_compat
+from model import cpu_compat, precision
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,31 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def detect_environment(parallel, world_size: int) -> precision.Environment:
+    """The machine as the settings rules see it: CUDA or not, the GPU's compute capability, the data-parallel size.
+
+    Reading the capability initialises the CUDA runtime but creates no context, and CUDA reads
+    CUDA_DEVICE_MAX_CONNECTIONS when a context is created, so this may run before `set_cuda_connections`.
+    """
+    cuda = torch.cuda.is_available()
+    capability = tuple(torch.cuda.get_device_capability()) if cuda else None
+    return precision.Environment(cuda=cuda, compute_capability=capability,
+                                 data_parallel_size=parallel.data_parallel_size(world_size))
+
+
+def set_cuda_connections(parallel, environment: precision.Environment) -> None:
+    """Set CUDA_DEVICE_MAX_CONNECTIONS as megatron-core's overlap needs it (`precision.cuda_device_max_connections`),
+    before this process creates its CUDA context; a value the user exported wins."""
+    wanted = precision.cuda_device_max_connections(parallel, environment)
+    current = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if wanted is None or current == wanted:
+        return
+    if current is not None:
+        log.info("keeping CUDA_DEVICE_MAX_CONNECTIONS=%s from the environment (the rule would set %s)", current, wanted)
+        return
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = wanted
+
+
 def init_distributed(parallel, seed: int) -> Runtime:
     """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/DP for `parallel`, seed every RNG.
 
@@ -69,6 +94,9 @@ def init_distributed(parallel, seed: int) -> Runtime:
     if "MASTER_PORT" not in os.environ:  # python -m trainer.sft without torchrun
         os.environ["MASTER_PORT"] = str(_free_port())
     if use_cuda:
+        # Before the first CUDA context (set_device creates it). When GRPO's default start calls this a second time
+        # in one process, the context exists and the first phase's value stays.
+        set_cuda_connections(parallel, detect_environment(parallel, world_size))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -1,8 +1,14 @@
-"""Pure rules from our config to megatron-core's `OptimizerConfig` and `DistributedDataParallelConfig`.
+"""Pure rules from our config (and where the run happens) to megatron-core's settings.
 
-Nothing here touches a process group or a model, so every branch is tested on the real classes on CPU.
-The checks of the same settings run earlier, at start-up (`config.sections.TrainerConfig.validate`).
+`optimizer_config` and `ddp_config` build megatron-core's `OptimizerConfig` and `DistributedDataParallelConfig`;
+`transformer_overrides` gives the `TransformerConfig` fields our config implies (sequence parallelism, activation
+recomputation); `cuda_device_max_connections` the environment variable megatron-core's communication overlap needs.
+Nothing here touches a process group, a device or a model: the machine comes in as an `Environment`, so every
+branch is tested on the real classes on CPU, GPUs simulated. The checks of the same settings run earlier, at
+start-up (`config.sections.TrainerConfig.validate`).
 """
+
+import dataclasses
 
 import torch
 
@@ -44,11 +50,23 @@ def optimizer_config(config):
     return OptimizerConfig(**settings)
 
 
-def ddp_config(config, optimizer=None, extra_defaults: dict | None = None):
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """Where a run happens, as far as the rules care: read once at start-up (`model.parallel.detect_environment`)."""
+
+    cuda: bool = False
+    compute_capability: tuple[int, int] | None = None  # the GPU's (major, minor); None on CPU
+    data_parallel_size: int = 1
+
+
+CPU = Environment()
+
+
+def ddp_config(config, optimizer=None, extra_defaults: dict | None = None, environment: Environment = CPU):
     """megatron-core DistributedDataParallelConfig whose gradient buckets follow the optimizer's main-gradient dtype.
 
-    `extra_defaults` are environment-driven defaults (the CPU layer's gloo settings); the user's
-    `ddp.override_ddp_config` still wins over them.
+    `environment` switches communication overlap on where it pays (`overlap_settings`); `extra_defaults` are
+    environment-driven defaults (the CPU layer's gloo settings). The user's `ddp.override_ddp_config` wins over both.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -72,18 +90,78 @@ def ddp_config(config, optimizer=None, extra_defaults: dict | None = None):
             # told: apply the same rule (fp32 unless the optimizer's main gradients are lower).
             megatron_fsdp_main_grads_dtype=optimizer.main_grads_dtype if low_precision_grads else torch.float32,
         )
+    settings.update(overlap_settings(config, optimizer.use_distributed_optimizer, environment))
     settings.update(extra_defaults or {})
     settings.update(config.ddp.override_ddp_config)
     return DistributedDataParallelConfig(**settings)
 
 
+def overlap_settings(config, distributed_optimizer: bool, environment: Environment) -> dict:
+    """Communication overlap as Megatron-Bridge's performance recipes set it: on CUDA with the distributed optimizer
+    and more than one data-parallel rank, gradient reduce-scatters run during backward and parameter all-gathers during
+    the next forward; with virtual pipeline stages every stage starts its all-gathers together (`align_param_gather`).
+
+    Empty (megatron-core's synchronous defaults) elsewhere: on CPU, gloo's communication runs on the cores the
+    compute it would hide behind needs (it works there when forced: tests/test_levers.py); with one data-parallel
+    rank there is nothing to reduce.
+    """
+    if not (environment.cuda and distributed_optimizer and environment.data_parallel_size > 1):
+        return {}
+    parallel = config.parallel
+    return {"overlap_grad_reduce": True, "overlap_param_gather": True,
+            "align_param_gather": parallel.pp > 1 and parallel.vpp > 1}
+
+
+# Blackwell (compute capability 10) and newer: Megatron-Bridge's performance scripts give every run 32 connections.
+MANY_CONNECTIONS_FROM_CAPABILITY = 10
+
+
+def cuda_device_max_connections(parallel, environment: Environment) -> str | None:
+    """The `CUDA_DEVICE_MAX_CONNECTIONS` a run needs, set before CUDA is initialised; None: leave CUDA's default (8).
+
+    The rule of Megatron-Bridge's performance scripts: up to Hopper, tensor parallelism wants 1, so kernels start in
+    the order they are queued and a tensor-parallel collective is not queued behind the GEMM it should overlap
+    (megatron-core warns without it under sequence parallelism); Megatron-FSDP instead needs more than 1 (Bridge
+    refuses 1), so it keeps the default. From Blackwell on, 32, so streams are not serialised.
+    """
+    if not environment.cuda:
+        return None
+    if environment.compute_capability and environment.compute_capability[0] >= MANY_CONNECTIONS_FROM_CAPABILITY:
+        return "32"
+    if parallel.tp > 1 and not parallel.use_megatron_fsdp:
+        return "1"
+    return None
+
+
 def transformer_overrides(config) -> dict:
-    """Transformer-config fields the precision/FSDP rules imply (Megatron-FSDP cannot fuse gradient accumulation)."""
-    return {"gradient_accumulation_fusion": False} if config.parallel.use_megatron_fsdp else {}
+    """Transformer-config fields our config implies: sequence parallelism (only with tp > 1), activation recomputation,
+    and no fused gradient accumulation under Megatron-FSDP."""
+    model = config.model
+    settings = {"sequence_parallel": config.parallel.uses_sequence_parallel, "recompute_granularity": None,
+                "recompute_method": None, "recompute_num_layers": None}
+    if model.recompute == "selective":
+        settings.update(recompute_granularity="selective", recompute_modules=list(model.recompute_modules))
+    elif model.recompute == "full":
+        settings.update(recompute_granularity="full", recompute_method=model.recompute_method,
+                        recompute_num_layers=model.recompute_num_layers)
+    if config.parallel.use_megatron_fsdp:
+        settings["gradient_accumulation_fusion"] = False
+    return settings
 
 
-def settings_table(optimizer, ddp) -> str:
-    """A short table of the resolved optimizer and DDP settings, printed once at start-up."""
+def _recompute_summary(transformer) -> str:
+    """The recompute settings of a TransformerConfig in one phrase."""
+    granularity = transformer.recompute_granularity
+    if granularity == "selective":
+        return f"selective modules={','.join(transformer.recompute_modules)}"
+    if granularity == "full":
+        return f"full method={transformer.recompute_method} num_layers={transformer.recompute_num_layers}"
+    return "none"
+
+
+def settings_table(optimizer, ddp, transformer=None, cuda_connections: str | None = None, cuda: bool = False) -> str:
+    """A short table of the resolved optimizer, DDP, sequence-parallel, recompute and CUDA settings, printed once at
+    start-up. `transformer` is the model's TransformerConfig; `cuda_connections` the CUDA_DEVICE_MAX_CONNECTIONS in force."""
     rows = [
         ("precision", f"bf16={optimizer.bf16} fp16={optimizer.fp16} params={str(optimizer.params_dtype).removeprefix('torch.')}"),
         ("optimizer", f"{optimizer.optimizer} lr={optimizer.lr:g} min_lr={optimizer.min_lr:g} wd={optimizer.weight_decay:g} "
@@ -92,8 +170,15 @@ def settings_table(optimizer, ddp) -> str:
                             f"main_grads={str(optimizer.main_grads_dtype).removeprefix('torch.')} "
                             f"exp_avg={str(optimizer.exp_avg_dtype).removeprefix('torch.')} "
                             f"exp_avg_sq={str(optimizer.exp_avg_sq_dtype).removeprefix('torch.')}"),
-        ("gradient buckets", f"grad_reduce_in_fp32={ddp.grad_reduce_in_fp32} overlap_grad_reduce={ddp.overlap_grad_reduce}"),
+        ("gradient buckets", f"grad_reduce_in_fp32={ddp.grad_reduce_in_fp32}"),
+        ("communication overlap", f"overlap_grad_reduce={ddp.overlap_grad_reduce} overlap_param_gather={ddp.overlap_param_gather} "
+                                  f"align_param_gather={ddp.align_param_gather}"),
         ("data parallel", f"megatron_fsdp={ddp.use_megatron_fsdp} sharding={ddp.data_parallel_sharding_strategy}"),
     ]
+    if transformer is not None:
+        rows += [("sequence parallel", f"{transformer.sequence_parallel} (tp={transformer.tensor_model_parallel_size})"),
+                 ("recompute", _recompute_summary(transformer))]
+    rows.append(("CUDA connections", f"CUDA_DEVICE_MAX_CONNECTIONS={cuda_connections or 'unset (CUDA default 8)'}"
+                 if cuda else "not applicable (no CUDA)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

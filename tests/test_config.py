@@ -13,7 +13,9 @@ from config.sections import SFTConfig
 
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
-    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.use_megatron_fsdp", "parallel.use_distributed_optimizer",
+    "model.recompute", "model.recompute_modules", "model.recompute_method", "model.recompute_num_layers",
+    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.use_megatron_fsdp",
+    "parallel.use_distributed_optimizer",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
     "optim.override_optimizer_config", "ddp.override_ddp_config",

@@ -204,7 +204,7 @@ def build_microbatches(rollouts: Rollouts, policy, reference, config, device) ->
     """This rank's rollouts as padded microbatches with advantages, old log-probs (policy) and reference log-probs."""
     micro, temperature = config.train.micro_batch_size, config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
-    seq_len = sft_data.padded_length(rollouts.examples, config.data.max_seq_len)
+    seq_len = sft_data.padded_length(rollouts.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
     microbatches = []
     for start in range(0, len(rollouts.examples), micro):
         batch = sft_data.collate(rollouts.examples[start : start + micro], seq_len, policy.tokenizer.pad_token_id)

@@ -64,7 +64,8 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         seq_len = config.data.max_seq_len
         batches = [sft_data.collate_packed(sft_data.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
-        seq_len = sft_data.padded_length([example for group in groups for example in group], config.data.max_seq_len)
+        seq_len = sft_data.padded_length([example for group in groups for example in group], config.data.max_seq_len,
+                                         config.parallel.sequence_multiple)
         batches = [sft_data.collate(group, seq_len, pad_id) for group in groups]
     return [sft_data.to_device(batch, device) for batch in batches], seq_len
 

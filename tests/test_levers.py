@@ -1,0 +1,246 @@
+"""Sequence parallelism, activation recomputation and communication overlap (issue 15).
+
+Pure rules and start-up checks run in plain pytest (GPUs simulated by `precision.Environment`); the end-to-end
+comparisons run in one torchrun launch of tests/distributed/levers_worker.py (2 CPU processes, fp32):
+- TP=2 with sequence parallelism on vs off: per-step losses of 5 SFT steps and exported HF weights within 1e-6;
+- recompute selective and full vs none: bit-identical per-step losses and parameter gradients (recomputation reruns
+  the same deterministic fp32 CPU kernels on the same inputs, so backward consumes bitwise-equal activations);
+- DP=2 with overlapped gradient reduction and parameter gathering (what GPUs get by default) vs without;
+- greedy generation at TP=2 with sequence parallelism token-identical to `transformers.generate`, and GRPO's rollouts
+  and updates with it.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from config import sections
+from config.cli import parse_args
+from config.errors import UserError
+from config.sections import GRPOConfig, SFTConfig
+from data import sft as sft_data
+from model import precision
+from tests.conftest import torchrun
+
+LOSS_TOLERANCE = 1e-6
+WEIGHT_TOLERANCE = 1e-6
+
+
+def make(*argv: str, config_class=SFTConfig):
+    """A config from command-line style arguments."""
+    return parse_args(config_class, list(argv), "test")[0]
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+@pytest.mark.parametrize("argv, world_size, expected", [
+    (["--model.recompute=partial"], 1, "`model.recompute=partial` is not one of none, selective, full"),
+    (["--model.recompute=full", "--model.recompute_method=every"], 1, "`model.recompute_method=every` is not one of uniform, block"),
+    (["--model.recompute=full", "--model.recompute_num_layers=0"], 1, "`model.recompute_num_layers` must be at least 1"),
+    (["--model.recompute=selective", "--model.recompute_modules=[attention]"], 1,
+     "`model.recompute_modules=['attention']` must name one or more of core_attn, layernorm, mlp"),
+    (["--model.recompute=selective", "--model.recompute_modules=[]"], 1, "must name one or more of"),
+    (["--parallel.tp=2", "--data.max_seq_len=127"], 2, "`data.max_seq_len=127` must be a multiple of `parallel.tp=2`"),
+])
+def test_start_up_errors_name_the_key(argv, world_size, expected):
+    with pytest.raises(UserError) as error:
+        make(*argv).validate(world_size)
+    assert expected in str(error.value)
+
+
+def test_what_each_layer_spec_cannot_recompute(monkeypatch):
+    """`layernorm`: megatron-core 0.19.2 recomputes norms through TE's FP8 state (so it needs TE), and TE's own
+    spec fuses the norms into the linear layers (so only the sdpa/local specs with TE installed have any)."""
+    monkeypatch.setattr(sections, "have_transformer_engine", lambda: False)
+    with pytest.raises(UserError) as error:
+        make("--model.recompute=selective", "--model.recompute_modules=[core_attn,layernorm]").validate(1)
+    assert "Transformer Engine is not installed" in str(error.value) and "`layernorm`" in str(error.value)
+    make("--model.recompute=selective", "--model.recompute_modules=[core_attn,mlp]").validate(1)
+    monkeypatch.setattr(sections, "have_transformer_engine", lambda: True)
+    for attention in ("transformer_engine", "auto"):
+        with pytest.raises(UserError) as error:
+            make(f"--model.attention={attention}", "--model.recompute=selective", "--model.recompute_modules=[layernorm]").validate(1)
+        assert "fuses each norm into the linear layer" in str(error.value) and "`--model.attention=sdpa`" in str(error.value)
+    make("--model.attention=sdpa", "--model.recompute=selective", "--model.recompute_modules=[layernorm,mlp]").validate(1)
+    make("--model.attention=transformer_engine", "--model.recompute=selective").validate(1)  # core_attn
+
+
+def test_recompute_layers_are_checked_against_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
+    config = make(f"--model.path={tmp_path}", "--parallel.pp=2", "--parallel.vpp=2", "--model.recompute=full",
+                  "--model.recompute_num_layers=7")
+    with pytest.raises(UserError) as error:
+        config.validate(2)
+    assert "`model.recompute_num_layers=7` exceeds the 6 layers each model chunk holds" in str(error.value)
+    make(f"--model.path={tmp_path}", "--model.recompute=full", "--model.recompute_num_layers=24").validate(1)
+    # Selective recomputation ignores the full-only keys.
+    make(f"--model.path={tmp_path}", "--model.recompute=selective", "--model.recompute_num_layers=99").validate(1)
+
+
+def test_grpo_shares_the_keys():
+    config = make("--parallel.tp=2", "--model.recompute=full", config_class=GRPOConfig)
+    assert config.parallel.uses_sequence_parallel and config.model.recompute == "full"
+
+
+def test_sequence_length_is_padded_to_the_tensor_parallel_size():
+    examples = [sft_data.Example(list(range(12)), [1] * 12)]  # 11 inputs
+    assert sft_data.padded_length(examples, 128) == 16
+    assert sft_data.padded_length(examples, 128, multiple=16) == 16
+    assert sft_data.padded_length(examples, 128, multiple=3) == 24
+    assert sft_data.padded_length(examples, 12, multiple=4) == 12  # capped by data.max_seq_len (a multiple, checked)
+    assert make("--parallel.tp=4").parallel.sequence_multiple == 4
+    assert make("--parallel.tp=4", "--parallel.sequence_parallel=false").parallel.sequence_multiple == 1
+    assert make().parallel.sequence_multiple == 1  # tp=1: nothing to split
+
+
+# ---------------------------------------------------------------- the rules, on megatron-core's real classes
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], dict(sequence_parallel=False, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
+    (["--parallel.tp=2"], dict(sequence_parallel=True)),  # on by default with tp > 1, as Megatron-Bridge's recipes
+    (["--parallel.tp=2", "--parallel.sequence_parallel=false"], dict(sequence_parallel=False)),
+    (["--model.recompute=selective"], dict(recompute_granularity="selective", recompute_modules=["core_attn"],
+                                           recompute_method=None, recompute_num_layers=None)),
+    (["--model.recompute=selective", "--model.recompute_modules=[layernorm,mlp]"],
+     dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])),
+    (["--model.recompute=full"], dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    (["--model.recompute=full", "--model.recompute_method=block", "--model.recompute_num_layers=3"],
+     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3)),
+])
+def test_transformer_overrides_are_accepted_by_megatron_core(argv, expected):
+    from megatron.core.transformer import TransformerConfig
+
+    config = make(*argv)
+    overrides = precision.transformer_overrides(config)
+    assert {key: overrides[key] for key in expected} == expected
+    built = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=config.parallel.tp,
+                              **overrides)  # runs megatron-core's own validation (__post_init__)
+    assert {key: getattr(built, key) for key in expected} == expected
+
+
+H100, B200 = (9, 0), (10, 0)
+
+
+def gpu(capability=H100, data_parallel_size=2) -> precision.Environment:
+    """A simulated CUDA machine."""
+    return precision.Environment(cuda=True, compute_capability=capability, data_parallel_size=data_parallel_size)
+
+
+# (arguments, environment) -> (overlap_grad_reduce, overlap_param_gather, align_param_gather, CUDA_DEVICE_MAX_CONNECTIONS)
+OVERLAP_TABLE = [
+    ([], precision.Environment(data_parallel_size=2), (False, False, False, None)),  # CPU: gloo has nothing to overlap
+    (["--parallel.tp=2"], precision.Environment(data_parallel_size=2), (False, False, False, None)),
+    ([], gpu(), (True, True, False, None)),
+    ([], gpu(data_parallel_size=1), (False, False, False, None)),  # nothing to reduce
+    (["--parallel.use_distributed_optimizer=false"], gpu(), (False, False, False, None)),
+    (["--parallel.tp=2"], gpu(), (True, True, False, "1")),  # Hopper and older: TP collectives queue in order
+    (["--parallel.tp=2"], gpu(data_parallel_size=1), (False, False, False, "1")),
+    (["--parallel.pp=2", "--parallel.vpp=2"], gpu(), (True, True, True, None)),  # all stages gather together
+    (["--parallel.pp=2"], gpu(), (True, True, False, None)),
+    (["--parallel.tp=2"], gpu(B200), (True, True, False, "32")),  # Blackwell: more connections, never 1
+    ([], gpu(B200), (True, True, False, "32")),
+    (["--parallel.tp=2", "--parallel.use_megatron_fsdp=true"], gpu(), (True, True, False, None)),  # FSDP needs > 1
+    (["--parallel.use_megatron_fsdp=true"], precision.Environment(data_parallel_size=2), (True, False, False, None)),
+    (["--parallel.tp=2", "--ddp.override_ddp_config={overlap_param_gather: false}"], gpu(), (True, False, False, "1")),
+    (["--ddp.override_ddp_config={overlap_grad_reduce: true}"], precision.Environment(data_parallel_size=2),
+     (True, False, False, None)),  # the user's override wins, on CPU too
+]
+
+
+@pytest.mark.parametrize("argv, environment, expected", OVERLAP_TABLE)
+def test_overlap_and_connection_rules(argv, environment, expected):
+    config = make(*argv)
+    built = precision.ddp_config(config, environment=environment)
+    connections = precision.cuda_device_max_connections(config.parallel, environment)
+    assert (built.overlap_grad_reduce, built.overlap_param_gather, built.align_param_gather, connections) == expected
+
+
+def test_settings_table_shows_every_lever():
+    config = make("--parallel.tp=2", "--model.recompute=full", "--model.recompute_num_layers=2")
+    optimizer = precision.optimizer_config(config)
+    ddp = precision.ddp_config(config, optimizer, environment=gpu())
+    transformer = SimpleNamespace(tensor_model_parallel_size=2, **precision.transformer_overrides(config))
+    table = precision.settings_table(optimizer, ddp, transformer, cuda_connections="1", cuda=True)
+    for expected in ("overlap_grad_reduce=True overlap_param_gather=True align_param_gather=False", "sequence parallel",
+                     "True (tp=2)", "full method=uniform num_layers=2", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert expected in table, table
+    cpu_table = precision.settings_table(optimizer, precision.ddp_config(config, optimizer), None)
+    assert "not applicable (no CUDA)" in cpu_table and "overlap_grad_reduce=False" in cpu_table
+
+
+# ---------------------------------------------------------------- end to end (one torchrun launch)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every comparison's figures, from one torchrun launch of the worker."""
+    from data.arithmetic import generate_problems
+
+    data, out = tmp_path_factory.mktemp("levers-data"), tmp_path_factory.mktemp("levers-out")
+    # A small arithmetic set: tokenizing the bundled 11,000 problems costs each run seconds per process.
+    for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
+    torchrun(["tests/distributed/levers_worker.py", "--data", str(data), "--out", str(out)], nproc=2, timeout=900)
+    figures = json.loads((out / "results.json").read_text())
+    print("\n" + json.dumps(figures, indent=1))
+    return figures
+
+
+def no_error(result: dict) -> dict:
+    """The phase's figures, or a failure showing the worker's traceback."""
+    assert "error" not in result, result["error"]
+    return result
+
+
+def largest_difference(first: list[float], second: list[float]) -> float:
+    """Largest absolute difference of two equally long series."""
+    assert len(first) == len(second) > 0
+    return max(abs(a - b) for a, b in zip(first, second))
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_matches_without_it(results):
+    off, on = no_error(results["sft_tp2_sp_off"]), no_error(results["sft_tp2_sp_on"])
+    assert len(on["losses"]) == 5
+    assert largest_difference(off["losses"], on["losses"]) < LOSS_TOLERANCE
+    assert largest_difference(off["grad_norms"], on["grad_norms"]) < 1e-5
+    assert on["losses"][-1] < on["losses"][0]  # it trains
+    export = results["export_tp2_sp_off_vs_tp2_sp_on"]
+    assert export["names_equal"] and export["tensors"] > 0
+    assert export["max_abs_diff"] < WEIGHT_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_recompute_gives_identical_losses_and_gradients(results):
+    reference = no_error(results["sft_tp2_sp_on"])["losses"]
+    for name in ("sft_tp2_sp_selective", "sft_tp2_sp_full"):
+        assert no_error(results[name])["losses"] == reference, name  # bit-identical, see the module docstring
+    gradients = no_error(results["recompute_gradients"])
+    assert gradients["none"]["parameters"] > 0
+    for name in ("selective", "full"):
+        assert gradients[name]["loss"] == gradients["none"]["loss"]
+        assert gradients[name]["bit_identical"], gradients[name]
+
+
+@pytest.mark.distributed
+def test_overlapped_communication_on_gloo_matches(results):
+    plain, overlapped = no_error(results["sft_dp2"]), no_error(results["sft_dp2_overlap"])
+    assert largest_difference(plain["losses"], overlapped["losses"]) < LOSS_TOLERANCE
+    # Exported after the last step: the pending parameter gather was completed first (Policy.sync_parameters).
+    assert results["export_dp2_vs_dp2_overlap"]["max_abs_diff"] < WEIGHT_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_generation_and_grpo_with_sequence_parallel(results):
+    greedy = no_error(results["greedy_sp"])
+    assert greedy["sequence_parallel_during_training"] is True
+    assert greedy["greedy_equal"] is True and greedy["generated_tokens"] > 0
+    assert greedy["sequence_parallel_restored"] is True
+    grpo_run = no_error(results["grpo_sp"])  # rollouts with sequence parallelism off, updates with it on
+    assert len(grpo_run["loss"]) == 2 and all(length > 0 for length in grpo_run["response_len"])
+    assert grpo_run["grad_norm"][0] > 0  # the first update moved the policy...
+    assert grpo_run["kl"][1] > 0  # ...away from the frozen reference, which the second step's KL sees

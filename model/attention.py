@@ -100,7 +100,7 @@ class RotateOnceSelfAttention(SelfAttention):
     at every decode step. Here each new key is rotated once, as it is written to the cache, and the caller
     rotates only the query (it skips a key whose embedding comes back as None), as `transformers` does. The
     numbers are the same: a key's rotation depends only on its own position. The cache keeps megatron's
-    layout ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
+    shape ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
     can copy prompts' rows to several samples and drop finished rows. Without a static cache, or with a
     dynamic context, flash decoding or no rotary embedding, megatron-core's own path runs unchanged.
     """
@@ -121,7 +121,7 @@ class RotateOnceSelfAttention(SelfAttention):
                                    mscale=self._yarn_concentration_factor, cp_group=self.pg_collection.cp)
         if self.layer_number not in context.key_value_memory_dict:
             # megatron's [max_seq, max_batch, groups, head dim] shape over batch-major memory, so that each row's keys
-            # are near each other for the attention kernel (2.2x faster SDPA at batch 256 on CPU).
+            # are near each other for the attention kernel.
             context.key_value_memory_dict[self.layer_number] = tuple(
                 tensor.new_empty(context.max_batch_size, context.max_sequence_length, *tensor.shape[2:]).transpose(0, 1)
                 for tensor in (key, value))

@@ -117,8 +117,10 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = field(default=600, metadata={"help": "optimizer steps (GRPO: rollout + update steps); also the learning-rate schedule's length"})
-    global_batch_size: int = field(default=32, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
-    micro_batch_size: int = field(default=8, metadata={"help": "samples per forward/backward on one rank"})
+    # The embedded default SFT: 64 samples a step cost about what 32 did on 2 CPU processes and learn far more
+    # of the arithmetic table in 600 steps (held-out answer accuracy 0.99 vs 0.58 at seed 1234).
+    global_batch_size: int = field(default=64, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
+    micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward on one rank"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
     out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, metrics.png, hf/ and checkpoints (on a shared file system for several nodes)"})
     exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 at this step (0: off)"})
@@ -383,10 +385,11 @@ class GRPOConfig(TrainerConfig):
     """`trainer.grpo`: the shared sections with GRPO's defaults, and the `grpo` section."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START))
-    # The SFT's final learning rate, held. From the two-style SFT: 5e-5 raises the sampled reward by only ~0.10 in
-    # 40 steps, 1e-4 by ~0.3 with held-out answer accuracy kept, 2e-4 by ~0.4 but held-out answer accuracy falls.
+    # The SFT's final learning rate, held. From an earlier, weaker default SFT: 5e-5 raised the sampled reward by only
+    # ~0.10 in 40 steps, 1e-4 by ~0.3 with held-out answer accuracy kept, 2e-4 by ~0.4 but held-out answer accuracy fell.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-4, warmup_steps=5))
-    # 64 prompts a step: the tiny model learns facts one prompt at a time, and smaller steps mostly add noise.
+    # 64 prompts a step. With 32 (256 completions) the `#### N` form is learned about as fast, but the noisier steps
+    # damage the arithmetic: held-out answer accuracy 0.986 -> 0.928 at seed 1234 (0.986 -> 0.988 with 64).
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         steps=40, global_batch_size=512, micro_batch_size=64, out_dir="outputs/grpo", eval_interval=0,
         eval_samples=1000, log_interval=5))

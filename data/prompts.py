@@ -26,7 +26,7 @@ def prompts_from_conversations(conversations: list[list[dict]], tokenizer) -> li
     cuts = [max(index for index, message in enumerate(turns) if message["role"] == "assistant") for turns in conversations]
     texts = [tokenizer.apply_chat_template(turns[:cut], add_generation_prompt=True, tokenize=False)
              for turns, cut in zip(conversations, cuts)]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    ids = sft.encode_texts(texts, tokenizer)
     return [Prompt(prompt_ids, turns[cut]["content"]) for prompt_ids, turns, cut in zip(ids, conversations, cuts)]
 
 

@@ -195,8 +195,8 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[t
     """Tokenize like `tokenize_conversation` in two batched calls; None where the pieces tokenize differently."""
     split = [split_turns(messages, tokenizer) for messages in conversations]
     texts = [text for pieces, _ in split for text, _ in pieces]
-    piece_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
-    whole_ids = tokenizer([rendered for _, rendered in split], add_special_tokens=False)["input_ids"]
+    piece_ids = iter(encode_texts(texts, tokenizer))
+    whole_ids = encode_texts([rendered for _, rendered in split], tokenizer)
     tokenized = []
     for (pieces, _), expected in zip(split, whole_ids):
         input_ids, loss_mask = [], []
@@ -208,6 +208,16 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[t
         # the header's newline); such a token belongs to neither side, so the caller must not guess.
         tokenized.append((input_ids, loss_mask) if input_ids == expected else None)
     return tokenized
+
+
+def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text, no special tokens added. A fast tokenizer's Rust backend is called directly: the
+    same ids as `tokenizer(texts)`, without building Python encodings (about half of SFT's start-up tokenizing)."""
+    if not texts:
+        return []
+    if getattr(tokenizer, "is_fast", False):
+        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]], str]:

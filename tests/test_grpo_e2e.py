@@ -120,15 +120,15 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
                 "format_rate", "answer_accuracy"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
-    # Measured on 2 CPU processes from the default SFT at seeds 1, 2, 3: reward +0.311 / +0.242 / +0.227 (at
-    # learning rate 0: +0.010 / +0.013), `#### N` form +0.45 / +0.40 / +0.45, held-out greedy accuracy 0.000 ->
-    # 0.829 / 0.688 / 0.596, held-out answer accuracy +0.038 / +0.026 / -0.008. From the default SFT's own seed
-    # (1234, this test's start) with today's rollouts: reward +0.183, form +0.39, held-out 0.000 -> 0.619, answer
-    # 0.579 -> 0.619. Pins leave room for the seed spread.
-    assert last - first >= 0.15
-    assert format_last - format_first >= 0.30
-    assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.4
-    assert after["eval_answer_accuracy"] >= before["eval_answer_accuracy"] - 0.03
+    # Measured on 2 CPU processes from the default SFT, at this test's seed 1234 / seeds 1 / 2 / 3 (SFT and GRPO):
+    # reward +0.546 / +0.579 / +0.425 / +0.538 (at learning rate 0: +0.002 / CTL1), `#### N` form +0.61 / +0.61 /
+    # +0.50 / +0.58, held-out greedy accuracy 0.000 -> 0.988 / 0.995 / 0.964 / 0.988, held-out answer accuracy
+    # +0.002 / -0.001 / +0.009 / +0.003. Pins leave room for the seed spread.
+    assert last - first >= 0.35
+    assert format_last - format_first >= 0.40
+    assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.8
+    # The arithmetic is not damaged (the bound).
+    assert after["eval_answer_accuracy"] >= before["eval_answer_accuracy"] - 0.02
     assert all(row["reward_errors"] == 0 for row in steps)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 

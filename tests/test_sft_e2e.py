@@ -33,11 +33,11 @@ def test_default_run_learns(default_sft):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
     assert losses[-1] <= 0.5 * losses[0]
     assert baseline["step"] == 0 and baseline["eval_answer_accuracy"] == 0.0
-    # It learned the arithmetic (0.79 / 0.71 / 0.61 measured at seeds 1 / 2 / 3; the untrained model scores 0; the
-    # pin leaves room for that spread), and greedily answers in
+    # It learned the arithmetic (1.00 / 0.95 / 0.99 on 100 problems at seeds 1 / 2 / 3, 0.986 on 1000 at this
+    # test's seed 1234; the untrained model scores 0; the pin leaves room for that spread), and greedily answers in
     # the majority style of its targets, `The answer is N.`, which the `arithmetic` reward does not grade: the
     # choice GRPO's default run then teaches (README, GRPO).
-    assert final["eval_answer_accuracy"] >= 0.5
+    assert final["eval_answer_accuracy"] >= 0.85
     assert final["eval_format_rate"] <= 0.1 and final["eval_accuracy"] <= 0.1
     assert final["eval_loss"] < 0.5 * baseline["eval_loss"]
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()

@@ -121,7 +121,7 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
     # Measured on 2 CPU processes from the default SFT, at this test's seed 1234 / seeds 1 / 2 / 3 (SFT and GRPO):
-    # reward +0.546 / +0.579 / +0.425 / +0.538 (at learning rate 0: +0.002 / CTL1), `#### N` form +0.61 / +0.61 /
+    # reward +0.546 / +0.579 / +0.425 / +0.538 (at learning rate 0: +0.002 / +0.015), `#### N` form +0.61 / +0.61 /
     # +0.50 / +0.58, held-out greedy accuracy 0.000 -> 0.988 / 0.995 / 0.964 / 0.988, held-out answer accuracy
     # +0.002 / -0.001 / +0.009 / +0.003. Pins leave room for the seed spread.
     assert last - first >= 0.35

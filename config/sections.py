@@ -159,6 +159,8 @@ class GRPOSection:
     format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
     baseline: str = field(default="mean", metadata={"help": "advantage baseline within a group: mean | leave_one_out"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
+    # Kept for the embedded default: without it (TRL's default) held-out answer accuracy fell 0.986 -> 0.962 at seed
+    # 1234, and the skipped reference forward did not shorten a CPU step measurably (median 4.65 vs 4.57 s).
     kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
     kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator: k1 | k3"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO ratio clip below: 1 - clip_low"})

@@ -117,8 +117,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = field(default=600, metadata={"help": "optimizer steps (GRPO: rollout + update steps); also the learning-rate schedule's length"})
-    # The embedded default SFT: 64 samples a step cost about what 32 did on 2 CPU processes and learn far more
-    # of the arithmetic table in 600 steps (held-out answer accuracy 0.99 vs 0.58 at seed 1234).
+    # The embedded default SFT: 64 samples a step (one micro-batch per rank on 2 processes) cost about 1.25x the step
+    # time of 32 and learn the arithmetic table in 600 steps (held-out answer accuracy 0.986 vs 0.579, seed 1234).
     global_batch_size: int = field(default=64, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
     micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward on one rank"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})

@@ -15,6 +15,7 @@ from data.sft import (
     build_examples,
     collate,
     collate_packed,
+    encode_texts,
     load_rows,
     pack,
     to_conversations,
@@ -244,6 +245,16 @@ def test_gsm8k_train_goes_through_the_whole_pipeline(tokenizer):
     assert report.used + report.dropped == line_count == report.rows_read
     assert (report.used, report.dropped, report.truncated) == (GSM8K_USED, GSM8K_DROPPED, GSM8K_TRUNCATED)
     assert len(examples) == report.used and max(len(example.input_ids) for example in examples) == 513
+
+
+def test_encode_texts_gives_the_tokenizers_own_ids(tokenizer):
+    """The Rust-backend shortcut equals `tokenizer(texts)`, special tokens written in the text included."""
+    conversations, _ = to_conversations(load_rows("arithmetic", sft_targets=True)[:200])
+    texts = [tokenizer.apply_chat_template(turns, tokenize=False) for turns in conversations]
+    texts += ["", " leading space", "<|im_end|> in text\n\n#### 1,000"]
+    expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert tokenizer.is_fast and encode_texts(texts, tokenizer) == expected
+    assert encode_texts([], tokenizer) == []
 
 
 # --- batching and packing -------------------------------------------------------------------------

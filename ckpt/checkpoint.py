@@ -9,17 +9,23 @@ Layout under `ckpt.dir`:
         trainer_state.pt      step, LR schedule, data position, resolved config, model fingerprint
     latest                    name of the newest complete checkpoint, replaced atomically last
 
-A save writes into `.partial-step_N/` and renames it when every rank has finished, then moves
-`latest`, then prunes old checkpoints (never the one just written), so a crash at any point leaves
-the previous checkpoint loadable and `latest` pointing at it.
+A save writes into `.partial-step_N/`, fsyncs it, and renames it when every rank has finished, then moves
+`latest` (fsynced), then prunes old checkpoints (never the one just written): `latest` names a complete
+checkpoint at every instant, whenever the process dies (`_publish`). What a killed save leaves is removed
+at the next start-up.
+
+A fresh run (no `--resume-from-checkpoint`) refuses a `train.out_dir` that holds an earlier run's checkpoints
+or metrics, unless `train.overwrite_output_dir=true` (`check_output_dir`), so no run destroys another.
 """
 
+import json
 import logging
 import os
 import queue
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +41,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 PREFIX = "step_"
 PARTIAL = ".partial-"
+REPLACED = ".replaced-"
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "model_and_optimizer"
 # Each DP rank saves its optimizer shard as is; the format reshards over data parallelism (DP=2 -> DP=1).
@@ -108,6 +115,36 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
                         "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
     return path, state["step"]
+
+
+# What a run writes into `train.out_dir` besides its checkpoints (metrics.jsonl and the rest, the HF export).
+RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "metrics.png", "tb", "hf")
+
+
+def check_output_dir(config, resume: str, is_main: bool) -> None:
+    """Refuse a fresh run whose `train.out_dir` holds an earlier run's checkpoints or metrics (before any work), or
+    with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them."""
+    if resume:
+        return
+    out_dir, directory = Path(config.train.out_dir), checkpoint_dir(config)
+    earlier = sorted(directory.glob(f"{PREFIX}*")) + [path for path in (directory / LATEST, out_dir / "metrics.jsonl")
+                                                       if path.exists()]
+    if not earlier:
+        return
+    if not config.train.overwrite_output_dir:
+        raise UserError(
+            f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}), and this run would overwrite its checkpoints and metrics. Continue "
+            "it with `--resume-from-checkpoint latest`, write this run elsewhere with a new `--train.out_dir`, or "
+            "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
+    if is_main:
+        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and metrics in %s", out_dir)
+        for path in [*directory.glob(f"{PREFIX}*"), *directory.glob(f"{PARTIAL}*"), *directory.glob(f"{REPLACED}*"),
+                     directory / LATEST, *(out_dir / name for name in RUN_OUTPUTS)]:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
 
 # ---------------------------------------------------------------- RNG
@@ -283,20 +320,92 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
         (partial / "rng").mkdir()
     _barrier()
     _save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR)
-    torch.save(rng_state(), partial / "rng" / f"rank_{dist.get_rank():05d}.pt")
+    _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
     _barrier()
     if is_main:
-        torch.save(state, partial / STATE_FILE)
-        if final.exists():  # the same step saved before (a resumed run re-reaching it): replace it whole
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        pointer = checkpoint_dir / f"{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, checkpoint_dir / LATEST)
+        _write_durably(partial / STATE_FILE, state)
+        _fsync_tree(partial)
+        _publish(checkpoint_dir, partial, final)
         _prune(checkpoint_dir, keep_last, keep=final)
         log.info("saved checkpoint %s", final)
     _barrier()
     return final
+
+
+def _publish(checkpoint_dir: Path, partial: Path, final: Path) -> None:
+    """Rename the complete `partial` to `final` and point `latest` at it, such that `latest` names a complete
+    checkpoint at every instant, whenever the process dies.
+
+    When `final` exists already (a resumed run re-reaching a step it saved before), `latest` may name it: the
+    pointer first names the new save, then the old one moved aside, then the new one under its final name; the
+    old one is deleted last. A pointer left on either by a crash is still a complete checkpoint.
+    """
+    if final.exists():
+        replaced = checkpoint_dir / f"{REPLACED}{final.name}"
+        shutil.rmtree(replaced, ignore_errors=True)
+        _point_latest(checkpoint_dir, partial.name)
+        os.replace(final, replaced)
+        _point_latest(checkpoint_dir, replaced.name)
+        os.replace(partial, final)
+        _point_latest(checkpoint_dir, final.name)
+        shutil.rmtree(replaced)
+    else:
+        os.replace(partial, final)
+        _point_latest(checkpoint_dir, final.name)
+
+
+def _point_latest(checkpoint_dir: Path, name: str) -> None:
+    """Replace the `latest` pointer atomically and durably (the new name is on disk before and after the rename)."""
+    pointer = checkpoint_dir / f"{LATEST}.tmp"
+    with open(pointer, "w") as file:
+        file.write(name)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(pointer, checkpoint_dir / LATEST)
+    _fsync_directory(checkpoint_dir)
+
+
+def _write_durably(path: Path, state) -> None:
+    """`torch.save` and fsync: a checkpoint published afterwards never holds a half-written file after a power loss."""
+    with open(path, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the names in `directory` (renames, new entries) durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (the shards torch.distributed.checkpoint wrote included)."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            descriptor = os.open(Path(directory) / name, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        _fsync_directory(Path(directory))
+
+
+def clean_stale_saves(checkpoint_dir: Path) -> None:
+    """Delete what saves killed midway left in `checkpoint_dir` (partial and replaced checkpoints, a pointer being
+    written), except a directory `latest` names. Called by global rank 0 at start-up."""
+    if not checkpoint_dir.is_dir():
+        return
+    pointer = checkpoint_dir / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    for path in [*checkpoint_dir.glob(f"{PARTIAL}*"), *checkpoint_dir.glob(f"{REPLACED}*")]:
+        if path.name != named:
+            log.info("removing %s, left by a save that did not finish", path)
+            shutil.rmtree(path, ignore_errors=True)
+    (checkpoint_dir / f"{LATEST}.tmp").unlink(missing_ok=True)
 
 
 def _prune(checkpoint_dir: Path, keep_last: int, keep: Path) -> None:
@@ -338,6 +447,34 @@ def _restore_step_counters(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype, device=state["step"].device)
 
 
+def _damaged_shard(directory: Path) -> str:
+    """Which shard file of a torch.distributed.checkpoint directory is missing or shorter than its index says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception as error:  # the index itself is unreadable
+        return f"its index `{directory / '.metadata'}` cannot be read ({type(error).__name__})"
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"its shard `{file}` is missing"
+        if file.stat().st_size < size:
+            return f"its shard `{file}` is truncated ({file.stat().st_size} of {size} bytes)"
+    return f"its model/optimizer shards in `{directory}` are corrupted"
+
+
+def _underlying_error(error: BaseException) -> str:
+    """The first rank's own exception inside torch.distributed.checkpoint's wrapper, as `Type: message` on one line."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
 def load(path: Path, chunks: list, optimizer) -> dict:
     """Load model chunks, optimizer and this rank's RNG from a checkpoint; return the loop's saved state."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -347,8 +484,8 @@ def load(path: Path, chunks: list, optimizer) -> dict:
     # A truncated or corrupted shard: torch.distributed.checkpoint gathers every rank's failure (an EOFError, say) into
     # one CheckpointException, raised on every rank alike (it derives from BaseException, not Exception).
     except (Exception, CheckpointException) as error:
-        raise UserError(f"Checkpoint `{path}` cannot be loaded: its model/optimizer shards in `{path / SHARDED_DIR}` are "
-                        f"truncated or corrupted ({type(error).__name__}: {' '.join(str(error).split())[:300]}). Resume from an earlier checkpoint with "
+        raise UserError(f"Checkpoint `{path}` cannot be loaded: {_damaged_shard(path / SHARDED_DIR)} "
+                        f"({_underlying_error(error)}). Resume from an earlier checkpoint with "
                         "`--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
@@ -362,7 +499,7 @@ class Preemption:
     """SIGTERM/SIGINT (torchrun forwards them) ask the loop to finish its step, save and exit 0."""
 
     def __init__(self):
-        self.requested = False
+        self.requested = self.requested_anywhere = False
         for signal_number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signal_number, self._request)
 
@@ -375,7 +512,8 @@ class Preemption:
         if torch.cuda.is_available():
             flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.requested_anywhere = bool(flag.item())
+        return self.requested_anywhere
 
 
 # ---------------------------------------------------------------- the run's checkpointer
@@ -393,6 +531,9 @@ class Checkpointer:
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, None
+        self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
+        if int(os.environ.get("RANK", "0")) == 0:
+            clean_stale_saves(self.directory)
 
     def finished(self) -> bool:
         """Whether the checkpoint resumed from has already run every step (said once, then there is nothing to do)."""
@@ -419,23 +560,45 @@ class Checkpointer:
 
     def save(self, step: int) -> Path:
         """Write every tracked part after `step`. Collective."""
+        started = time.perf_counter()
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
-        self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather is still pending
-        return save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
+        self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight
+        path = save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
                     dist.get_rank() == 0)
+        self.last_save_s = time.perf_counter() - started
+        return path
 
-    def maybe_save(self, step: int) -> bool:
+    def maybe_save(self, step: int, step_seconds: float = 0.0) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
-        the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished)."""
+        the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished).
+
+        Every way out of a loop passes through a save here, so no parameter gather is in flight at shutdown."""
         train = self.config.train
+        self.slowest_step_s = max(self.slowest_step_s, step_seconds)
         stop = self.preemption.agreed() or step == train.exit_interval
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
-            self.save(step)
+            path = self.save(step)
         if step == train.steps:
             self.policy.export(Path(train.out_dir), dist.get_rank() == 0)
-        if stop:
-            log.info("stopping at step %d (%s); resume with --resume-from-checkpoint latest", step,
-                     "signal" if self.preemption.requested else "train.exit_interval")
+        if stop and self.preemption.requested_anywhere:
+            log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
+                     "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
+                     self.slowest_step_s, self.last_save_s)
+            if dist.get_rank() == 0 and os.environ.get(STOP_FILE_VARIABLE):
+                _write_stop_file(Path(os.environ[STOP_FILE_VARIABLE]), step, path)
+        elif stop:
+            log.info("stopping at step %d (train.exit_interval); resume with --resume-from-checkpoint latest", step)
         return stop
+
+
+# A scheduler script names this file; a run stopped by a signal writes it after its checkpoint is saved, so the
+# script requeues that run and not one that crashed (scripts/slurm/train.sbatch).
+STOP_FILE_VARIABLE = "TRAINER_STOP_FILE"
+
+
+def _write_stop_file(path: Path, step: int, checkpoint: Path) -> None:
+    """One JSON line saying the run stopped on a signal after saving `checkpoint`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint), "reason": "signal"}) + "\n")

@@ -9,6 +9,7 @@ import difflib
 import json
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -31,6 +32,11 @@ def flat_keys(config_class) -> dict[str, dataclasses.Field]:
 
 def _coerce(key: str, value, annotation):
     """Check/convert one value to the field's type; raise UserError naming the key otherwise."""
+    optional = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    if type(None) in optional:  # `float | None`: null (YAML `null`/`~`) leaves it unset
+        if value is None:
+            return None
+        annotation = next(arg for arg in optional if arg is not type(None))
     origin = typing.get_origin(annotation) or annotation
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}[origin]
     if origin is float and isinstance(value, int) and not isinstance(value, bool):

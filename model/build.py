@@ -229,13 +229,35 @@ def wrap_for_data_parallel(chunks: list, transformer_config, ddp_config) -> list
 
     # Before wrapping: Megatron-FSDP shards parameters into DTensors, which cannot be broadcast whole.
     broadcast_parameters(chunks)
+    if ddp_config.use_megatron_fsdp and ddp_config.suggested_communication_unit_size is None:
+        ddp_config.suggested_communication_unit_size = fsdp_communication_unit(chunks)
     wrapper = FullyShardedDataParallel if ddp_config.use_megatron_fsdp else DistributedDataParallel
-    return [
+    wrapped = [
         # Bucketing only for the first chunk: later chunks' gradients are ready late in backward anyway
         # (megatron-core's own convention for virtual pipeline stages).
         wrapper(config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+    if ddp_config.use_megatron_fsdp and not torch.cuda.is_available():
+        # Megatron-FSDP switches overlapped parameter gathers on for full sharding (it sets the flag on this very
+        # config object). On CPU they overlap nothing (gloo runs on the cores the compute needs) and stream
+        # ordering is a no-op, so after each optimizer step its gathers are made synchronous: a step ends with
+        # every parameter gathered and no gloo work in flight. On GPUs its overlap stays, and every read of
+        # parameters outside a forward waits for it first (`Policy.sync_parameters`).
+        ddp_config.overlap_param_gather = False
+    return wrapped
+
+
+def fsdp_communication_unit(chunks: list) -> int:
+    """Megatron-FSDP's communication unit in elements: two transformer layers' parameters, so one layer is gathered
+    while the next is prefetched (its own rule, which megatron-fsdp 0.6.1 then raises to at least 1e9 elements, so
+    that a model under 500M parameters is gathered whole and sharding saves no memory)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [module for chunk in chunks for module in chunk.modules() if isinstance(module, TransformerLayer)]
+    if not layers:
+        return 1_000_000_000
+    return 2 * max(sum(param.numel() for param in layer.parameters()) for layer in layers)
 
 
 def broadcast_parameters(chunks: list) -> None:
@@ -315,6 +337,18 @@ class Policy:
         """Generation needs the whole model on every rank: no pipeline stages."""
         return self.transformer_config.pipeline_model_parallel_size == 1
 
+    @functools.cached_property
+    def generator(self):
+        """The policy's generation object: end ids from the tokenizer and `generation_config.json`, the data-parallel
+        group inside (so generation runs the same forwards on every data-parallel rank)."""
+        from megatron.core import parallel_state
+
+        from model.generate import Generator, end_token_ids
+
+        group = parallel_state.get_data_parallel_group() if parallel_state.get_data_parallel_world_size() > 1 else None
+        return Generator(self.chunks, self.vocab_size,
+                         end_token_ids(self.bridge.hf_pretrained.model_name_or_path, self.tokenizer), group)
+
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
         config = self.transformer_config
@@ -322,11 +356,20 @@ class Policy:
                                                                      * config.pipeline_model_parallel_size)
 
     def sync_parameters(self) -> None:
-        """Gather every parameter the distributed optimizer updated. With `overlap_param_gather` that gather waits
-        for the next forward; a checkpoint or an export taken before it would hold other ranks' shards stale."""
+        """Finish the parameter gathers of the last optimizer step, before anything reads parameters outside a forward
+        (checkpoint save, HF export, shutdown). Collective.
+
+        DDP with `overlap_param_gather`: the gather of updated shards waits for the next forward, so run it now.
+        Megatron-FSDP with it: the step's asynchronous all-gathers may still be writing into parameter storage;
+        wait for every one of them (`synchronize_param_gather`), which leaves the parameters as their shards.
+        """
         for chunk in self.chunks:
             ddp_config = getattr(chunk, "ddp_config", None)
-            if ddp_config is not None and ddp_config.overlap_param_gather and not ddp_config.use_megatron_fsdp:
+            if ddp_config is None or not ddp_config.overlap_param_gather:
+                continue
+            if ddp_config.use_megatron_fsdp:
+                chunk.synchronize_param_gather()
+            else:
                 chunk.start_param_sync(force_sync=True)
 
     def frozen_copy(self) -> list:
@@ -381,7 +424,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
 
 
 def warmup_cosine_schedule(optimizer, config):
-    """megatron-core's LR schedule: linear warmup over `optim.warmup_steps`, cosine decay to `optim.min_lr` at `train.steps`."""
+    """megatron-core's LR schedule: linear warmup over `optim.warmup_steps`, cosine decay to `optim.final_lr` at `train.steps`."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
@@ -389,7 +432,7 @@ def warmup_cosine_schedule(optimizer, config):
         optimizer,
         init_lr=0.0,
         max_lr=config.optim.lr,
-        min_lr=config.optim.min_lr,
+        min_lr=config.optim.final_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=config.train.steps,
         lr_decay_style="cosine",

@@ -24,6 +24,9 @@ the output layer's last-position slice assumes the whole sequence. Weights and r
 """
 
 import contextlib
+import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -51,13 +54,24 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
 
 
 def masks_pads(model) -> bool:
-    """Whether every layer's core attention applies `attention_mask` while decoding (SDPA and megatron's local one do)."""
+    """Whether every layer's core attention applies `attention_mask` while decoding.
+
+    SDPA does (sliding windows included). megatron's local attention does only through its PyTorch softmax
+    without a sliding window: its windowed path builds its own mask and drops ours, and the fused upper-triangular
+    kernel ignores it, so there the prompts are not padded (as with Transformer Engine).
+    """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from model.attention import SDPACoreAttention
 
-    return all(isinstance(layer.self_attention.core_attention, (SDPACoreAttention, DotProductAttention))
-               for layer in unwrap(model).decoder.layers)
+    def applies_mask(attention) -> bool:
+        if isinstance(attention, SDPACoreAttention):
+            return True
+        softmax = getattr(attention, "scale_mask_softmax", None)
+        return (isinstance(attention, DotProductAttention) and softmax is not None and softmax.window_size is None
+                and not softmax.scaled_masked_softmax_fusion)
+
+    return all(applies_mask(layer.self_attention.core_attention) for layer in unwrap(model).decoder.layers)
 
 
 def _keep_cache_rows(context, rows: torch.Tensor) -> None:
@@ -97,27 +111,86 @@ def sequence_parallel_off(model):
             setattr(module, name, value)
 
 
+def end_token_ids(model_path, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion: the tokenizer's EOS and each `eos_token_id` of the checkpoint's
+    `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two)."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    config_file = Path(model_path) / "generation_config.json"
+    if config_file.is_file():
+        declared = json.loads(config_file.read_text()).get("eos_token_id")
+        ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
+    return tuple(dict.fromkeys(int(token) for token in ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy at temperature 0, else top-k / top-p sampling from a seeded generator."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+class Generator:
+    """Generation by the policy, built once: its model chunk, end ids, vocabulary and data-parallel group inside.
+
+    Collective over the data-parallel group: every rank must call `generate` the same number of times (with its
+    own prompts). Each call then runs the same number of forwards on every rank, which sharding that gathers
+    parameters in every forward (Megatron-FSDP) needs: the ranks agree on the prompt width and stop together.
+    """
+
+    def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None):
+        self.chunks, self.vocab_size, self.end_ids, self.group = chunks, vocab_size, tuple(end_ids), group
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, samples: int = 1,
+                 sampling: Sampling = Sampling()) -> list[list[int]]:
+        """Completions (token ids, up to and including the first end id): `samples` per prompt, a prompt's consecutively."""
+        return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
+                        vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group=self.group)
+
+    def truncated(self, completion: list[int], max_new_tokens: int) -> bool:
+        """Whether a completion was cut at `max_new_tokens` rather than ended by an end id."""
+        return len(completion) >= max_new_tokens and (not completion or completion[-1] not in self.end_ids)
+
+
+def _agree(value: int, group, op) -> int:
+    """`value` reduced over `group` (MAX or MIN); the value itself without a group."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())
+
+
 @torch.no_grad()
-def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, vocab_size: int,
+def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end_ids, vocab_size: int,
              samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0) -> list[list[int]]:
-    """Completions (token ids, up to and including EOS): `samples` per prompt, a prompt's consecutively.
+             seed: int = 0, group=None) -> list[list[int]]:
+    """Completions (token ids, up to and including the first of `end_ids`): `samples` per prompt, a prompt's consecutively.
 
     Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
-    (they sample identically, and so finish and compact identically).
+    (they sample identically, and so finish and compact identically). With `group` (the data-parallel group)
+    the ranks of the group agree on the prompt width and on when every row has ended, so each runs the same
+    number of forwards whatever its own prompts (a rank whose rows have all ended keeps one row going).
     """
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.utils import InferenceMode
 
     if len(chunks) != 1:
         raise ValueError("generation runs on a single model chunk (pipeline-parallel size 1)")
+    end_ids = torch.tensor([end_ids] if isinstance(end_ids, int) else list(end_ids), dtype=torch.long)  # [ends]
+    filler = int(end_ids[0]) if len(end_ids) else 0  # written after a row has ended
     model = chunks[0]
     device = next(unwrap(model).parameters()).device
+    end_ids = end_ids.to(device)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [prompts]
-    width = int(lengths.max())
+    width = _agree(int(lengths.max()), group, torch.distributed.ReduceOp.MAX)
     # Row r's prompt occupies columns [pads[r], ends[r]); left of it are pads (zero of them without masks).
     pads = width - lengths if masks_pads(model) else torch.zeros_like(lengths)  # [prompts]
     ends = pads + lengths  # [rows]: one per prompt until the prefill is copied to the samples
+    first_position = _agree(int(ends.min()), group, torch.distributed.ReduceOp.MIN)
     total = width + max_new_tokens
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)  # [rows, total]
     for row, prompt in enumerate(prompts):
@@ -137,7 +210,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
     # megatron-core's inference mode: the output layer sees only each row's last position (in the prefill too),
     # and gathers the tensor-parallel vocab shards itself.
     with InferenceMode.active(), sequence_parallel_off(model):
-        for position in range(int(ends.min()), total):
+        for position in range(first_position, total):
             window = tokens[:, previous:position]  # [rows, new tokens]
             positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
             mask = None  # megatron's convention: True = may not attend
@@ -159,24 +232,26 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, eos
             previous = position
             next_tokens = sample_next(last, temperature, top_p, top_k, generator)
             in_prompt = position < ends  # [rows]
-            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, eos_id, next_tokens))
-            done |= ~in_prompt & (tokens[:, position] == eos_id)
+            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, filler, next_tokens))
+            done |= ~in_prompt & torch.isin(tokens[:, position], end_ids)
             finished = int(done.sum())
-            if finished == len(done):
+            if _agree(int(finished == len(done)), group, torch.distributed.ReduceOp.MIN):  # every row of every rank
                 last_position = position
                 break
-            if finished > 0 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
+            if finished > 0 and len(done) > 1 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
                 output[output_rows[done]] = tokens[done]
                 live = (~done).nonzero().squeeze(1)  # [live rows]
+                if len(live) == 0:  # other ranks still generate: keep one ended row going, its output already kept
+                    live = torch.zeros(1, dtype=torch.long, device=device)
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
                 _keep_cache_rows(context, live)
     model.train(was_training)
     output[output_rows] = tokens
     prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()
+    stop = set(end_ids.tolist())
     completions = []
     for row, end in enumerate(prompt_ends):
         completion = output[row, end : min(last_position + 1, end + max_new_tokens)].tolist()
-        if eos_id in completion:
-            completion = completion[: completion.index(eos_id) + 1]
-        completions.append(completion)
+        ended = [index for index, token in enumerate(completion) if token in stop]
+        completions.append(completion[: ended[0] + 1] if ended else completion)
     return completions

@@ -24,7 +24,7 @@ def optimizer_config(config):
     settings = dict(
         optimizer="adam",
         lr=optim.lr,
-        min_lr=optim.min_lr,
+        min_lr=optim.final_lr,
         weight_decay=optim.weight_decay,
         clip_grad=optim.clip_grad,
         adam_beta1=optim.betas[0],
@@ -173,7 +173,9 @@ def settings_table(optimizer, ddp, transformer=None, cuda_connections: str | Non
         ("gradient buckets", f"grad_reduce_in_fp32={ddp.grad_reduce_in_fp32}"),
         ("communication overlap", f"overlap_grad_reduce={ddp.overlap_grad_reduce} overlap_param_gather={ddp.overlap_param_gather} "
                                   f"align_param_gather={ddp.align_param_gather}"),
-        ("data parallel", f"megatron_fsdp={ddp.use_megatron_fsdp} sharding={ddp.data_parallel_sharding_strategy}"),
+        ("data parallel", f"megatron_fsdp={ddp.use_megatron_fsdp} sharding={ddp.data_parallel_sharding_strategy}"
+                          + (f" communication_unit={ddp.suggested_communication_unit_size} elements"
+                             if ddp.use_megatron_fsdp else "")),
     ]
     if transformer is not None:
         rows += [("sequence parallel", f"{transformer.sequence_parallel} (tp={transformer.tensor_model_parallel_size})"),

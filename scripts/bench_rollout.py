@@ -88,8 +88,8 @@ def main() -> None:
     policy = build.build_policy(config, path, tokenizer, trainable=False)
 
     def run_ours():
-        # eos_id=-1 never matches a token, so every row runs the full length, as with min_new_tokens above.
-        generate.generate(policy.chunks, prompt_ids, samples=args.group, max_new_tokens=args.new_tokens, eos_id=-1,
+        # end_ids=() never matches a token, so every row runs the full length, as with min_new_tokens above.
+        generate.generate(policy.chunks, prompt_ids, samples=args.group, max_new_tokens=args.new_tokens, end_ids=(),
                           vocab_size=policy.vocab_size, temperature=1.0, seed=0)
 
     run_transformers(), run_ours()  # warm-up

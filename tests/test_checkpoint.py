@@ -96,3 +96,74 @@ def test_megatron_fsdp_and_ddp_checkpoints_do_not_mix(tmp_path):
         checkpoint.resolve_resume(str(fake_checkpoint(tmp_path / "ddp", 5)), tmp_path, fsdp)
     assert "saved by a DDP run and this run uses Megatron-FSDP" in str(error.value)
     assert "`--parallel.use_megatron_fsdp=false`" in str(error.value)
+
+
+def test_saving_a_step_again_keeps_latest_naming_a_complete_checkpoint_at_every_instant(tmp_path, monkeypatch):
+    """A resumed run re-reaching a saved step replaces it; after every rename and delete `latest` names a checkpoint."""
+    fake_checkpoint(tmp_path, 20)
+    partial = tmp_path / f"{checkpoint.PARTIAL}{checkpoint.checkpoint_name(20)}"
+    fake_checkpoint(tmp_path, 99, point_latest=False).rename(partial)  # the new save of step 20, complete
+    (partial / "new").write_text("the new save")
+    seen = []
+
+    def checked(operation):
+        def run(*args, **kwargs):
+            operation(*args, **kwargs)
+            named = tmp_path / (tmp_path / checkpoint.LATEST).read_text()
+            assert (named / checkpoint.STATE_FILE).is_file(), f"`latest` names {named.name}, which is gone"
+            seen.append(named.name)
+        return run
+
+    monkeypatch.setattr(checkpoint.os, "replace", checked(checkpoint.os.replace))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", checked(checkpoint.shutil.rmtree))
+    checkpoint._publish(tmp_path, partial, tmp_path / checkpoint.checkpoint_name(20))
+    assert (tmp_path / "step_00000020" / "new").is_file() and not partial.exists()
+    assert (tmp_path / checkpoint.LATEST).read_text() == "step_00000020"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_00000020"]
+    assert partial.name in seen  # the pointer named the complete new save while the old one was swapped out
+
+
+def test_start_up_removes_what_killed_saves_left_but_not_what_latest_names(tmp_path):
+    fake_checkpoint(tmp_path, 10)
+    for name in (f"{checkpoint.PARTIAL}step_00000020", f"{checkpoint.REPLACED}step_00000010"):
+        (tmp_path / name / "rng").mkdir(parents=True)
+    (tmp_path / f"{checkpoint.LATEST}.tmp").write_text("step_00000020")
+    named_partial = fake_checkpoint(tmp_path, 30, point_latest=False).rename(tmp_path / f"{checkpoint.PARTIAL}step_00000030")
+    (tmp_path / checkpoint.LATEST).write_text(named_partial.name)  # killed between the two pointer moves of `_publish`
+    checkpoint.clean_stale_saves(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".partial-step_00000030", "latest", "step_00000010"]
+
+
+def used_output_dir(tmp_path, *argv):
+    """An SFT config whose `train.out_dir` holds a finished run's checkpoint and metrics."""
+    from config.cli import parse_args
+    from config.sections import SFTConfig
+
+    config, resume = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", *argv], "trainer.sft")
+    fake_checkpoint(tmp_path / "checkpoints", 6)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "tb").mkdir()
+    return config, resume
+
+
+def test_a_fresh_run_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path):
+    config, resume = used_output_dir(tmp_path)
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as error:
+        checkpoint.check_output_dir(config, resume, is_main=True)
+    message = str(error.value)
+    assert f"`train.out_dir={tmp_path}` holds an earlier run" in message and "step_00000006" in message
+    for way_out in ("`--resume-from-checkpoint latest`", "new `--train.out_dir`", "`--train.overwrite_output_dir=true`"):
+        assert way_out in message
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    checkpoint.check_output_dir(config, "latest", is_main=True)  # resuming continues it: no error, nothing deleted
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+
+
+def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
+    config, resume = used_output_dir(tmp_path, "--train.overwrite_output_dir=true")
+    (tmp_path / "notes.txt").write_text("not the trainer's")
+    checkpoint.check_output_dir(config, resume, is_main=False)  # only global rank 0 deletes
+    assert (tmp_path / "metrics.jsonl").exists()
+    checkpoint.check_output_dir(config, resume, is_main=True)
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["checkpoints", "notes.txt"]

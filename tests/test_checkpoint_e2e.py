@@ -84,6 +84,19 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
     finished = torchrun([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
     assert "already finished all 40 steps" in finished.stdout
 
+    # 5b. The same command again without --resume-from-checkpoint (a typo, a re-submitted job) is refused before any
+    # work, and leaves the first run byte for byte; with the overwrite key it runs.
+    snapshot = {path: path.read_bytes() for path in straight.rglob("*") if path.is_file()}
+    again = torchrun([*RUN, f"--train.out_dir={straight}"], check=False)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert f"error: `train.out_dir={straight}` holds an earlier run" in again.stderr
+    assert "--resume-from-checkpoint latest" in again.stderr and "--train.overwrite_output_dir=true" in again.stderr
+    assert {path: path.read_bytes() for path in straight.rglob("*") if path.is_file()} == snapshot
+    overwritten = tmp_path / "overwritten"
+    shutil.copytree(straight, overwritten)
+    torchrun([*RUN, f"--train.out_dir={overwritten}", "--train.steps=2", "--train.overwrite_output_dir=true"], nproc=1)
+    assert sorted(losses(overwritten)) == [1, 2] and checkpoints(overwritten) == ["step_00000002"]
+
     # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism): the loss continues.
     torchrun([*RUN, f"--train.out_dir={dp1}", "--resume-from-checkpoint", "latest", "--train.exit_interval=18"], nproc=1)
     continued = losses(dp1)
@@ -101,11 +114,22 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
                       check=False)
     assert failed.returncode != 0
     assert "error: Checkpoint `" in failed.stderr and "step_00000040` cannot be loaded" in failed.stderr
-    assert "are truncated or corrupted (CheckpointException" in failed.stderr and "Traceback" not in failed.stderr.split("error:")[0]
+    message = next(line for line in failed.stderr.splitlines() if line.startswith("error: Checkpoint"))
+    assert f"its shard `{shard}` is truncated ({shard.stat().st_size} of " in message  # the file, by name
+    assert "Traceback" not in message and "Error: " in message  # the underlying error on the same line, no traceback
 
 
+# Held-out evaluation on (8 prompts every 4 steps): under Megatron-FSDP its greedy generation gathers parameters in
+# every forward, so both ranks must run the same forwards.
 FSDP_RUN = ["-m", "trainer.sft", "--parallel.use_megatron_fsdp=true", "--train.steps=12", "--train.global_batch_size=8",
-            "--train.micro_batch_size=2", "--train.eval_samples=0", "--optim.warmup_steps=2", "--ckpt.save_interval=4"]
+            "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=4", "--optim.warmup_steps=2",
+            "--ckpt.save_interval=4"]
+
+
+def rows(out_dir) -> list[dict]:
+    """metrics.jsonl's rows, wall-clock fields left out."""
+    return [{key: value for key, value in json.loads(line).items() if key not in ("step_time_s", "tokens_per_s")}
+            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_megatron_fsdp_exact_resume(tmp_path):
@@ -129,6 +153,8 @@ def test_megatron_fsdp_exact_resume(tmp_path):
     reference, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 13))
     assert got == reference
+    assert rows(resumed) == rows(straight)  # held-out loss and greedy accuracy at steps 0, 4, 8, 12 too
+    assert [row["step"] for row in rows(straight) if "eval_accuracy" in row] == [0, 4, 8, 12]
 
     # DP=2 -> DP=1: the DTensors reshard over data parallelism; the loss continues.
     torchrun([*FSDP_RUN, f"--train.out_dir={dp1}", "--resume-from-checkpoint", "latest", "--train.exit_interval=8"], nproc=1)

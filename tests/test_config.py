@@ -16,12 +16,12 @@ SFT_KEYS = {
     "model.recompute", "model.recompute_modules", "model.recompute_method", "model.recompute_num_layers",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.use_megatron_fsdp",
     "parallel.use_distributed_optimizer",
-    "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
+    "optim.lr", "optim.min_lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
     "optim.override_optimizer_config", "ddp.override_ddp_config",
     "data.path", "data.hub_config", "data.eval_path", "data.prompt_field", "data.response_field", "data.messages_field",
     "data.max_seq_len", "data.pack",
-    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.exit_interval",
+    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",
     "log.tensorboard", "log.wandb", "log.wandb_project", "log.wandb_name",
@@ -140,3 +140,19 @@ def test_user_error_is_reported_by_rank_zero_only(monkeypatch, capsys):
         cli.run_cli(failing)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == ""
+
+
+def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
+    from config.sections import GRPOConfig
+
+    config, _ = parse_args(SFTConfig, ["--optim.lr", "1e-5"], "trainer.sft")
+    config.validate(world_size=2)  # the README's SFT learning rate alone: the decay ends at a twentieth of it
+    assert config.optim.final_lr == pytest.approx(5e-7)
+    assert parse_args(SFTConfig, [], "trainer.sft")[0].optim.final_lr == 1e-4  # the default SFT's, as before
+    grpo, _ = parse_args(GRPOConfig, ["--optim.lr=5e-5"], "trainer.grpo")
+    assert grpo.optim.final_lr == 5e-5  # GRPO: a constant rate after warmup
+    config, _ = parse_args(SFTConfig, ["--optim.lr=1e-4", "--optim.min_lr=1e-3"], "trainer.sft")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=2)
+    assert "`optim.min_lr=0.001` is above `optim.lr=0.0001`" in str(error.value) and "`--optim.min_lr`" in str(error.value)
+    assert parse_args(SFTConfig, ["--optim.min_lr=null", "--optim.lr=1e-3"], "trainer.sft")[0].optim.final_lr == 5e-5

@@ -134,10 +134,14 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
 
 
 @pytest.mark.distributed
-def test_resume_repeats_the_straight_run_exactly_and_raising_rewards_are_counted(sft_checkpoint, tmp_path, monkeypatch):
-    """2N steps straight vs N, `--resume-from-checkpoint latest`, N more: identical rewards and losses (sampling
-    included). The reward is a user function (`module:function`) that raises on some completions: those score 0,
-    are counted, and the run goes on."""
+def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft_checkpoint, tmp_path, monkeypatch):
+    """2N steps straight vs N, `--resume-from-checkpoint latest`, N more: identical rewards, losses and held-out
+    figures (sampling included), under DDP and under Megatron-FSDP, whose every forward gathers parameters over the
+    data-parallel ranks (generation and evaluation run the same forwards on both ranks). From the same weights and
+    seeds, FSDP's first step samples exactly DDP's completions.
+
+    The reward is a user function (`module:function`) that raises on some completions: those score 0, are
+    counted, and the run goes on."""
     (tmp_path / "fragile_reward.py").write_text(
         "from data.rewards import arithmetic\n\n"
         "def fragile(completion, reference):\n"
@@ -146,24 +150,37 @@ def test_resume_repeats_the_straight_run_exactly_and_raising_rewards_are_counted
         "    return arithmetic(completion, reference)\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
     small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
-             "--train.micro_batch_size=16", "--train.eval_samples=0", "--grpo.kl_coef=0.05",
+             "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
              "--grpo.reward=fragile_reward:fragile"]
-    torchrun(["-m", "trainer.grpo", *small, f"--train.out_dir={tmp_path / 'straight'}"], nproc=2)
-    torchrun(["-m", "trainer.grpo", *small, f"--train.out_dir={tmp_path / 'split'}", "--train.exit_interval=2"], nproc=2)
-    assert not (tmp_path / "split" / "hf").exists()  # stopped early: no final export yet
-    torchrun(["-m", "trainer.grpo", *small, f"--train.out_dir={tmp_path / 'split'}", "--resume-from-checkpoint", "latest"],
-             nproc=2)
-    fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors")
-    straight = [tuple(row[key] for key in fields) for row in metrics(tmp_path / "straight")]
-    split = [tuple(row[key] for key in fields) for row in metrics(tmp_path / "split")]
-    print("GRPO straight vs resumed:", straight)
-    assert [row[0] for row in straight] == [1, 2, 3, 4]
-    assert split == straight
-    assert len({row[1] for row in straight}) > 1 and all(row[3] is not None for row in straight)
+    fsdp = ["--parallel.use_megatron_fsdp=true"]
+    for name, layout in (("ddp", []), ("fsdp", fsdp)):
+        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'straight'}"], nproc=2)
+        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'split'}",
+                  "--train.exit_interval=2"], nproc=2)
+        assert not (tmp_path / name / "split" / "hf").exists()  # stopped early: no final export yet
+        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'split'}",
+                  "--resume-from-checkpoint", "latest"], nproc=2)
+    fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors", "truncated_rate",
+              "eval_accuracy", "eval_answer_accuracy")
+    rows = {f"{name}/{run}": [tuple(row.get(key) for key in fields) for row in metrics(tmp_path / name / run)]
+            for name in ("ddp", "fsdp") for run in ("straight", "split")}
+    print("GRPO straight vs resumed:", rows)
+    straight = rows["ddp/straight"]
+    assert [row[0] for row in straight] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
+    assert rows["ddp/split"] == straight and rows["fsdp/split"] == rows["fsdp/straight"]
+    # The held-out baseline and step 1's rollouts (the same weights and seeds): the same completions, so the same
+    # rewards, raising completions and truncations (losses and gradients are reduced differently, so only close).
+    sampled = [1, 6, 7, 8, 9]
+    assert [[row[index] for index in sampled] for row in rows["fsdp/straight"][:2]] == [[row[index] for index in sampled]
+                                                                                       for row in straight[:2]]
+    steps = straight[1:]
+    assert len({row[1] for row in steps}) > 1 and all(row[3] is not None for row in steps)
+    assert straight[-1][8] is not None and rows["fsdp/straight"][-1][8] is not None  # held-out figures at the end
     # Measured from the default SFT: 0, 8, 16, 16 raising completions at steps 1-4 (of 32), rewards 0.094, 0.063,
     # 0.094, 0.0 (that SFT mostly answers in the plain style, which the arithmetic reward does not grade).
-    assert sum(row[6] for row in straight) >= 16 and all(0 <= row[1] < 1 for row in straight)
-    assert (tmp_path / "split" / "hf" / "model.safetensors").is_file()
+    assert sum(row[6] for row in steps) >= 16 and all(0 <= row[1] < 1 for row in steps)
+    assert (tmp_path / "ddp" / "split" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "fsdp" / "split" / "hf" / "model.safetensors").is_file()
 
 
 def run_single_process(args: list[str]) -> subprocess.CompletedProcess:

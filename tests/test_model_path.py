@@ -45,6 +45,8 @@ def test_parity_round_trip_and_generation(tp, tmp_path):
         assert rank["samples_greedy_repeat"] is True and rank["samples_reproducible"] is True
         assert rank["samples_differ_within_groups"] > len(rank["sampled"]) // 4  # groups are sampled, not copied
         assert rank["sampled"] == ranks[0]["sampled"]  # tensor-parallel ranks sample identically
+        assert rank["end_ids"] is True and rank["stops_at_second_end_id"] is True
+        assert rank["truncated"] == rank["truncated_by_hand"] and 1 <= sum(rank["truncated"]) < len(rank["truncated"])
 
 
 @pytest.mark.distributed

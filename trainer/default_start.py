@@ -41,11 +41,19 @@ def validate(world_size: int) -> None:
                         "`--model.path` for GRPO.")
 
 
-def train_default_sft(grpo_config) -> None:
-    """Run `trainer.sft` (checked by `validate` already), writing `outputs/sft/hf`.
+def train_default_sft(grpo_config) -> bool:
+    """Run `trainer.sft` (checked by `validate` already), writing `outputs/sft/hf`; False when it stopped on a signal
+    (saved, not finished: GRPO must not start).
 
-    GRPO has joined the process group already; afterwards the model-parallel groups and seeds are GRPO's again.
+    It resumes from its own latest checkpoint when it has one (a job requeued while it ran continues it) and
+    starts fresh otherwise. GRPO has joined the process group already; afterwards the model-parallel groups and
+    seeds are GRPO's again.
     """
-    log.info("%s does not exist yet: running the default SFT first (as `torchrun -m trainer.sft` would)", DEFAULT_GRPO_START)
-    sft.main(sft_arguments())
+    log.info("%s does not exist yet: running the default SFT first (as `torchrun -m trainer.sft "
+             "--resume-from-checkpoint latest` would)", DEFAULT_GRPO_START)
+    sft.main([*sft_arguments(), "--resume-from-checkpoint", "latest"])
+    if not (Path(DEFAULT_GRPO_START) / "config.json").is_file():
+        log.info("the default SFT stopped before its last step; rerun GRPO to continue it")
+        return False
     parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)
+    return True

@@ -6,7 +6,7 @@ reward function gives full marks. Beside it, `eval_format_rate` (answers in the 
 """
 
 from data import rewards
-from model import generate, parallel
+from model import parallel
 
 
 def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tokens: int) -> dict:
@@ -20,9 +20,8 @@ def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tok
     batch = max(config.train.global_batch_size // runtime.dp_size, 1)
     completions = []
     for start in range(0, len(mine), batch):
-        completions += generate.generate(policy.chunks, [prompt.ids for prompt in mine[start : start + batch]],
-                                         max_new_tokens=max_new_tokens, eos_id=policy.tokenizer.eos_token_id,
-                                         vocab_size=policy.vocab_size)
+        completions += policy.generator.generate([prompt.ids for prompt in mine[start : start + batch]],
+                                                 max_new_tokens=max_new_tokens)
     scores = rewards.score(reward, policy.tokenizer.batch_decode(completions, skip_special_tokens=True),
                            [prompt.reference for prompt in mine])
     totals = dict(zip(scores.totals(), parallel.data_parallel_sum(list(scores.totals().values()))))

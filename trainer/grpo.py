@@ -4,7 +4,7 @@ The variant, exactly (defaults in brackets):
 - Rollouts: each step takes `train.global_batch_size / grpo.n_samples` prompts (a seeded shuffle per epoch);
   every data-parallel rank samples `grpo.n_samples` [8] completions for each of its share from the current
   policy (`grpo.temperature` [1.0], `grpo.top_p`, `grpo.top_k`, at most `grpo.max_new_tokens`, stopping at
-  EOS) with megatron-core's KV cache. The seed of step s on data-parallel rank d is derived from
+  any end id of the model: tokenizer EOS and generation_config) with megatron-core's KV cache. The seed of step s on data-parallel rank d is derived from
   (train.seed, s, d) and the prompt order from (train.seed, s), so a run, and a resume, is reproducible.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
   answer; a reward function that raises scores 0 and is counted (`reward_errors`).
@@ -78,6 +78,7 @@ class Rollouts:
     advantages: torch.Tensor  # [completions]
     scores: rewards.Scores
     zero_advantage_groups: int
+    truncated: int  # completions cut at grpo.max_new_tokens (no end id)
     seconds: float
     prompts: list[prompt_data.Prompt]  # one per completion
     completions: list[str]  # decoded
@@ -103,10 +104,10 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     distinct = [prompts[index] for index in indices[runtime.dp_rank * prompts_per_rank : (runtime.dp_rank + 1) * prompts_per_rank]]
     mine = [prompt for prompt in distinct for _ in range(grpo.n_samples)]  # one row per completion
     start = time.perf_counter()
-    completions = generate.generate(
-        policy.chunks, [prompt.ids for prompt in distinct], samples=grpo.n_samples, max_new_tokens=grpo.max_new_tokens,
-        eos_id=policy.tokenizer.eos_token_id, vocab_size=policy.vocab_size, temperature=grpo.temperature, top_p=grpo.top_p,
-        top_k=grpo.top_k, seed=rollout_seed(config.train.seed, step, runtime.dp_rank))
+    sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k, rollout_seed(config.train.seed, step, runtime.dp_rank))
+    completions = policy.generator.generate([prompt.ids for prompt in distinct], samples=grpo.n_samples,
+                                            max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+    truncated = sum(policy.generator.truncated(completion, grpo.max_new_tokens) for completion in completions)
     seconds = time.perf_counter() - start
     texts = policy.tokenizer.batch_decode(completions, skip_special_tokens=True)
     scores = rewards.score(reward, texts, [prompt.reference for prompt in mine], grpo.format_bonus)
@@ -114,12 +115,13 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     advantages, zero_groups = grpo_math.group_advantages(group_rewards, grpo.baseline, grpo.scale_rewards)
     examples = [sft_data.Example(prompt.ids + completion, [0] * len(prompt.ids) + [1] * len(completion))
                 for prompt, completion in zip(mine, completions)]
-    return Rollouts(examples, advantages.flatten(), scores, zero_groups, seconds, mine, texts)
+    return Rollouts(examples, advantages.flatten(), scores, zero_groups, truncated, seconds, mine, texts)
 
 
 def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
     """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of one step's rollouts."""
     local = {**rollouts.scores.totals(), "count": len(rollouts.examples), "zero_groups": rollouts.zero_advantage_groups,
+             "truncated": rollouts.truncated,
              "completion_tokens": sum(sum(example.loss_mask) for example in rollouts.examples), "seconds": rollouts.seconds,
              "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
     total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
@@ -129,7 +131,8 @@ def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
             "response_len": total["completion_tokens"] / count,
             "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds,
             "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
-            "zero_advantage_groups": int(total["zero_groups"]), "sequence_tokens": total["all_tokens"]}
+            "zero_advantage_groups": int(total["zero_groups"]),
+            "truncated_rate": total["truncated"] / count, "sequence_tokens": total["all_tokens"]}
 
 
 # ---------------------------------------------------------------- log-probs and loss
@@ -254,12 +257,15 @@ def main(argv: list[str]) -> None:
     if config.starts_from_default_sft():
         default_start.validate(world_size)
     metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
+    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
     reward = rewards.get_reward(config.grpo.reward)
     startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     startup.mark("process group")
     if config.starts_from_default_sft():
-        default_start.train_default_sft(config)
+        if not default_start.train_default_sft(config):  # that SFT stopped on a signal and saved: a rerun resumes it
+            parallel.shutdown(runtime)
+            return
         startup.mark("the default SFT run")
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
@@ -309,7 +315,7 @@ def main(argv: list[str]) -> None:
             writer.write(row)
             if config.train.logs_at(step):
                 writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples))
-            if checkpointer.maybe_save(step):
+            if checkpointer.maybe_save(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
 

@@ -166,6 +166,7 @@ def main(argv: list[str]):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
+    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
@@ -204,7 +205,7 @@ def main(argv: list[str]):
             if config.train.evaluates_at(step):
                 row.update(evaluate(policy, data, config, runtime))
             writer.write(row)
-            if checkpointer.maybe_save(step):
+            if checkpointer.maybe_save(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
     return policy

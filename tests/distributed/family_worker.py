@@ -86,7 +86,7 @@ def check_conversion(path: Path, reference: dict, out_dir: Path, tp: int) -> dic
             logits = chunks[0](input_ids=tokens, position_ids=positions, attention_mask=None)
         logits = gather_from_tensor_model_parallel_region(logits)[..., :vocab]  # [batch, seq, vocab]
         completions = generate.generate(chunks, reference["prompts"], max_new_tokens=NEW_TOKENS,
-                                        eos_id=reference["eos_id"], vocab_size=vocab)
+                                        end_ids=reference["eos_id"], vocab_size=vocab)
         result = {"max_abs_logit_diff": (logits - reference["logits"]).abs().max().item(),
                   "greedy_equal": completions == reference["completions"],
                   "generated_tokens": sum(len(completion) for completion in completions)}

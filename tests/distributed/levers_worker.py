@@ -118,7 +118,7 @@ def greedy_with_sequence_parallel(model_path: Path, tokenizer, prompts: list, ex
     config, _ = cli.parse_args(SFTConfig, ["--parallel.tp=2", *COMMON], "levers")
     parallel.init_distributed(config.parallel, config.train.seed)
     policy = build.build_policy(config, model_path, tokenizer, trainable=False)
-    completions = generate.generate(policy.chunks, prompts, max_new_tokens=NEW_TOKENS, eos_id=tokenizer.eos_token_id,
+    completions = generate.generate(policy.chunks, prompts, max_new_tokens=NEW_TOKENS, end_ids=tokenizer.eos_token_id,
                                     vocab_size=policy.vocab_size)
     bare = build.unwrap(policy.chunks[0])
     return {"greedy_equal": completions == expected, "generated_tokens": sum(map(len, completions)),

@@ -113,19 +113,19 @@ def compare_specs(tp: int, bridge) -> dict:
     # ---- KV-cache generation: prompts of 9, 5 and 7 tokens left-padded into one batch (masked prefill,
     # then one masked query at a time) give what each prompt gives alone (no pads, no mask)
     prompts = [tokens[0, :9].tolist(), tokens[1, :5].tolist(), tokens[1, 3:10].tolist()]
-    completions = {spec: generate.generate([model], prompts, max_new_tokens=8, eos_id=-1, vocab_size=vocab)
+    completions = {spec: generate.generate([model], prompts, max_new_tokens=8, end_ids=(), vocab_size=vocab)
                    for spec, model in models.items()}
     result["greedy_equal"] = completions["sdpa"] == completions["local"]
     result["greedy_tokens"] = sum(len(completion) for completion in completions["sdpa"])
     result["batched_equals_alone"] = {
-        spec: completions[spec] == [generate.generate([model], [prompt], max_new_tokens=8, eos_id=-1, vocab_size=vocab)[0]
+        spec: completions[spec] == [generate.generate([model], [prompt], max_new_tokens=8, end_ids=(), vocab_size=vocab)[0]
                                     for prompt in prompts] for spec, model in models.items()}
     result["masks_pads"] = {spec: generate.masks_pads(model) for spec, model in models.items()}
     # The path taken with Transformer Engine's attention (no pads, longer prompts fed one token per step).
     masks_pads, generate.masks_pads = generate.masks_pads, lambda model: False
     try:
         result["unpadded_equals_padded"] = {
-            spec: generate.generate([model], prompts, max_new_tokens=8, eos_id=-1, vocab_size=vocab) == completions[spec]
+            spec: generate.generate([model], prompts, max_new_tokens=8, end_ids=(), vocab_size=vocab) == completions[spec]
             for spec, model in models.items()}
     finally:
         generate.masks_pads = masks_pads

@@ -472,7 +472,8 @@ def _underlying_error(error: BaseException) -> str:
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))[0]
-    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    text = " ".join(str(error).split())[:300]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def load(path: Path, chunks: list, optimizer) -> dict:

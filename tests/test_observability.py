@@ -197,11 +197,15 @@ def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):
 
 
 FAKE_SRUN = """#!/bin/bash
-# srun on one machine: the command once per simulated node, in parallel (options are dropped).
-while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+# srun on one machine: logs its options, then runs the command once per simulated node, in parallel. Like srun,
+# which passes a SIGTERM on to the step's tasks and waits for them, it outlives the SIGTERM the test sends.
+options=()
+while [[ $# -gt 0 && $1 == -* ]]; do options+=("$1"); shift; done
+echo "srun ${options[*]}" >> "$FAKE_SLURM_LOG"
+trap '' TERM
 pids=()
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
-  SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+  (trap - TERM; SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 exec "$@") &
   pids+=($!)
 done
 status=0
@@ -214,6 +218,22 @@ case "$1" in
   requeue) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
 esac
 """
+FAKE_SRUN_CALL = "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label --cpus-per-task=4\n"
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+
+
+def fake_slurm(tmp_path) -> dict:
+    """The environment of a job under a simulated Slurm (job 4242, two 'nodes' of one process, c10d on 127.0.0.1):
+    stand-ins for srun and scontrol first on PATH, both logging their calls to `tmp_path / "slurm.log"`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, **EAGER, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_CPUS_PER_TASK": "4",
+            "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "1", "RDZV_PORT": str(free_port()),
+            "FAKE_SLURM_LOG": str(tmp_path / "slurm.log")}
 
 
 def losses(out_dir) -> dict[int, float]:
@@ -222,17 +242,12 @@ def losses(out_dir) -> dict[int, float]:
 
 
 def test_slurm_script_trains_stops_on_sigterm_and_resumes_when_requeued(sft_run, tmp_path):
-    """The sbatch script under a simulated Slurm: two 'nodes' of one process (c10d on 127.0.0.1), Slurm's time-limit
-    SIGTERM to every process of the step, then the requeued job; its losses equal the straight run's (`sft_run`)."""
-    bin_dir, out_dir, scontrol_log = tmp_path / "bin", tmp_path / "run", tmp_path / "scontrol.log"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, **EAGER, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "1",
-           "RDZV_PORT": str(free_port()), "OUT_DIR": str(out_dir), "FAKE_SLURM_LOG": str(scontrol_log)}
-    command = ["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), *SFT]
+    """The sbatch script under a simulated Slurm: Slurm's time-limit SIGTERM to every process of the step, the stop
+    file the trainer writes after saving, `scontrol requeue`, then the requeued job; its losses equal the straight
+    run's (`sft_run`)."""
+    out_dir, slurm_log, stop_file = tmp_path / "run", tmp_path / "slurm.log", tmp_path / "logs" / ".stopped-4242"
+    env = {**fake_slurm(tmp_path), "OUT_DIR": str(out_dir)}
+    command = ["bash", str(SBATCH), *SFT]
 
     job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
@@ -246,14 +261,51 @@ def test_slurm_script_trains_stops_on_sigterm_and_resumes_when_requeued(sft_run,
             break
         time.sleep(0.05)
     output, _ = job.communicate(timeout=600)
-    assert job.returncode != 0, output[-4000:]
-    assert scontrol_log.read_text() == "requeue 4242\n", output[-4000:]
+    assert job.returncode == 0, output[-4000:]
+    assert slurm_log.read_text() == FAKE_SRUN_CALL + "requeue 4242\n", output[-4000:]
     stopped_at = max(losses(out_dir))
     assert 2 <= stopped_at < 16 and "stopping at step" in output
     assert (out_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    # The script read the stop file (printed in its requeue line) and removed it.
+    (line,) = [line for line in output.splitlines() if "requeueing job 4242" in line]
+    stop = json.loads(line[line.index("{") : line.rindex("}") + 1])
+    assert stop["step"] == stopped_at and stop["reason"] == "signal" and os.path.exists(stop["checkpoint"])
+    assert not stop_file.exists()
 
     requeued = subprocess.run(command, cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": "1", "RDZV_PORT": str(free_port())},
                               capture_output=True, text=True, timeout=600)
     assert requeued.returncode == 0, requeued.stdout[-4000:] + requeued.stderr[-4000:]
-    assert "resumed from" in requeued.stdout and scontrol_log.read_text() == "requeue 4242\n"
+    assert "resumed from" in requeued.stdout and "the run finished, not requeueing" in requeued.stdout
+    assert slurm_log.read_text() == FAKE_SRUN_CALL + "requeue 4242\n" + FAKE_SRUN_CALL
     assert losses(out_dir) == losses(sft_run)
+
+
+def test_slurm_script_requeues_neither_a_crash_nor_past_max_requeues(tmp_path):
+    """A run that fails after starting (a data file that is not there: the workers exit 2) is not requeued, even with
+    a stale stop file from an earlier start of the job, and the job ends non-zero. A signal stop (a stand-in torchrun
+    that writes the stop file and exits 1, as the agent may after forwarding the signal) is requeued with exit 0,
+    until the job has been requeued MAX_REQUEUES times: then it is not, and the job exits 1."""
+    slurm_log, stop_file = tmp_path / "slurm.log", tmp_path / "logs" / ".stopped-4242"
+    env = {**fake_slurm(tmp_path), "OUT_DIR": str(tmp_path / "run")}
+    stop_file.parent.mkdir()
+    stop_file.write_text('{"step": 1, "checkpoint": "stale", "reason": "signal"}\n')
+    crash = subprocess.run(["bash", str(SBATCH), *SFT, "--data.path=/nonexistent.jsonl"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert crash.returncode != 0 and "no stop file: the run failed, not requeueing job 4242" in crash.stdout, crash.stdout
+    assert "/nonexistent.jsonl" in crash.stderr, crash.stderr[-4000:]
+    assert slurm_log.read_text() == FAKE_SRUN_CALL and not stop_file.exists()
+
+    fake_trainer = tmp_path / "fake-trainer"
+    (fake_trainer / ".venv" / "bin").mkdir(parents=True)
+    (fake_trainer / ".venv" / "bin" / "torchrun").write_text(
+        '#!/bin/bash\n[ "$SLURM_PROCID" = 0 ] && echo \'{"step": 7, "checkpoint": "ckpt", "reason": "signal"}\' '
+        '> "$TRAINER_STOP_FILE"\nexit 1\n')
+    (fake_trainer / ".venv" / "bin" / "torchrun").chmod(0o755)
+    env = {**env, "TRAINER_DIR": str(fake_trainer), "MAX_REQUEUES": "2"}
+    for restarts, returncode, calls in (("1", 0, "requeue 4242\n"), ("2", 1, "")):
+        slurm_log.unlink()
+        stopped = subprocess.run(["bash", str(SBATCH), *SFT], cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": restarts},
+                                 capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == returncode, stopped.stdout + stopped.stderr
+        assert slurm_log.read_text() == FAKE_SRUN_CALL + calls and not stop_file.exists()
+        assert '"step": 7' in stopped.stdout and ("MAX_REQUEUES=2" in stopped.stdout) == (returncode == 1)

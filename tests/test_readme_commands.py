@@ -1,0 +1,89 @@
+"""Every `torchrun ... -m trainer.*` command in the README runs: validated as written, then two steps of it, with the
+reader's paths replaced by test fixtures (a tiny checkpoint for `/models/...`, slices of the real GSM8K for the data
+files, a small YAML for `run.yaml`). So no documented command can rot."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GSM8K, REPO, torchrun
+
+WORKER = "tests/distributed/readme_worker.py"
+# Two steps, a few held-out prompts; GRPO also a small batch (2 prompts x 8 samples), so the commands' own models,
+# data, lengths and keys run, not their full scale.
+# Commands writing to one directory (two SFT examples use the default `outputs/sft`) replace each other, as a reader
+# would be told to.
+SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.overwrite_output_dir=true"],
+         "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
+                          "--train.micro_batch_size=8", "--train.overwrite_output_dir=true"]}
+
+
+def documented_commands(markdown: str) -> list[dict]:
+    """Each torchrun command of the ```bash blocks: its environment prefix, process count, entry point and arguments."""
+    commands, in_bash = [], False
+    logical = ""
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_bash = line.strip() == "```bash"
+            continue
+        if not in_bash:
+            continue
+        logical += line.rstrip().removesuffix("\\") + " "
+        if line.rstrip().endswith("\\"):
+            continue
+        text, logical = logical.strip(), ""
+        if "torchrun" not in text or "-m trainer." not in text:
+            continue
+        tokens = shlex.split(text, comments=True)
+        env = {}
+        while "=" in tokens[0] and not tokens[0].startswith("-"):
+            key, _, value = tokens.pop(0).partition("=")
+            env[key] = value
+        module_at = tokens.index("-m")
+        launcher = tokens[:module_at]
+        count = {name: int(launcher[launcher.index(name) + 1]) if name in launcher else 1
+                 for name in ("--nproc-per-node", "--nnodes")}
+        commands.append({"line": text, "env": env, "module": tokens[module_at + 1], "argv": tokens[module_at + 2 :],
+                         "world_size": count["--nproc-per-node"] * count["--nnodes"]})
+    return commands
+
+
+def test_the_readme_has_the_commands_users_copy():
+    commands = documented_commands((REPO / "README.md").read_text())
+    modules = [command["module"] for command in commands]
+    assert modules.count("trainer.sft") >= 2 and modules.count("trainer.grpo") >= 2, modules
+
+
+@pytest.fixture
+def fixtures(tmp_path) -> dict[str, str]:
+    """The reader's paths in the README -> files made here from the tiny checkpoint and the real GSM8K."""
+    from model.tiny import ensure_tiny_checkpoint
+
+    gsm8k = tmp_path / "gsm8k"
+    gsm8k.mkdir()
+    for split, rows in (("train", 600), ("test", 16)):
+        lines = (GSM8K / f"{split}.jsonl").read_text().splitlines()[:rows]
+        (gsm8k / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "run.yaml").write_text("data: {path: arithmetic}\ntrain: {global_batch_size: 64, micro_batch_size: 4}\n")
+    return {"/models/Qwen2.5-0.5B": str(ensure_tiny_checkpoint()), "train.jsonl": str(gsm8k / "train.jsonl"),
+            "openai/gsm8k": str(gsm8k), "run.yaml": str(tmp_path / "run.yaml")}
+
+
+@pytest.mark.distributed
+def test_every_readme_torchrun_command_logs_step_one(fixtures, tmp_path):
+    commands = documented_commands((REPO / "README.md").read_text())
+    work = tmp_path / "work"  # the reader's current directory: relative outputs (runs/, outputs/) land here
+    work.mkdir()
+    for command in commands:
+        command["argv"] = [fixtures.get(token, token) for token in command["argv"]]
+        command.update(cwd=str(work), smoke=SMOKE[command["module"]])
+    (tmp_path / "commands.json").write_text(json.dumps(commands))
+    torchrun([WORKER, "--commands", str(tmp_path / "commands.json"), "--out", str(tmp_path / "results.json")],
+             nproc=2, timeout=900)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(commands)
+    for result in results:
+        print(f"README command ran: {result['line']}\n    step 1: loss {result['step1'] and result['step1']['loss']}")
+        assert result["step1"] is not None and result["step1"]["loss"] == result["step1"]["loss"], result["line"]

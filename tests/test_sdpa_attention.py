@@ -134,6 +134,8 @@ def test_sdpa_spec_equals_local_spec_at_tp2_and_tp1(tmp_path):
         # KV-cache generation, dropout only in training, interchangeable checkpoints.
         assert rank["greedy_equal"] and rank["greedy_tokens"] == 24
         assert rank["masks_pads"] == {"sdpa": True, "local": True}
+        assert rank["windowed_masks_pads"] == {"sdpa": True, "local": False}  # local drops the pad mask in a window
+        assert rank["windowed_batched_equals_alone"] == {"sdpa": True, "local": True}
         assert rank["batched_equals_alone"] == {"sdpa": True, "local": True}
         assert rank["unpadded_equals_padded"] == {"sdpa": True, "local": True}
         assert rank["dropout_train_calls_differ"] > 0.1

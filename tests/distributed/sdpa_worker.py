@@ -130,6 +130,17 @@ def compare_specs(tp: int, bridge) -> dict:
     finally:
         generate.masks_pads = masks_pads
 
+    # ---- a sliding window (4 tokens): megatron's local softmax then builds its own window mask and drops ours, so
+    # that spec generates unpadded; SDPA applies both. Either way, batched prompts give what each gives alone.
+    windowed = {spec: build.unwrap(build.build_chunks(build.configure_provider(
+        bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec,
+        transformer_overrides={"window_size": (4, 0)}))[0]) for spec in SPECS}
+    result["windowed_masks_pads"] = {spec: generate.masks_pads(model) for spec, model in windowed.items()}
+    result["windowed_batched_equals_alone"] = {
+        spec: generate.generate([model], prompts, max_new_tokens=8, end_ids=(), vocab_size=vocab)
+        == [generate.generate([model], [prompt], max_new_tokens=8, end_ids=(), vocab_size=vocab)[0] for prompt in prompts]
+        for spec, model in windowed.items()}
+
     # ---- attention dropout: only in training, drawn from the model-parallel RNG stream
     for layer in sdpa.decoder.layers:
         layer.self_attention.core_attention.dropout_p = 0.5

@@ -227,11 +227,20 @@ def test_bad_parallel_layout_of_the_default_run_fails_before_any_sft_step(tmp_pa
 @pytest.mark.distributed
 def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_path):
     """`torchrun -m trainer.grpo` from another directory with no SFT output yet: the default SFT runs first, in the
-    same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export."""
-    sft_args = "--train.steps=20 --train.global_batch_size=8 --train.micro_batch_size=4 --train.eval_samples=0"
-    result = torchrun(["-m", "trainer.grpo", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
-                       "--train.eval_samples=16"], nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
-    assert "running the default SFT first" in result.stdout
+    same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export.
+
+    A job stopped while that SFT runs (here at its `train.exit_interval`, as after a scheduler's signal) saves it and
+    does not start GRPO; the same command again (a requeued job) resumes that SFT, then runs GRPO."""
+    sft_args = ("--train.steps=20 --train.global_batch_size=8 --train.micro_batch_size=4 --train.eval_samples=0 "
+                "--train.exit_interval=10")
+    command = ["-m", "trainer.grpo", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+               "--train.eval_samples=16"]
+    stopped = torchrun(command, nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
+    assert "running the default SFT first" in stopped.stdout and "stopped before its last step" in stopped.stdout
+    assert max(row["step"] for row in metrics(tmp_path / "outputs" / "sft")) == 10
+    assert not (tmp_path / "outputs" / "grpo").exists() and not (tmp_path / "outputs" / "sft" / "hf").exists()
+    result = torchrun(command, nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
+    assert "resumed from" in result.stdout and "step_00000010" in result.stdout
     sft_rows, grpo_rows = metrics(tmp_path / "outputs" / "sft"), metrics(tmp_path / "outputs" / "grpo")
     assert [row["step"] for row in sft_rows] == list(range(1, 21)) and sft_rows[-1]["loss"] < sft_rows[0]["loss"]
     assert [row["step"] for row in grpo_rows if "reward_mean" in row] == [1, 2]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from model import parallel
 from model.build import unwrap
 
 
@@ -157,11 +158,7 @@ class Generator:
 
 def _agree(value: int, group, op) -> int:
     """`value` reduced over `group` (MAX or MIN); the value itself without a group."""
-    if group is None:
-        return value
-    tensor = torch.tensor([value], dtype=torch.long, device="cuda" if torch.cuda.is_available() else "cpu")
-    torch.distributed.all_reduce(tensor, op=op, group=group)
-    return int(tensor.item())
+    return value if group is None else parallel.all_reduce_int(value, op, group)
 
 
 @torch.no_grad()

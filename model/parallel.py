@@ -165,9 +165,9 @@ def data_parallel_sum(values: list[float]) -> list[float]:
     return all_reduce_sum(values, parallel_state.get_data_parallel_group())
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on any rank."""
-    return bool(_all_reduce(torch.tensor([float(flag)]), None, dist.ReduceOp.MAX).item())
+def all_reduce_int(value: int, op, group=None) -> int:
+    """One integer reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
+    return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())
 
 
 def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:

@@ -117,7 +117,7 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
           f"rollout {steps[-1]['rollout_tokens_per_s']:.0f} tokens/s")
     contract = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "reward_mean", "accuracy", "kl",
                 "entropy", "clip_frac", "response_len", "rollout_tokens_per_s", "rollout_time_s", "reward_errors", "zero_advantage_groups",
-                "format_rate", "answer_accuracy"}
+                "format_rate", "answer_accuracy", "truncated_rate"}
     assert contract <= set(steps[0])
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
     # Measured on 2 CPU processes from the default SFT, at this test's seed 1234 / seeds 1 / 2 / 3 (SFT and GRPO):

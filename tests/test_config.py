@@ -156,3 +156,15 @@ def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
         config.validate(world_size=2)
     assert "`optim.min_lr=0.001` is above `optim.lr=0.0001`" in str(error.value) and "`--optim.min_lr`" in str(error.value)
     assert parse_args(SFTConfig, ["--optim.min_lr=null", "--optim.lr=1e-3"], "trainer.sft")[0].optim.final_lr == 5e-5
+
+
+def test_the_config_reference_in_docs_is_current():
+    """docs/config.md is generated from both loops' `--help`; a new or changed key must regenerate it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=repo, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""Every `torchrun ... -m trainer.*` command in the README runs: validated as written, then two steps of it, with the
+"""Every `torchrun ... -m trainer.*` command in the README and docs/ runs: validated as written, then two steps of it, with the
 reader's paths replaced by test fixtures (a tiny checkpoint for `/models/...`, slices of the real GSM8K for the data
 files, a small YAML for `run.yaml`). So no documented command can rot."""
 
@@ -50,10 +50,18 @@ def documented_commands(markdown: str) -> list[dict]:
     return commands
 
 
-def test_the_readme_has_the_commands_users_copy():
-    commands = documented_commands((REPO / "README.md").read_text())
-    modules = [command["module"] for command in commands]
-    assert modules.count("trainer.sft") >= 2 and modules.count("trainer.grpo") >= 2, modules
+def every_documented_command() -> list[dict]:
+    """The commands of README.md and docs/*.md, each once."""
+    commands = {}
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for command in documented_commands(page.read_text()):
+            commands.setdefault(command["line"], command)
+    return list(commands.values())
+
+
+def test_the_docs_have_the_commands_users_copy():
+    modules = [command["module"] for command in every_documented_command()]
+    assert modules.count("trainer.sft") >= 3 and modules.count("trainer.grpo") >= 2, modules
 
 
 @pytest.fixture
@@ -73,7 +81,7 @@ def fixtures(tmp_path) -> dict[str, str]:
 
 @pytest.mark.distributed
 def test_every_readme_torchrun_command_logs_step_one(fixtures, tmp_path):
-    commands = documented_commands((REPO / "README.md").read_text())
+    commands = every_documented_command()
     work = tmp_path / "work"  # the reader's current directory: relative outputs (runs/, outputs/) land here
     work.mkdir()
     for command in commands:

@@ -388,13 +388,13 @@ class Policy:
             log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
 
 
-def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True, make_optimizer=None,
+def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
                  on_phase=lambda phase: None) -> Policy:
     """Everything a loop trains, in one fixed order: layer spec and TP/PP/VPP, DDP or Megatron-FSDP (after a
     parameter sync over every chunk), optimizer and LR schedule, then the pipeline schedule's training hooks.
 
     `trainable=False` stops after the layer spec and parallel layout: bare chunks for generation and parity
-    checks, no optimizer. `make_optimizer(optimizer_config, chunks)` defaults to megatron-core's `get_megatron_optimizer`.
+    checks, no optimizer.
     `on_phase(name)` is called as each phase ends (the loops' start-up report times them).
     """
     from megatron.core.optimizer import get_megatron_optimizer
@@ -414,7 +414,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
     chunks = build_chunks(provider, ddp_config)
     on_phase("model build and HF weights")
-    optimizer = (make_optimizer or get_megatron_optimizer)(optimizer_config, chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, chunks)
     lr_schedule = warmup_cosine_schedule(optimizer, config)
     attach_training_hooks(provider, chunks, optimizer, ddp_config)
     on_phase("optimizer")

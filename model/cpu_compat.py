@@ -26,11 +26,6 @@ DDP_CONFIG_OVERRIDES = {"gradient_reduce_div_fusion": False}
 _active = False
 
 
-def is_active() -> bool:
-    """Whether the CPU layer has been switched on in this process."""
-    return _active
-
-
 def _is_cuda_device(device) -> bool:
     """True for every spelling megatron uses for a CUDA device: 'cuda', 'cuda:N', an int, a torch.device."""
     if isinstance(device, int) and not isinstance(device, bool):

@@ -33,8 +33,8 @@ class Runtime:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    """A free TCP port on this host, for a single process started without torchrun."""
+def free_port() -> int:
+    """A free TCP port on this host (a single process started without torchrun; tests and benchmarks launching torchrun)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -92,7 +92,7 @@ def init_distributed(parallel, seed: int) -> Runtime:
     local_rank = int(os.environ.setdefault("LOCAL_RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # python -m trainer.sft without torchrun
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     if use_cuda:
         # Before the first CUDA context (set_device creates it). When GRPO's default start calls this a second time
         # in one process, the context exists and the first phase's value stays.

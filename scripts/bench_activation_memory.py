@@ -17,11 +17,12 @@ whole; the TP-sharded parts (attention heads, MLP) are split by TP with or witho
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from model.parallel import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -120,12 +121,6 @@ def worker(out: Path, seq_len: int, dtype: str) -> None:
 
 # ---------------------------------------------------------------- the table (launcher side)
 
-
-def free_port() -> int:
-    """A free local TCP port for the worker group's rendezvous (torchrun's `--master-port 0` hangs the workers)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 

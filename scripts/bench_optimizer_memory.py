@@ -25,11 +25,12 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from model.parallel import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -177,12 +178,6 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
 
 # ---------------------------------------------------------------- driver
 
-
-def free_port() -> int:
-    """A free local TCP port for a sub-run's rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def table(rows: list[dict]) -> str:

@@ -1,12 +1,13 @@
 """Shared test helpers: an isolated model cache, and launching the real entry points under torchrun."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from model.parallel import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -24,12 +25,6 @@ def isolated_model_cache(tmp_path_factory):
     else:
         os.environ["TRAINER_CACHE_DIR"] = previous
 
-
-def free_port() -> int:
-    """A free local TCP port for a rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True, cwd: Path = REPO,

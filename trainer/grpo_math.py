@@ -7,12 +7,12 @@ batch row is one completion and `mask` is 1 on the completion's tokens (those th
 import torch
 import torch.distributed as dist
 
+from config.sections import LOSS_AGGREGATIONS  # noqa: F401  (the names, listed once, with their checks)
+
 # exp() of a log-ratio beyond this overflows the surrogate long before clipping can help.
 LOG_RATIO_CLAMP = 20.0
 # Added to a group's reward std so a nearly uniform group does not blow advantages up.
 ADVANTAGE_EPS = 1e-4
-BASELINES = ("mean", "leave_one_out")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 
 
 def group_advantages(rewards: torch.Tensor, baseline: str = "mean", scale_rewards: bool = True,

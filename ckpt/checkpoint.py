@@ -58,12 +58,20 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
-def model_fingerprint(hf_config: dict, parallel) -> dict:
-    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats)."""
+def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None) -> dict:
+    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats).
+
+    With LoRA a checkpoint holds the adapters only, so their settings and the base they were trained on (the
+    checkpoint's weight files: names and sizes) must match too."""
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "tie_word_embeddings")
-    return {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp, "vpp": parallel.vpp,
-            "megatron_fsdp": parallel.use_megatron_fsdp}
+    fingerprint = {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp,
+                   "vpp": parallel.vpp, "megatron_fsdp": parallel.use_megatron_fsdp}
+    if peft is not None and peft.method == "lora":
+        fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "dropout": peft.dropout,
+                               "target_modules": sorted(peft.target_modules),
+                               "base": sorted((path.name, path.stat().st_size) for path in Path(model_path).glob("*.safetensors"))}
+    return fingerprint
 
 
 # ---------------------------------------------------------------- resolving what to resume from
@@ -110,6 +118,11 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
         raise UserError(f"Checkpoint `{path}` was saved by a {saved_by} run and this run uses {this_run}; the two keep "
                         "model and optimizer in different formats. Resume with the same `parallel.use_megatron_fsdp` "
                         f"(`--parallel.use_megatron_fsdp={str(not fingerprint['megatron_fsdp']).lower()}`).")
+    if saved.get("lora") != fingerprint.get("lora"):
+        raise UserError(f"Checkpoint `{path}` was saved with {_describe_lora(saved)} and this run uses "
+                        f"{_describe_lora(fingerprint)}: LoRA adapters load only onto the base and settings they were "
+                        "trained with. Use the checkpoint's `model.path` and `peft.*` settings, or start a new "
+                        "`train.out_dir`.")
     if saved != fingerprint:
         raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
@@ -147,6 +160,16 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 path.unlink()
 
 
+def _describe_lora(fingerprint: dict) -> str:
+    """A fingerprint's LoRA settings in words."""
+    settings = fingerprint.get("lora")
+    if settings is None:
+        return "full fine-tuning (no LoRA)"
+    base = ", ".join(f"{name} {size} B" for name, size in settings["base"])
+    return (f"LoRA rank {settings['rank']}, alpha {settings['alpha']:g}, dropout {settings['dropout']:g} on "
+            f"{', '.join(settings['target_modules'])} over a base of {base}")
+
+
 # ---------------------------------------------------------------- RNG
 
 
@@ -177,8 +200,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
-    """megatron-core's sharded view of every model chunk and of the optimizer (DDP: dist_checkpointing format)."""
+    """megatron-core's sharded view of every model chunk and of the optimizer (DDP: dist_checkpointing format).
+
+    With LoRA, the adapters only: the frozen base is the run's `model.path`, loaded at start-up."""
+    from model import lora
+
     model = {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}
+    if _uses_lora(chunks):
+        model = {name: lora.adapter_state(state) for name, state in model.items()}
     optimizer_state = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
     return {**model, "optimizer": optimizer_state}
 
@@ -274,7 +303,12 @@ def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
     _materialise_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(directory))
     for index, chunk in enumerate(chunks):
-        chunk.module.load_state_dict(loaded[f"model{index}"])
+        if _uses_lora(chunks):
+            from model import lora
+
+            lora.load_adapters(chunk.module, loaded[f"model{index}"])
+        else:
+            chunk.module.load_state_dict(loaded[f"model{index}"])
     # In fp32 the distributed optimizer's main parameters are views of the model's (leaf) parameters,
     # which megatron-core's dp_reshardable loader copies into in place: not a differentiable operation.
     with torch.no_grad():
@@ -297,6 +331,11 @@ def _load_fsdp(chunks: list, optimizer, directory: Path) -> None:
         # so the loaded weights are live from the very next forward, not only after the next step.
         chunk.module.install_optimized_model_weights()
         chunk.start_param_sync()
+
+
+def _uses_lora(chunks: list) -> bool:
+    """Whether the chunks carry LoRA adapters (checkpoints then hold the adapters, not the frozen base)."""
+    return any(".adapter." in name for name, _ in chunks[0].named_parameters())
 
 
 def _uses_megatron_fsdp(chunks: list) -> bool:
@@ -529,7 +568,8 @@ class Checkpointer:
         """Resolve what to resume from before any model is built: a bad target costs nothing and overwrites nothing."""
         self.config = config
         self.directory = checkpoint_dir(config)
-        self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel)
+        self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
+                                             model_path)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, None
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover

@@ -151,6 +151,21 @@ class CkptConfig:
     keep_last: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints"})
 
 
+# megatron-core's names of the linear layers LoRA may adapt (attention's fused QKV and output projection, the MLP's
+# fused gate/up and down projections), and the method names.
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+PEFT_METHODS = ("none", "lora")
+
+
+@dataclass
+class PeftConfig:
+    method: str = field(default="none", metadata={"help": "parameter-efficient fine-tuning: none (every weight trains) | lora (adapters on a frozen base, Megatron-Bridge's LoRA)"})
+    rank: int = field(default=8, metadata={"help": "LoRA: rank of each adapter"})
+    alpha: float = field(default=16.0, metadata={"help": "LoRA: scale of the adapter's output is alpha / rank"})
+    dropout: float = field(default=0.0, metadata={"help": "LoRA: dropout on the adapter's input while training"})
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES), metadata={"help": "LoRA: megatron-core's linear layers to adapt: linear_qkv | linear_proj | linear_fc1 | linear_fc2"})
+
+
 @dataclass
 class LogConfig:
     tensorboard: bool = field(default=False, metadata={"help": "also write every metrics.jsonl scalar to TensorBoard event files in <train.out_dir>/tb/ (rank 0)"})
@@ -203,6 +218,7 @@ class TrainerConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     @property
     def precision_aware(self) -> bool:
@@ -217,6 +233,7 @@ class TrainerConfig:
         self._validate_schedule()
         self._validate_batch(world_size)
         self._validate_log()
+        self._validate_peft()
 
     def validate_model_shape(self, model_path: Path) -> None:
         """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
@@ -363,6 +380,31 @@ class TrainerConfig:
                   ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"))
         for key, holds, rule in checks:
             _require(holds, f"`{key}` must be {rule}, got {_value(self, key)}. Change `--{key}`.")
+
+    def _validate_peft(self) -> None:
+        peft, parallel = self.peft, self.parallel
+        _require(peft.method in PEFT_METHODS, f"`peft.method={peft.method}` is not one of {', '.join(PEFT_METHODS)}. "
+                 "Change `--peft.method`.")
+        if peft.method != "lora":
+            return
+        unknown = [name for name in peft.target_modules if name not in LORA_TARGET_MODULES]
+        _require(peft.target_modules and not unknown,
+                 f"`peft.target_modules={peft.target_modules}` must name one or more of {', '.join(LORA_TARGET_MODULES)} "
+                 f"(megatron-core's names of the attention and MLP linear layers){f'; unknown: {unknown}' if unknown else ''}. "
+                 "Change `--peft.target_modules` (e.g. `[linear_qkv,linear_proj]`).")
+        for key, holds, rule in (("rank", peft.rank >= 1, "at least 1"), ("alpha", peft.alpha > 0, "positive"),
+                                 ("dropout", 0 <= peft.dropout < 1, "in [0, 1)")):
+            _require(holds, f"`peft.{key}` must be {rule} with `peft.method=lora`, got {getattr(peft, key)}. "
+                     f"Change `--peft.{key}`.")
+        # Not verified with adapters in this stack: refused rather than run untested.
+        _require(not parallel.use_megatron_fsdp,
+                 "`peft.method=lora` with `parallel.use_megatron_fsdp=true` is not supported: LoRA freezes the base "
+                 "weights, and Megatron-FSDP's sharded checkpoints and parameter gathers have not been verified with "
+                 "adapters here. Use `--parallel.use_megatron_fsdp=false` (the distributed optimizer shards the "
+                 "adapters' optimizer state, and the frozen base needs none).")
+        _require(parallel.pp == 1,
+                 f"`peft.method=lora` with pipeline parallelism (`parallel.pp={parallel.pp}`) is not supported yet: "
+                 "use `--parallel.pp=1` (tensor and data parallelism work with LoRA).")
 
     def _validate_log(self) -> None:
         _require(not self.log.wandb or have_wandb(),

@@ -4,48 +4,25 @@ This is the one place where parallelism is applied to the model and where the la
 `build_policy` assembles everything a loop trains, always in the same order.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import logging
 import os
-import sys
-import types
 from pathlib import Path
 
 import torch
 
 from config.errors import UserError
 from config.sections import have_transformer_engine
-from model import parallel, precision
+from model import lora, parallel, precision
 
 log = logging.getLogger(__name__)
 
 # Decided once, at import: the fused-Adam test double makes later calls of have_transformer_engine() say yes
 # (for the optimizer) while the layers stay the ones built without Transformer Engine.
 HAVE_TRANSFORMER_ENGINE = have_transformer_engine()
-
-
-def _stand_in_for_bridge_lora_layers() -> None:
-    """Let `import megatron.bridge` succeed without Transformer Engine.
-
-    Of the GPT load/export path, only `megatron.bridge.peft.lora_layers` imports
-    `transformer_engine.pytorch` at import time (for LoRA, which this trainer does not use).
-    A stand-in for `transformer_engine` itself would make megatron-core believe TE is installed,
-    so the stand-in replaces that one module, and its classes refuse to be built.
-    """
-    name = "megatron.bridge.peft.lora_layers"
-    if HAVE_TRANSFORMER_ENGINE or name in sys.modules:
-        return
-
-    class _NeedsTransformerEngine:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("Megatron-Bridge LoRA layers need Transformer Engine, which is not installed.")
-
-    stand_in = types.ModuleType(name)
-    for class_name in ("LoRALinear", "LoRATopKRouter", "TEFusedLoRALinear", "LinearAdapter"):
-        setattr(stand_in, class_name, type(class_name, (_NeedsTransformerEngine,), {}))
-    sys.modules[name] = stand_in
 
 
 def resolve_model_path(config) -> Path:
@@ -84,7 +61,7 @@ def environment_ddp_defaults() -> dict:
 
 def auto_bridge(hf_path: str | Path):
     """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
-    _stand_in_for_bridge_lora_layers()
+    lora.allow_import_without_te()  # Bridge's import reaches its LoRA layers, which import TE
     # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
     # and forces its own level and handler at import; disabling the logger is the only switch.
     logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
@@ -326,6 +303,7 @@ class Policy:
     lr_schedule: object
     tokenizer: object
     hf_config: dict
+    lora: object = None  # Megatron-Bridge's LoRA transform when `peft.method=lora` (its adapters are the trained part)
 
     @property
     def vocab_size(self) -> int:
@@ -372,8 +350,14 @@ class Policy:
             else:
                 chunk.start_param_sync(force_sync=True)
 
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """With LoRA: the base model inside the block (the adapters switched off), exactly as it was built."""
+        with self.lora.disable_adapter(self.chunks):
+            yield
+
     def frozen_copy(self) -> list:
-        """A second copy of the starting weights that is never trained (GRPO's KL reference)."""
+        """A second copy of the starting weights that is never trained (GRPO's KL reference without LoRA)."""
         chunks = build_chunks(self.transformer_config)
         for chunk in chunks:
             chunk.requires_grad_(False).eval()
@@ -382,10 +366,14 @@ class Policy:
     def export(self, out_dir: Path, is_main: bool) -> None:
         """Write the model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
         self.sync_parameters()
-        export_hf(self.bridge, self.chunks, out_dir / "hf")
+        export_hf(self.bridge, self.chunks, out_dir / "hf")  # with LoRA: the adapters merged into the weights
+        if self.lora is not None:
+            self.bridge.save_hf_adapter(self.chunks, str(out_dir / "hf_adapter"), peft_config=self.lora,
+                                        base_model_name_or_path=str(self.bridge.hf_pretrained.model_name_or_path))
         if is_main:
             self.tokenizer.save_pretrained(out_dir / "hf")
-            log.info("saved the model as a Hugging Face checkpoint in %s", out_dir / "hf")
+            log.info("saved the model as a Hugging Face checkpoint in %s%s", out_dir / "hf",
+                     f", its LoRA adapter in PEFT format in {out_dir / 'hf_adapter'}" if self.lora is not None else "")
 
 
 def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
@@ -412,7 +400,9 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     optimizer_config = precision.optimizer_config(config)
     environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
     ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
-    chunks = build_chunks(provider, ddp_config)
+    chunks = build_chunks(provider)
+    adapters = lora.apply(chunks, config.peft, provider) if config.peft.method == "lora" else None
+    chunks = wrap_for_data_parallel(chunks, provider, ddp_config)
     on_phase("model build and HF weights")
     optimizer = get_megatron_optimizer(optimizer_config, chunks)
     lr_schedule = warmup_cosine_schedule(optimizer, config)
@@ -420,7 +410,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     on_phase("optimizer")
     log.info("resolved settings:\n%s", precision.settings_table(
         optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
-    return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config)
+    return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
 
 
 def warmup_cosine_schedule(optimizer, config):

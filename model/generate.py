@@ -86,6 +86,8 @@ def _keep_cache_rows(context, rows: torch.Tensor) -> None:
 
 # The module attributes megatron-core's `set_model_to_sequence_parallel` switches (megatron/core/transformer/utils.py).
 SEQUENCE_PARALLEL_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+# Megatron-Bridge's LoRA adapters gather and scatter the sequence themselves unless this is True.
+LORA_SEQUENCE_PARALLEL_OFF = "disable_sequence_parallel_comm"
 
 
 @contextlib.contextmanager
@@ -100,10 +102,10 @@ def sequence_parallel_off(model):
         yield
         return
     saved = [(module, name, getattr(module, name)) for module in bare.modules()
-             for name in SEQUENCE_PARALLEL_ATTRIBUTES if hasattr(module, name)]
+             for name in (*SEQUENCE_PARALLEL_ATTRIBUTES, LORA_SEQUENCE_PARALLEL_OFF) if hasattr(module, name)]
     bare.config.sequence_parallel = False  # the config object every chunk (and the KL reference) shares
     for module, name, _ in saved:
-        setattr(module, name, False)
+        setattr(module, name, name == LORA_SEQUENCE_PARALLEL_OFF)
     try:
         yield
     finally:

@@ -14,7 +14,8 @@ The variant, exactly (defaults in brackets):
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old (log-ratio clamped to +-20), bounded by
   -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) as a loss term (estimator k3 [or
-  k1]; pi_ref a frozen copy of the starting model, built only when kl_coef > 0). pi_old is the policy's
+  k1]; pi_ref the starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with
+  its adapters switched off). pi_old is the policy's
   own log-prob, recomputed forward-only after the rollout when the rollouts serve several updates
   (ppo_epochs x mini_batches > 1); with one update per step it is the policy's log-prob detached (r = 1 in
   value, the same numbers without the extra pass).
@@ -203,6 +204,24 @@ def forward_step(settings: LossSettings, data_iterator, model):
 # ---------------------------------------------------------------- update
 
 
+class KLReference:
+    """pi_ref of the KL penalty, the starting model: a frozen copy of it, or with LoRA the policy with its adapters
+    switched off (which is the starting model exactly, so no copy is built)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.copy = policy.frozen_copy() if policy.lora is None else None
+        log.info("KL reference: %s", "a frozen copy of the starting model" if self.copy is not None
+                 else "the policy with its LoRA adapters switched off (no copy built)")
+
+    def logprobs(self, batch: dict, temperature: float) -> torch.Tensor:
+        """Per-token log-probs of a collated batch's labels under pi_ref, forward only."""
+        if self.copy is not None:
+            return forward_logprobs(self.copy, batch, temperature)
+        with self.policy.adapters_disabled():
+            return forward_logprobs(self.policy.chunks, batch, temperature)
+
+
 def build_microbatches(rollouts: Rollouts, policy, reference, config, device) -> tuple[list[dict], int]:
     """This rank's rollouts as padded microbatches with advantages, old log-probs (policy) and reference log-probs."""
     micro, temperature = config.train.micro_batch_size, config.grpo.temperature
@@ -215,7 +234,7 @@ def build_microbatches(rollouts: Rollouts, policy, reference, config, device) ->
         batch["advantages"] = rollouts.advantages[start : start + micro, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
-        batch["ref_logprobs"] = None if reference is None else forward_logprobs(reference, batch, temperature)
+        batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature)
         microbatches.append(batch)
     return microbatches, seq_len
 
@@ -281,8 +300,7 @@ def main(argv: list[str]) -> None:
 
     # ---- build
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
-    # The frozen reference of the KL penalty: the same starting checkpoint, never trained, only when it is used.
-    reference = policy.frozen_copy() if config.grpo.kl_coef > 0 else None
+    reference = KLReference(policy) if config.grpo.kl_coef > 0 else None
     settings = LossSettings.from_config(config.grpo)
     startup.mark("reference model")
 

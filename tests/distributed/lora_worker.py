@@ -1,0 +1,89 @@
+"""Run under torchrun (2 processes) by tests/test_lora.py: LoRA SFT through the entry point's `main`, at TP=1 (DP=2)
+and TP=2, in one launch.
+
+Per layout: 6 steps straight, then 3 steps (`train.exit_interval`) and a resume to 6, into another directory. After
+the straight run, with the trained policy still in memory:
+- every base tensor is bit-identical to a fresh build from the checkpoint (only adapters trained);
+- with the adapters switched off the logits equal the fresh build's exactly (GRPO's KL reference);
+- rank 0 saves the trainer's logits of a batch, which the test compares with `hf/` (merged) in transformers and
+  with base + `hf_adapter/` in peft.
+Rank 0 writes `<out>/results.json`.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from config import cli  # noqa: E402
+from config.sections import SFTConfig  # noqa: E402
+from model import build, parallel  # noqa: E402
+from trainer import sft  # noqa: E402
+
+COMMON = ["--peft.method=lora", "--model.dtype=fp32", "--train.steps=6", "--train.global_batch_size=8",
+          "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=3", "--optim.lr=1e-2",
+          "--optim.warmup_steps=1", "--ckpt.save_interval=3", "--data.max_seq_len=64"]
+LAYOUTS = {"tp1": ["--parallel.tp=1"], "tp2": ["--parallel.tp=2"]}
+
+
+def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits of a batch (tensor-parallel shards gathered), [batch, seq, vocab]."""
+    positions = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return chunks[0](input_ids=tokens, position_ids=positions, attention_mask=None, runtime_gather_output=True)
+
+
+def base_tensors(chunks: list) -> dict[str, torch.Tensor]:
+    """Every non-adapter parameter under its base name (LoRA's wrapper adds `.to_wrap`)."""
+    return {name.replace(".to_wrap", ""): param.detach().clone() for name, param in build.unwrap(chunks[0]).named_parameters()
+            if ".adapter." not in name}
+
+
+def check(policy, out_dir: Path, vocab: int, is_main: bool) -> dict:
+    """The straight run's policy against a fresh build, and its exports against transformers and peft."""
+    fresh = build.build_chunks(policy.transformer_config)
+    trained, untouched = base_tensors(policy.chunks), base_tensors(fresh)
+    tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = logits(policy.chunks, tokens)[..., :vocab]
+    with policy.adapters_disabled():
+        adapters_off = logits(policy.chunks, tokens)[..., :vocab]
+    result = {"base_names_equal": sorted(trained) == sorted(untouched),
+              "base_bit_identical": all(torch.equal(trained[name], untouched[name]) for name in untouched),
+              "adapters_off_equals_base": torch.equal(adapters_off, logits(fresh, tokens)[..., :vocab]),
+              "adapters_change_logits": not torch.equal(ours, adapters_off),
+              "trainable": sorted({name.split(".adapter.")[-1] for name, param in policy.chunks[0].named_parameters()
+                                   if param.requires_grad})}
+    if is_main:  # compared in the test's own process: transformers loaded after megatron's set-up breaks Qwen2's rotary
+        torch.save({"tokens": tokens, "logits": ours}, out_dir / "trainer_logits.pt")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    torch.distributed.init_process_group("gloo")  # kept across the runs below (each loop keeps a group it did not create)
+    is_main = torch.distributed.get_rank() == 0
+    results = {}
+    for name, layout in LAYOUTS.items():
+        straight, split = out / name / "straight", out / name / "split"
+        argv = [*COMMON, *layout, f"--train.out_dir={straight}"]
+        policy = sft.main(argv)
+        parallel.init_distributed(cli.parse_args(SFTConfig, argv, "trainer.sft")[0].parallel, seed=0)  # main tore it down
+        results[name] = check(policy, straight, policy.vocab_size, is_main)
+        del policy
+        sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--train.exit_interval=3"])
+        sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--resume-from-checkpoint", "latest"])
+    if is_main:
+        (out / "results.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

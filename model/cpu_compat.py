@@ -137,6 +137,17 @@ def _uneven_all_gather(original):
     return all_gather
 
 
+def _synchronous_gathers(all_gather_params):
+    """Megatron-FSDP's `AllGatherPipeline.all_gather_params` with `async_param_gather=False` always."""
+
+    @functools.wraps(all_gather_params)
+    def synchronous(self, *args, **kwargs):
+        kwargs["async_param_gather"] = False
+        return all_gather_params(self, *args, **kwargs)
+
+    return synchronous
+
+
 def activate() -> None:
     """Install every patch once; raises if CUDA is available (the layer must never run on a GPU)."""
     global _active
@@ -188,6 +199,14 @@ def activate() -> None:
     megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
     torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
+
+    # Megatron-FSDP all-gathers parameters asynchronously (the next layers are prefetched during a forward and a
+    # backward) and orders what reads and frees those buckets by CUDA streams and events, which order nothing here:
+    # gloo's worker threads would write into parameter storage while the model runs. Its gathers are made
+    # synchronous instead (the same collectives, each finished when issued).
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import AllGatherPipeline
+
+    AllGatherPipeline.all_gather_params = _synchronous_gathers(AllGatherPipeline.all_gather_params)
 
     for package, pinned in PINNED_VERSIONS.items():
         if version(package) != pinned:

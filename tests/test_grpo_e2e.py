@@ -246,3 +246,19 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_p
     assert [row["step"] for row in grpo_rows if "reward_mean" in row] == [1, 2]
     assert "eval_accuracy" in grpo_rows[0] and grpo_rows[0]["step"] == 0
     assert (tmp_path / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+def test_grpo_with_lora_uses_the_policy_without_adapters_as_its_kl_reference(sft_checkpoint, tmp_path):
+    """LoRA GRPO from the default SFT: no frozen copy is built (pi_ref is the policy with its adapters off), so the
+    KL term is exactly 0 at step 1 (the adapters start at zero) and positive once they have moved."""
+    result = torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", "--peft.method=lora", "--optim.lr=1e-3",
+                       "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+                       "--train.eval_samples=8", f"--train.out_dir={tmp_path}"], nproc=2)
+    assert "KL reference: the policy with its LoRA adapters switched off (no copy built)" in result.stdout
+    assert "a frozen copy" not in result.stdout
+    steps = [row for row in metrics(tmp_path) if "reward_mean" in row]
+    print("LoRA GRPO:", [(row["step"], row["reward_mean"], row["kl"], row["loss"]) for row in steps])
+    assert [row["step"] for row in steps] == [1, 2]
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0
+    assert (tmp_path / "hf_adapter" / "adapter_model.safetensors").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()

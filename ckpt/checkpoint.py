@@ -51,6 +51,8 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 # Megatron-FSDP checkpoints through torch.distributed.checkpoint with one DTensor per parameter and per
 # Adam moment, so they reshard over data parallelism too.
 FSDP_SHARDING = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+# Megatron-Bridge names every LoRA adapter's parameters `<layer>.adapter.<...>`.
+ADAPTER_KEY = ".adapter."
 
 
 def checkpoint_name(step: int) -> str:
@@ -203,11 +205,9 @@ def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
     """megatron-core's sharded view of every model chunk and of the optimizer (DDP: dist_checkpointing format).
 
     With LoRA, the adapters only: the frozen base is the run's `model.path`, loaded at start-up."""
-    from model import lora
-
     model = {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}
     if _uses_lora(chunks):
-        model = {name: lora.adapter_state(state) for name, state in model.items()}
+        model = {name: _adapter_state(state) for name, state in model.items()}
     optimizer_state = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
     return {**model, "optimizer": optimizer_state}
 
@@ -304,9 +304,7 @@ def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(directory))
     for index, chunk in enumerate(chunks):
         if _uses_lora(chunks):
-            from model import lora
-
-            lora.load_adapters(chunk.module, loaded[f"model{index}"])
+            _load_adapters(chunk.module, loaded[f"model{index}"])
         else:
             chunk.module.load_state_dict(loaded[f"model{index}"])
     # In fp32 the distributed optimizer's main parameters are views of the model's (leaf) parameters,
@@ -335,7 +333,20 @@ def _load_fsdp(chunks: list, optimizer, directory: Path) -> None:
 
 def _uses_lora(chunks: list) -> bool:
     """Whether the chunks carry LoRA adapters (checkpoints then hold the adapters, not the frozen base)."""
-    return any(".adapter." in name for name, _ in chunks[0].named_parameters())
+    return any(ADAPTER_KEY in name for name, _ in chunks[0].named_parameters())
+
+
+def _adapter_state(sharded_state: dict) -> dict:
+    """The adapters' entries of a chunk's sharded state dict (Megatron-Bridge's own rule for PEFT checkpoints)."""
+    return {key: value for key, value in sharded_state.items() if ADAPTER_KEY in key and "_extra_state" not in key}
+
+
+def _load_adapters(module, state: dict) -> None:
+    """Load adapter tensors into a LoRA model; every key it has besides them must be a frozen base weight."""
+    result = module.load_state_dict(state, strict=False)
+    stray = [key for key in result.missing_keys if ADAPTER_KEY in key] + list(result.unexpected_keys)
+    if stray:
+        raise RuntimeError(f"the checkpoint's adapters do not match the model's: {stray[:4]}")
 
 
 def _uses_megatron_fsdp(chunks: list) -> bool:

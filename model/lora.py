@@ -4,7 +4,7 @@
 base is frozen, so DDP's buffers and the optimizer hold the adapters only, and under tensor parallelism each
 adapter is split like its base layer. With the adapters switched off (`LoRA.disable_adapter`) the model is the base
 model exactly: GRPO's KL reference without a second copy. A checkpoint keeps the adapters only
-(`adapter_state`); the export merges them (`hf/`) and also writes them in Hugging Face PEFT format (`hf_adapter/`).
+(`ckpt.checkpoint`); the export merges them (`hf/`) and also writes them in Hugging Face PEFT format (`hf_adapter/`).
 
 Without Transformer Engine: `megatron.bridge.peft.lora_layers` imports `transformer_engine.pytorch` at import time,
 for its TE-fused variant only (chosen when `use_transformer_engine_op_fuser` is set, never here). While that one
@@ -119,16 +119,3 @@ def apply(chunks: list, peft, provider):
     # Bridge sets the provider to initialise weights; later builds from it (a KL reference copy) load HF weights.
     provider.perform_initialization = initialise
     return lora
-
-
-def adapter_state(sharded_state: dict) -> dict:
-    """The adapters' entries of a chunk's sharded state dict (Bridge's own rule: `.adapter.` in the key)."""
-    return {key: value for key, value in sharded_state.items() if ".adapter." in key and "_extra_state" not in key}
-
-
-def load_adapters(module, state: dict) -> None:
-    """Load adapter tensors into a LoRA model; every other key it has must be a frozen base weight."""
-    result = module.load_state_dict(state, strict=False)
-    stray = [key for key in result.missing_keys if ".adapter." in key] + list(result.unexpected_keys)
-    if stray:
-        raise RuntimeError(f"adapter checkpoint does not match the model's adapters: {stray[:4]}")

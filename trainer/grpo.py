@@ -5,7 +5,8 @@ The variant, exactly (defaults in brackets):
   every data-parallel rank samples `grpo.n_samples` [8] completions for each of its share from the current
   policy (`grpo.temperature` [1.0], `grpo.top_p`, `grpo.top_k`, at most `grpo.max_new_tokens`, stopping at
   any end id the model declares: the tokenizer's EOS and generation_config's) with megatron-core's KV cache.
-  The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from (train.seed, s), so a run, and a resume, is reproducible.
+  The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from
+  (train.seed, s), so a run, and a resume, is reproducible.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
   answer; a reward function that raises scores 0 and is counted (`reward_errors`).
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's

@@ -140,7 +140,8 @@ class Generator:
 
     Collective over the data-parallel group: every rank must call `generate` the same number of times (with its
     own prompts). Each call then runs the same number of forwards on every rank, which sharding that gathers
-    parameters in every forward (Megatron-FSDP) needs: the ranks agree on the prompt width and stop together.
+    parameters in every forward (Megatron-FSDP) needs: the ranks stop together (and agree on the prompt width
+    where prompts are not padded).
     """
 
     def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None):
@@ -171,8 +172,9 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
 
     Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
     (they sample identically, and so finish and compact identically). With `group` (the data-parallel group)
-    the ranks of the group agree on the prompt width and on when every row has ended, so each runs the same
-    number of forwards whatever its own prompts (a rank whose rows have all ended keeps one row going).
+    the ranks of the group agree on when every row has ended (and, unpadded, on the widths), so each runs the same
+    number of forwards whatever its own prompts (a rank whose rows have all ended keeps one row going). Padding
+    stays per rank where it can, so a rank's completions do not depend on the other ranks' prompts.
     """
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.utils import InferenceMode
@@ -185,11 +187,15 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     device = next(unwrap(model).parameters()).device
     end_ids = end_ids.to(device)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [prompts]
-    width = _agree(int(lengths.max()), group, torch.distributed.ReduceOp.MAX)
+    padded = masks_pads(model)
+    # Padded, every row's prompt ends at `width`: one prefill, then `max_new_tokens` decode steps on every rank
+    # whatever its width. Unpadded, shorter rows go through the rest of their prompt one token per step, so the
+    # number of forwards depends on the widths: the data-parallel ranks agree on them.
+    width = int(lengths.max()) if padded else _agree(int(lengths.max()), group, torch.distributed.ReduceOp.MAX)
     # Row r's prompt occupies columns [pads[r], ends[r]); left of it are pads (zero of them without masks).
-    pads = width - lengths if masks_pads(model) else torch.zeros_like(lengths)  # [prompts]
+    pads = width - lengths if padded else torch.zeros_like(lengths)  # [prompts]
     ends = pads + lengths  # [rows]: one per prompt until the prefill is copied to the samples
-    first_position = _agree(int(ends.min()), group, torch.distributed.ReduceOp.MIN)
+    first_position = int(ends.min()) if padded else _agree(int(ends.min()), group, torch.distributed.ReduceOp.MIN)
     total = width + max_new_tokens
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)  # [rows, total]
     for row, prompt in enumerate(prompts):

@@ -25,6 +25,7 @@ SFT_KEYS = {
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",
     "log.tensorboard", "log.wandb", "log.wandb_project", "log.wandb_name",
+    "peft.method", "peft.rank", "peft.alpha", "peft.dropout", "peft.target_modules",
 }
 
 

@@ -254,8 +254,9 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_p
 def test_grpo_with_lora_uses_the_policy_without_adapters_as_its_kl_reference(sft_checkpoint, tmp_path):
     """LoRA GRPO from the default SFT: no frozen copy is built (pi_ref is the policy with its adapters off), so the
     KL term is exactly 0 at step 1 (the adapters start at zero) and positive once they have moved."""
+    # No warmup: with it, 2 steps would give the first step learning rate 0, and the adapters could not move.
     result = torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", "--peft.method=lora", "--optim.lr=1e-3",
-                       "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+                       "--optim.warmup_steps=0", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
                        "--train.eval_samples=8", f"--train.out_dir={tmp_path}"], nproc=2)
     assert "KL reference: the policy with its LoRA adapters switched off (no copy built)" in result.stdout
     assert "a frozen copy" not in result.stdout

@@ -392,8 +392,8 @@ def _publish(checkpoint_dir: Path, partial: Path, final: Path) -> None:
     """
     if final.exists():
         replaced = checkpoint_dir / f"{REPLACED}{final.name}"
-        shutil.rmtree(replaced, ignore_errors=True)
         _point_latest(checkpoint_dir, partial.name)
+        shutil.rmtree(replaced, ignore_errors=True)  # an older crash's leftover, which `latest` may have named
         os.replace(final, replaced)
         _point_latest(checkpoint_dir, replaced.name)
         os.replace(partial, final)

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.errors import UserError
+from rl.grpo_math import BASELINES, IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
-BASELINES = ("mean", "leave_one_out")
-KL_ESTIMATOR_NAMES = ("k1", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 RECOMPUTE_NAMES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # megatron-core 0.19.2's recompute_modules that the model families this trainer builds have. Left out: `moe_act`
@@ -179,16 +177,23 @@ class GRPOSection:
     n_samples: int = field(default=8, metadata={"help": "completions sampled per prompt (one advantage group)"})
     reward: str = field(default=DEFAULT_REWARD, metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible, or your own as module:function; its full marks are the accuracy"})
     format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
-    baseline: str = field(default="mean", metadata={"help": "advantage baseline within a group: mean | leave_one_out"})
+    overlong_buffer: int = field(default=0, metadata={"help": "DAPO's soft overlong penalty: completions longer than max_new_tokens - overlong_buffer tokens lose reward linearly, up to overlong_penalty at the budget (0: off)"})
+    overlong_penalty: float = field(default=1.0, metadata={"help": "the reward lost by a completion that reaches max_new_tokens, with overlong_buffer > 0"})
+    baseline: str = field(default="mean", metadata={"help": f"advantage baseline within a group: {' | '.join(BASELINES)} (the group mean, GRPO; the mean of the others, RLOO)"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch is full"})
+    max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step; a batch still short after them is filled with dropped groups"})
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
     # reference forward did not shorten a CPU step measurably (docs/grpo.md).
     kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
-    kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator: k1 | k3"})
+    kl_estimator: str = field(default="k3", metadata={"help": f"per-token KL estimator: {' | '.join(KL_ESTIMATORS)}"})
+    importance_ratio: str = field(default="token", metadata={"help": f"importance ratio pi / pi_old: {' | '.join(IMPORTANCE_RATIOS)} (per token, PPO and GRPO; per completion, length-normalised, GSPO: use a small clip range such as 3e-4 / 4e-4)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO ratio clip below: 1 - clip_low"})
     clip_high: float = field(default=0.28, metadata={"help": "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher when > clip_low)"})
     dual_clip: float = field(default=3.0, metadata={"help": "bound the loss of negative-advantage tokens at dual_clip x |A| (0: off, else > 1)"})
-    loss_aggregation: str = field(default="token_mean", metadata={"help": "token_mean (over the global batch) | seq_mean_token_mean"})
+    mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss (they still count in their group's advantages)"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "weight of an entropy bonus: the loss subtracts entropy_coef x the aggregated token entropy"})
+    loss_aggregation: str = field(default="token_mean", metadata={"help": f"token losses to one loss: {' | '.join(LOSS_AGGREGATIONS)} (the token mean over the global batch, DAPO; the mean over completions of each one's token mean, GRPO; each completion's token sum over max_new_tokens, Dr. GRPO)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each step's rollouts"})
     mini_batches: int = field(default=1, metadata={"help": "optimizer updates per pass (the rollouts are split into this many)"})
     max_new_tokens: int = field(default=32, metadata={"help": "longest completion in tokens (generation stops earlier at EOS)"})
@@ -466,8 +471,8 @@ class GRPOConfig(TrainerConfig):
         _require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
         _require(grpo.n_samples >= 2,
                  f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
-        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATOR_NAMES),
-                             ("loss_aggregation", LOSS_AGGREGATIONS)):
+        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS),
+                             ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
             _require(getattr(grpo, key) in allowed,
                      f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
         rules = {  # key: (holds, what it must be)
@@ -478,6 +483,11 @@ class GRPOConfig(TrainerConfig):
             "ppo_epochs": (grpo.ppo_epochs >= 1, "at least 1"), "mini_batches": (grpo.mini_batches >= 1, "at least 1"),
             "max_new_tokens": (1 <= grpo.max_new_tokens < data.max_seq_len,
                                f"at least 1 and below `data.max_seq_len={data.max_seq_len}`"),
+            "overlong_buffer": (0 <= grpo.overlong_buffer <= grpo.max_new_tokens,
+                                f"between 0 (off) and `grpo.max_new_tokens={grpo.max_new_tokens}`"),
+            "overlong_penalty": (grpo.overlong_penalty >= 0, "0 or more"),
+            "max_sampling_rounds": (grpo.max_sampling_rounds >= 1, "at least 1"),
+            "entropy_coef": (grpo.entropy_coef >= 0, "0 or more (it weighs an entropy bonus)"),
         }
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")

@@ -17,7 +17,7 @@ find_python312() {
 }
 
 # The stamp names the set-up's own version too, so a change here re-syncs existing environments.
-stamp=.venv/.uv-lock-synced-v2
+stamp=.venv/.uv-lock-synced-v3
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cmp -s uv.lock "$stamp"; then
   exit 0
 fi

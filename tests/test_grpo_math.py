@@ -1,11 +1,12 @@
-"""GRPO math against hand-computed numbers: advantages, clipped surrogate, KL estimators, aggregation, entropy."""
+"""GRPO math against hand-computed numbers: advantages, overlong penalty, importance ratios, clipped surrogate, KL
+estimators, aggregation (the constant normaliser too), entropy and its gradient."""
 
 import math
 
 import pytest
 import torch
 
-from trainer import grpo_math
+from rl import grpo_math
 
 
 def close(actual, expected, tolerance=1e-5):
@@ -18,10 +19,10 @@ def close(actual, expected, tolerance=1e-5):
 
 def test_group_advantages_mean_baseline_with_std():
     # Group [1, 0, 0, 1]: mean 0.5, sample std sqrt(1/3) = 0.57735 -> +-0.5 / (0.57735 + 1e-4).
-    advantages, zero_groups = grpo_math.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    advantages, equal = grpo_math.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
     scale = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     assert close(advantages, [[scale, -scale, -scale, scale]])
-    assert zero_groups == 0
+    assert equal.tolist() == [False]
 
 
 def test_group_advantages_without_std_is_dr_grpo():
@@ -42,8 +43,8 @@ def test_group_advantages_leave_one_out():
 def test_equal_reward_groups_give_exact_zeros_and_are_counted():
     rewards = torch.tensor([[0.1, 0.1, 0.1], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     for baseline in ("mean", "leave_one_out"):
-        advantages, zero_groups = grpo_math.group_advantages(rewards, baseline=baseline)
-        assert zero_groups == 2
+        advantages, equal = grpo_math.group_advantages(rewards, baseline=baseline)
+        assert equal.tolist() == [True, True, False]
         assert torch.equal(advantages[:2], torch.zeros(2, 3))
         assert advantages[2, 1] > 0 > advantages[2, 0]
 
@@ -53,8 +54,8 @@ def test_equal_reward_groups_give_exact_zeros_and_are_counted():
 
 def per_token_loss(ratio: float, advantage: float, dual_clip: float = 0.0, clip_low=0.2, clip_high=0.28):
     """Loss and clip flag of one token with the given probability ratio."""
-    loss, clipped = grpo_math.clipped_policy_loss(torch.tensor([[math.log(ratio)]]), torch.zeros(1, 1),
-                                                  torch.tensor([[advantage]]), clip_low, clip_high, dual_clip)
+    loss, clipped = grpo_math.clipped_policy_loss(torch.tensor([[math.log(ratio)]]), torch.tensor([[advantage]]),
+                                                  clip_low, clip_high, dual_clip)
     return loss.item(), bool(clipped.item())
 
 
@@ -84,7 +85,8 @@ def test_dual_clip_bounds_negative_advantage_loss():
 
 def test_clipped_tokens_get_no_gradient_and_log_ratio_is_clamped():
     logprobs = torch.tensor([[math.log(1.5), 0.0, 100.0]], requires_grad=True)
-    loss, _ = grpo_math.clipped_policy_loss(logprobs, torch.zeros(1, 3), torch.tensor([[1.0]]), 0.2, 0.28)
+    log_ratio = grpo_math.token_log_ratio(logprobs, torch.zeros(1, 3), torch.ones(1, 3))
+    loss, _ = grpo_math.clipped_policy_loss(log_ratio, torch.tensor([[1.0]]), 0.2, 0.28)
     loss.sum().backward()
     assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] == pytest.approx(-1.0)
     assert torch.isfinite(loss).all()  # exp(100) would overflow without the clamp
@@ -119,11 +121,29 @@ def test_token_mean_and_sequence_mean_with_masks():
     values = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     # Token mean: (1 + 2 + 3 + 4) / 4 tokens.
-    total, count = grpo_math.masked_sum_and_count(values, mask, "token_mean")
+    total, count = grpo_math.token_mean(values, mask, budget=4)
     assert (total.item(), count.item()) == (10.0, 4.0)
     # Sequence mean of token means: (2 + 4) / 2 sequences; the row without tokens does not count.
-    total, count = grpo_math.masked_sum_and_count(values, mask, "seq_mean_token_mean")
+    total, count = grpo_math.seq_mean_token_mean(values, mask, budget=4)
     assert (total.item(), count.item()) == (6.0, 2.0)
+    # Dr. GRPO: the token sum (1 + 2 + 3 + 4) over 3 completions x a budget of 5 tokens, whatever their lengths.
+    total, count = grpo_math.seq_mean_token_sum_norm(values, mask, budget=5)
+    assert (total.item(), count.item()) == (10.0, 15.0)
+
+
+def test_constant_normaliser_has_no_length_bias():
+    """Dr. GRPO's point: with the token mean, a token's weight shrinks as the batch's other completions grow; with the
+    constant normaliser every token weighs 1 / (completions x budget), so a long completion's gradient is not
+    diluted. The per-token gradient is exactly that weight."""
+    values = torch.zeros(2, 6, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    total, count = grpo_math.seq_mean_token_sum_norm(values, mask, budget=8)
+    (total / count).backward()
+    assert torch.equal(values.grad, mask / 16)
+    values.grad = None
+    total, count = grpo_math.seq_mean_token_mean(values, mask, budget=8)
+    (total / count).backward()
+    assert close(values.grad, [[0.25, 0.25, 0, 0, 0, 0], [1 / 12] * 6])
 
 
 def test_aggregation_over_microbatches_is_one_global_division():
@@ -131,9 +151,9 @@ def test_aggregation_over_microbatches_is_one_global_division():
     values, mask = torch.rand(6, 5, generator=torch.Generator().manual_seed(1)), torch.ones(6, 5)
     mask[0, 2:] = 0
     mask[4, 1:] = 0
-    for aggregation in grpo_math.LOSS_AGGREGATIONS:
-        whole = grpo_math.masked_sum_and_count(values, mask, aggregation)
-        parts = [grpo_math.masked_sum_and_count(values[rows], mask[rows], aggregation) for rows in (slice(0, 2), slice(2, 6))]
+    for aggregation in grpo_math.LOSS_AGGREGATIONS.values():
+        whole = aggregation(values, mask, 5)
+        parts = [aggregation(values[rows], mask[rows], 5) for rows in (slice(0, 2), slice(2, 6))]
         assert (sum(part[0] for part in parts) / sum(part[1] for part in parts)).item() == pytest.approx((whole[0] / whole[1]).item())
 
 
@@ -148,3 +168,52 @@ def test_entropy_by_hand_and_against_the_plain_formula():
     logits = 20 * torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     plain = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
     assert torch.allclose(grpo_math.vocab_parallel_entropy(logits), plain, atol=1e-10)
+
+
+def test_entropy_bonus_gradient_raises_the_entropy():
+    """The loss subtracts entropy_coef x entropy: a gradient-descent step on it makes the distribution flatter."""
+    logits = torch.tensor([[[3.0, 0.5, -1.0, 0.0]]], requires_grad=True)
+    before = grpo_math.vocab_parallel_entropy(logits).item()
+    loss = -0.1 * grpo_math.vocab_parallel_entropy(logits).sum()
+    loss.backward()
+    # The most likely token's logit is pushed down, the least likely ones up.
+    assert logits.grad[0, 0, 0] > 0 and logits.grad[0, 0, 2] < 0
+    after = grpo_math.vocab_parallel_entropy(logits.detach() - 1.0 * logits.grad).item()
+    assert after > before
+    # The analytic gradient of H w.r.t. logit j is -p_j (log p_j + H).
+    probabilities = logits.detach().softmax(-1)
+    expected = 0.1 * probabilities * (probabilities.log() + before)
+    assert torch.allclose(logits.grad, expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------- overlong penalty and GSPO
+
+
+def test_overlong_penalty_at_the_boundary_tokens():
+    # Budget 32, buffer 8: no penalty up to 24 tokens, then -1/8 per token, -1 at 32 (x the penalty 0.5 here).
+    lengths = torch.tensor([1, 24, 25, 28, 31, 32])
+    penalties = grpo_math.overlong_penalty(lengths, budget=32, buffer=8, penalty=0.5)
+    assert close(penalties, [0.0, 0.0, -0.0625, -0.25, -0.4375, -0.5])
+    # A buffer as long as the budget penalises from the first token.
+    assert close(grpo_math.overlong_penalty(torch.tensor([0, 4, 8]), budget=8, buffer=8, penalty=1.0), [0.0, -0.5, -1.0])
+
+
+def test_sequence_ratio_is_the_length_normalised_mean_and_clips_whole_completions():
+    """GSPO: s_i = exp(mean over the completion's tokens of log pi - log pi_old), the same value on each of its tokens."""
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.5, 0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1.2, -2.0, -2.5, 0.0], [-0.5, -0.6, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    log_ratio = grpo_math.sequence_log_ratio(logprobs, old, mask)
+    # Row 1: (0.2 + 0 - 0.5) / 3 = -0.1; row 2: (0 + 0.1) / 2 = 0.05.
+    assert close(log_ratio * mask, [[-0.1, -0.1, -0.1, 0.0], [0.05, 0.05, 0.0, 0.0]])
+    # Clipped with GSPO's range [1 - 3e-4, 1 + 4e-4]: row 1 (s = 0.905, A > 0) keeps the unclipped term on every
+    # token; row 2 (s = 1.051, A > 0) is clipped on every token and gets no gradient.
+    loss, clipped = grpo_math.clipped_policy_loss(log_ratio, torch.tensor([[1.0], [1.0]]), 3e-4, 4e-4)
+    assert (clipped * mask).tolist() == [[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    # Averaged over each completion's tokens, the gradient is GSPO's: A s_i / |y_i| per token for row 1.
+    total, count = grpo_math.seq_mean_token_mean(loss, mask, budget=4)
+    (total / count).backward()
+    s = math.exp(-0.1)
+    assert close(logprobs.grad, [[-s / 3 / 2] * 3 + [0.0], [0.0, 0.0, 0.0, 0.0]])
+    # The token ratio of the same numbers differs per token.
+    assert close(grpo_math.token_log_ratio(logprobs, old, mask) * mask, [[0.2, 0.0, -0.5, 0.0], [0.0, 0.1, 0.0, 0.0]])

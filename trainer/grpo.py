@@ -45,7 +45,8 @@ from config import cli
 from config.sections import GRPOConfig
 from data import prompts as prompt_data, rewards, sft as sft_data
 from model import build, generate, parallel
-from trainer import default_start, evaluation, grpo_math, metrics
+from rl import grpo_math
+from trainer import default_start, evaluation, metrics
 from trainer.metrics import log
 
 
@@ -63,78 +64,167 @@ def step_prompt_indices(num_prompts: int, prompts_per_step: int, step: int, seed
     return indices
 
 
-def rollout_seed(seed: int, step: int, dp_rank: int) -> int:
-    """Sampling seed of one step on one data-parallel rank (tensor-parallel ranks share it, as generation requires)."""
-    digest = hashlib.sha256(f"rollout:{seed}:{step}:{dp_rank}".encode()).digest()
+def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
+    """Sampling seed of one step's generation round on one data-parallel rank (tensor-parallel ranks share it, as
+    generation requires); round 0 is every step's, later rounds are dynamic sampling's."""
+    suffix = f":{round_index}" if round_index else ""
+    digest = hashlib.sha256(f"rollout:{seed}:{step}:{dp_rank}{suffix}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, round_index: int) -> list[int]:
+    """Dynamic sampling's prompts for an extra round of a step: a seeded draw, a pure function of (seed, step, round)."""
+    generator = torch.Generator().manual_seed(rollout_seed(seed, step, -1, round_index))
+    return torch.randperm(num_prompts, generator=generator)[:count].tolist()
 
 
 # ---------------------------------------------------------------- rollouts
 
 
 @dataclasses.dataclass
-class Rollouts:
-    """One step's completions on this rank: groups of `grpo.n_samples` consecutive rows, with rewards and advantages."""
+class Round:
+    """One generation round on this rank: groups of `grpo.n_samples` consecutive completions, scored."""
 
-    examples: list[sft_data.Example]  # prompt + completion ids; the loss mask covers the completion
-    advantages: torch.Tensor  # [completions]
-    scores: rewards.Scores
-    zero_advantage_groups: int
-    truncated: int  # completions cut at grpo.max_new_tokens (no end id)
-    seconds: float
     prompts: list[prompt_data.Prompt]  # one per completion
-    completions: list[str]  # decoded
+    completions: list[list[int]]
+    texts: list[str]  # decoded
+    truncated: list[bool]  # cut at grpo.max_new_tokens (no end id)
+    scores: rewards.Scores
+    penalty: float  # the overlong penalties' sum (0 without grpo.overlong_buffer)
+    advantages: torch.Tensor  # [groups, samples]
+    equal: torch.Tensor  # [groups]: all rewards of the group alike (zero advantage, no signal)
+    seconds: float  # generating
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One step's rollouts on this rank: the batch it trains on (groups of `grpo.n_samples` consecutive rows) and
+    every round sampled for it (with dynamic sampling, more than one, and groups left out of the batch)."""
+
+    examples: list[sft_data.Example]  # prompt + completion ids; the loss mask covers the trained completion tokens
+    advantages: torch.Tensor  # [completions]
+    zero_advantage_groups: int  # in the batch
+    rounds: list[Round]
+
+    @property
+    def seconds(self) -> float:
+        """Time spent generating this step's completions."""
+        return sum(sampled.seconds for sampled in self.rounds)
 
 
 SAMPLES_PER_LOG = 4
 
 
 def samples(rollouts: Rollouts, tokenizer, n_samples: int) -> list[dict]:
-    """A few of this rank's completions for samples.jsonl: the first completion of each prompt, then the second, ..."""
-    order = sorted(range(len(rollouts.completions)), key=lambda index: (index % n_samples, index // n_samples))
-    picked = order[:SAMPLES_PER_LOG]
-    return [{"prompt": tokenizer.decode(rollouts.prompts[index].ids, skip_special_tokens=True).strip(),
-             "completion": rollouts.completions[index], "reward": rollouts.scores.rewards[index],
-             "reference": rollouts.prompts[index].reference} for index in picked]
+    """A few of this rank's first-round completions for samples.jsonl: the first of each prompt, then the second, ..."""
+    first = rollouts.rounds[0]
+    order = sorted(range(len(first.texts)), key=lambda index: (index % n_samples, index // n_samples))
+    return [{"prompt": tokenizer.decode(first.prompts[index].ids, skip_special_tokens=True).strip(),
+             "completion": first.texts[index], "reward": first.scores.rewards[index],
+             "reference": first.prompts[index].reference} for index in order[:SAMPLES_PER_LOG]]
+
+
+def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list[prompt_data.Prompt]:
+    """This rank's distinct prompts of one round: the step's share of the epoch's shuffle (round 0), or a seeded
+    draw (dynamic sampling's extra rounds); pure functions of (train.seed, step, round), so resume is exact."""
+    per_rank = config.train.global_batch_size // config.grpo.n_samples // runtime.dp_size
+    count, seed = per_rank * runtime.dp_size, config.train.seed
+    indices = (step_prompt_indices(len(prompts), count, step, seed) if round_index == 0
+               else extra_prompt_indices(len(prompts), count, seed, step, round_index))
+    return [prompts[index] for index in indices[runtime.dp_rank * per_rank : (runtime.dp_rank + 1) * per_rank]]
+
+
+def sample_round(policy, distinct: list[prompt_data.Prompt], config, step: int, round_index: int, runtime, reward) -> Round:
+    """Sample `grpo.n_samples` completions of each prompt, score them (reward, overlong penalty) and compute group advantages."""
+    grpo = config.grpo
+    sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
+                                 rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
+    start = time.perf_counter()
+    completions = policy.generator.generate([prompt.ids for prompt in distinct], samples=grpo.n_samples,
+                                            max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+    seconds = time.perf_counter() - start
+    mine = [prompt for prompt in distinct for _ in range(grpo.n_samples)]  # one row per completion
+    texts = policy.tokenizer.batch_decode(completions, skip_special_tokens=True)
+    scores = rewards.score(reward, texts, [prompt.reference for prompt in mine], grpo.format_bonus)
+    shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [completions]
+    penalty = 0.0
+    if grpo.overlong_buffer:
+        penalties = grpo_math.overlong_penalty(torch.tensor([len(completion) for completion in completions]),
+                                               grpo.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
+        shaped, penalty = shaped + penalties, float(penalties.sum())
+    advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
+    truncated = [policy.generator.truncated(completion, grpo.max_new_tokens) for completion in completions]
+    return Round(mine, completions, texts, truncated, scores, penalty, advantages, equal, seconds)
+
+
+def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
+    """(round, group) of this rank's batch, in sampling order: the first `wanted` groups with signal, then, only if
+    the rounds ran out, the first groups without. With one round of `wanted` groups that is every group, in order."""
+    groups = [(number, group) for number, sampled in enumerate(rounds) for group in range(len(sampled.equal))]
+    with_signal = [(number, group) for number, group in groups if not rounds[number].equal[group]]
+    without = [(number, group) for number, group in groups if rounds[number].equal[group]]
+    return sorted(with_signal[:wanted] + without[: max(0, wanted - len(with_signal))])
 
 
 def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts:
-    """Sample this rank's completions of the step's prompts, score them and compute group advantages."""
+    """This rank's batch of the step: one round of rollouts, or with `grpo.dynamic_sampling` as many rounds (at most
+    `grpo.max_sampling_rounds`) as the data-parallel ranks need to fill their batches with groups that carry signal.
+
+    Every rank runs every round (the ranks agree on the count, one all-reduce per round), so generation's
+    collectives under Megatron-FSDP stay matched."""
     grpo = config.grpo
-    prompts_per_rank = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
-    indices = step_prompt_indices(len(prompts), prompts_per_rank * runtime.dp_size, step, config.train.seed)
-    distinct = [prompts[index] for index in indices[runtime.dp_rank * prompts_per_rank : (runtime.dp_rank + 1) * prompts_per_rank]]
-    mine = [prompt for prompt in distinct for _ in range(grpo.n_samples)]  # one row per completion
-    start = time.perf_counter()
-    sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k, rollout_seed(config.train.seed, step, runtime.dp_rank))
-    completions = policy.generator.generate([prompt.ids for prompt in distinct], samples=grpo.n_samples,
-                                            max_new_tokens=grpo.max_new_tokens, sampling=sampling)
-    truncated = sum(policy.generator.truncated(completion, grpo.max_new_tokens) for completion in completions)
-    seconds = time.perf_counter() - start
-    texts = policy.tokenizer.batch_decode(completions, skip_special_tokens=True)
-    scores = rewards.score(reward, texts, [prompt.reference for prompt in mine], grpo.format_bonus)
-    group_rewards = torch.tensor(scores.rewards, dtype=torch.float32).view(-1, grpo.n_samples)  # [prompts, samples]
-    advantages, zero_groups = grpo_math.group_advantages(group_rewards, grpo.baseline, grpo.scale_rewards)
-    examples = [sft_data.Example(prompt.ids + completion, [0] * len(prompt.ids) + [1] * len(completion))
-                for prompt, completion in zip(mine, completions)]
-    return Rollouts(examples, advantages.flatten(), scores, zero_groups, truncated, seconds, mine, texts)
+    wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
+    rounds = [sample_round(policy, round_prompts(prompts, config, step, 0, runtime), config, step, 0, runtime, reward)]
+    while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
+        short = max(0, wanted - sum(int((~sampled.equal).sum()) for sampled in rounds))
+        if parallel.data_parallel_sum([short])[0] == 0:
+            break
+        number = len(rounds)
+        rounds.append(sample_round(policy, round_prompts(prompts, config, step, number, runtime), config, step, number,
+                                   runtime, reward))
+    examples, advantages, zero_groups = [], [], 0
+    for number, group in select_groups(rounds, wanted):
+        sampled = rounds[number]
+        zero_groups += int(sampled.equal[group])
+        advantages.append(sampled.advantages[group])
+        for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
+            prompt, completion = sampled.prompts[row].ids, sampled.completions[row]
+            trained = 0 if grpo.mask_truncated and sampled.truncated[row] else 1
+            examples.append(sft_data.Example(prompt + completion, [0] * len(prompt) + [trained] * len(completion)))
+    return Rollouts(examples, torch.cat(advantages), zero_groups, rounds)
 
 
-def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
-    """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of one step's rollouts."""
-    local = {**rollouts.scores.totals(), "count": len(rollouts.examples), "zero_groups": rollouts.zero_advantage_groups,
-             "truncated": rollouts.truncated,
-             "completion_tokens": sum(sum(example.loss_mask) for example in rollouts.examples), "seconds": rollouts.seconds,
+def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
+    """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of every completion sampled
+    for the step, and the batch's zero-advantage groups (with dynamic sampling, its rounds and kept share too)."""
+    sampled = {"count": 0, "reward": 0.0, "correct": 0, "errors": 0, "in_format": 0, "right_answer": 0,
+               "truncated": 0, "completion_tokens": 0, "penalty": 0.0, "groups": 0}
+    for sampled_round in rollouts.rounds:
+        for key, value in sampled_round.scores.totals().items():
+            sampled[key] += value
+        sampled["count"] += len(sampled_round.completions)
+        sampled["truncated"] += sum(sampled_round.truncated)
+        sampled["completion_tokens"] += sum(len(completion) for completion in sampled_round.completions)
+        sampled["penalty"] += sampled_round.penalty
+        sampled["groups"] += len(sampled_round.equal)
+    local = {**sampled, "zero_groups": rollouts.zero_advantage_groups, "seconds": rollouts.seconds,
              "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
     total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
     count = total["count"]
-    return {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
-            "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
-            "response_len": total["completion_tokens"] / count,
-            "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds,
-            "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
-            "zero_advantage_groups": int(total["zero_groups"]),
-            "truncated_rate": total["truncated"] / count, "sequence_tokens": total["all_tokens"]}
+    row = {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
+           "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
+           "response_len": total["completion_tokens"] / count,
+           "rollout_tokens_per_s": total["completion_tokens"] / rollouts.seconds,
+           "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
+           "zero_advantage_groups": int(total["zero_groups"]),
+           "truncated_rate": total["truncated"] / count, "sequence_tokens": total["all_tokens"]}
+    if config.grpo.overlong_buffer:
+        row["overlong_penalty"] = total["penalty"] / count
+    if config.grpo.dynamic_sampling:
+        batch_groups = config.train.global_batch_size // config.grpo.n_samples
+        row["sampling_rounds"] = len(rollouts.rounds)
+        row["kept_group_rate"] = (batch_groups - total["zero_groups"]) / total["groups"]
+    return row
 
 
 # ---------------------------------------------------------------- log-probs and loss
@@ -142,7 +232,7 @@ def rollout_metrics(rollouts: Rollouts, runtime) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-    """The loss's knobs, fixed at start-up (the KL estimator picked once, from its dict)."""
+    """The loss's knobs, fixed at start-up (each named choice picked once, from its table in `rl.grpo_math`)."""
 
     temperature: float
     clip_low: float
@@ -150,13 +240,17 @@ class LossSettings:
     dual_clip: float
     kl_coef: float
     kl_estimator: object
-    aggregation: str
+    importance_ratio: object
+    entropy_coef: float
+    aggregation: object
+    budget: int  # grpo.max_new_tokens, the constant normaliser's
 
     @classmethod
     def from_config(cls, grpo) -> "LossSettings":
-        """The `grpo` section's loss settings, with the KL estimator looked up by name."""
+        """The `grpo` section's loss settings, with the named functions looked up."""
         return cls(grpo.temperature, grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.kl_coef,
-                   grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo.loss_aggregation)
+                   grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
+                   grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -176,21 +270,29 @@ def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor:
 
 
 def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
-    """(loss sum, count, report) of one microbatch: clipped surrogate plus KL penalty; megatron-core divides by the global count."""
+    """(loss sum, count, report) of one microbatch: clipped surrogate, KL penalty and entropy bonus; megatron-core
+    divides by the global count."""
     from megatron.core import parallel_state
 
     mask = batch["loss_mask"]  # [batch, seq]
-    with torch.no_grad():  # entropy is logged, not optimised
-        entropy = grpo_math.vocab_parallel_entropy(logits.detach() / settings.temperature,
-                                                   parallel_state.get_tensor_model_parallel_group())  # [batch, seq]
+    group = parallel_state.get_tensor_model_parallel_group()
+    if settings.entropy_coef > 0:
+        entropy = grpo_math.vocab_parallel_entropy(logits / settings.temperature, group)  # [batch, seq]
+    else:
+        with torch.no_grad():  # logged, not optimised
+            entropy = grpo_math.vocab_parallel_entropy(logits.detach() / settings.temperature, group)  # [batch, seq]
     logprobs = token_logprobs(logits, batch["labels"], settings.temperature)  # [batch, seq]
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).
     old_logprobs = logprobs.detach() if batch["old_logprobs"] is None else batch["old_logprobs"]  # [batch, seq]
-    per_token, clipped = grpo_math.clipped_policy_loss(logprobs, old_logprobs, batch["advantages"],
-                                                       settings.clip_low, settings.clip_high, settings.dual_clip)
+    log_ratio = settings.importance_ratio(logprobs, old_logprobs, mask)  # [batch, seq]
+    per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, batch["advantages"], settings.clip_low,
+                                                       settings.clip_high, settings.dual_clip)
     kl = torch.zeros_like(logprobs) if batch["ref_logprobs"] is None else settings.kl_estimator(logprobs, batch["ref_logprobs"])
-    loss_sum, count = grpo_math.masked_sum_and_count(per_token + settings.kl_coef * kl, mask, settings.aggregation)
+    per_token = per_token + settings.kl_coef * kl
+    if settings.entropy_coef > 0:
+        per_token = per_token - settings.entropy_coef * entropy
+    loss_sum, count = settings.aggregation(per_token, mask, settings.budget)
     stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum()]).detach()
     return loss_sum, count.to(torch.int), {"loss": torch.stack([loss_sum.detach(), count.detach()]), "stats": stats}
 
@@ -325,7 +427,7 @@ def main(argv: list[str]) -> None:
                 microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
                 update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
-            rollout = rollout_metrics(rollouts, runtime)
+            rollout = rollout_metrics(rollouts, config, runtime)
             row = {"step": step, "loss": update.pop("loss"), "lr": policy.optimizer.param_groups[0]["lr"],
                    "grad_norm": update.pop("grad_norm"), "tokens_per_s": rollout.pop("sequence_tokens") / timer.seconds,
                    "step_time_s": timer.seconds, **rollout, **update}

@@ -1,0 +1,163 @@
+"""GRPO math as small pure functions: group advantages, reward shaping, importance ratios, the clipped surrogate,
+KL estimators, aggregation, entropy. Each named choice is one table below (name -> function); the config's
+checks read the names from them.
+
+Shapes: `groups` prompts x `samples` completions for rewards; `[batch, seq]` per-token tensors, where a
+batch row is one completion and `mask` is 1 on the completion's tokens (those the policy sampled).
+"""
+
+import torch
+import torch.distributed as dist
+
+# exp() of a log-ratio beyond this overflows the surrogate long before clipping can help.
+LOG_RATIO_CLAMP = 20.0
+# Added to a group's reward std so a nearly uniform group does not blow advantages up.
+ADVANTAGE_EPS = 1e-4
+
+
+def mean_baseline(rewards: torch.Tensor) -> torch.Tensor:
+    """The group's mean reward (GRPO)."""
+    # rewards: [groups, samples]
+    return rewards.sum(dim=1, keepdim=True) / rewards.size(1)  # [groups, 1]
+
+
+def leave_one_out_baseline(rewards: torch.Tensor) -> torch.Tensor:
+    """Each completion's baseline is the mean of the *other* completions of its prompt (RLOO)."""
+    # rewards: [groups, samples]
+    total = rewards.sum(dim=1, keepdim=True)  # [groups, 1]
+    return (total - rewards) / (rewards.size(1) - 1)  # [groups, samples]
+
+
+BASELINES = {"mean": mean_baseline, "leave_one_out": leave_one_out_baseline}
+
+
+def group_advantages(rewards: torch.Tensor, baseline: str = "mean", scale_rewards: bool = True,
+                     eps: float = ADVANTAGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-completion advantages `(r - baseline) / (std + eps)` within each prompt's group, and which groups are all-equal."""
+    # rewards: [groups, samples]
+    advantages = rewards - BASELINES[baseline](rewards)  # [groups, samples]
+    if scale_rewards:
+        advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)  # sample std (n - 1), as TRL
+    # A group whose completions all scored alike carries no signal; force exact zeros (no rounding residue).
+    equal = rewards.amax(dim=1) == rewards.amin(dim=1)  # [groups]
+    advantages = advantages.masked_fill(equal.unsqueeze(1), 0.0)
+    return advantages, equal
+
+
+def overlong_penalty(lengths: torch.Tensor, budget: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to `budget - buffer` tokens, then falling linearly to `-penalty` at the budget.
+
+    (DAPO, arXiv 2503.14476, eq. 13; TRL's `get_soft_overlong_punishment`, verl's `overlong_buffer`.)
+    """
+    # lengths: [completions] in tokens, at most `budget`
+    excess = (lengths.to(torch.float32) - (budget - buffer)).clamp(min=0)  # tokens into the buffer
+    return -penalty * excess / buffer  # [completions]
+
+
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k1 estimate of KL(policy || reference): log pi - log pi_ref (unbiased, can be negative)."""
+    # logprobs, ref_logprobs: [batch, seq]
+    return logprobs - ref_logprobs
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference): exp(d) - d - 1 with d = log pi_ref - log pi (unbiased, >= 0)."""
+    # logprobs, ref_logprobs: [batch, seq]
+    difference = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return difference.exp() - difference - 1
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token log importance ratio log pi - log pi_old (PPO, GRPO)."""
+    # logprobs, old_logprobs, mask: [batch, seq]
+    return logprobs - old_logprobs
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log ratio: every token of a completion carries the completion's length-normalised
+    log ratio mean_t(log pi - log pi_old), with the gradient of its own log pi (GSPO, arXiv 2507.18071, eq. 7
+    and its token form; verl's `gspo` loss). Averaged over a completion's tokens, the gradient is GSPO's."""
+    # logprobs, old_logprobs, mask: [batch, seq]
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # [batch, 1]
+    sequence = ((logprobs - old_logprobs) * mask).sum(dim=1, keepdim=True) / lengths  # [batch, 1]
+    return logprobs - logprobs.detach() + sequence.detach()  # [batch, seq]: the value is the sequence's
+
+
+IMPORTANCE_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                        dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped-surrogate loss (ratio clipped to [1 - clip_low, 1 + clip_high]), and where clipping cut the gradient.
+
+    `log_ratio` is log pi - log pi_old per token (or GSPO's per sequence, from `IMPORTANCE_RATIOS`). `dual_clip`
+    > 1 also bounds the loss of negative-advantage tokens by `-dual_clip * A` (Ye et al. 2020); 0 turns it off.
+    """
+    # log_ratio: [batch, seq]; advantages: [batch, 1] or [batch, seq]
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [batch, seq]
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # [batch, seq]
+    was_clipped = clipped > unclipped
+    if dual_clip > 0:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+# Each aggregation gives (numerator, denominator) over one microbatch; both are summed over microbatches and
+# data-parallel ranks before the one division, so the loss is over the whole global batch.
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean over every completion token of the batch (DAPO; verl `token-mean`, TRL `dapo`)."""
+    # values, mask: [batch, seq]
+    return (values * mask).sum(), mask.sum()
+
+
+def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean over completions of each one's token mean, weighing short and long completions alike (the original
+    GRPO, arXiv 2402.03300; verl `seq-mean-token-mean`, TRL `grpo`). Completions without loss tokens do not count."""
+    # values, mask: [batch, seq]
+    lengths = mask.sum(dim=1)  # [batch]
+    has_tokens = lengths > 0
+    per_sequence = (values * mask).sum(dim=1) / lengths.clamp(min=1)  # [batch]
+    return per_sequence[has_tokens].sum(), has_tokens.sum().to(values.dtype)
+
+
+def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO: each completion's token sum over a constant, the generation budget, then the mean over completions
+    (arXiv 2503.20783; verl `seq-mean-token-sum-norm`, TRL `dr_grpo`): no length bias, whatever the lengths."""
+    # values, mask: [batch, seq]
+    return (values * mask).sum(), torch.tensor(float(values.size(0) * budget), dtype=values.dtype, device=values.device)
+
+
+LOSS_AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
+                     "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """Entropy of softmax(logits) per position when the vocabulary is split over `group` (None: whole vocabulary here).
+
+    Differentiable: the cross-rank sum is megatron-core's reduce whose backward passes the gradient through, as
+    every tensor-parallel rank computes the same loss from the summed values.
+    """
+    # logits: [..., vocab shard]
+    maximum = logits.detach().amax(dim=-1, keepdim=True)  # [..., 1]: any shift gives the same entropy
+    if group is not None:
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - maximum  # [..., vocab shard]
+    exponentials = shifted.exp()
+    # H = log Z - sum p * shifted, with Z = sum exp(shifted): two sums over the full vocabulary.
+    sums = torch.stack([exponentials.sum(dim=-1), (exponentials * shifted).sum(dim=-1)])  # [2, ...]
+    if group is not None:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        sums = reduce_from_tensor_model_parallel_region(sums, group)
+    partition, weighted = sums[0], sums[1]
+    return partition.log() - weighted / partition  # [...]

@@ -17,6 +17,9 @@ import yaml
 
 from config.errors import UserError
 
+# Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
 
 # ---------------------------------------------------------------- keys, values, parsing
 
@@ -116,9 +119,7 @@ def parse_args(config_class, argv: list[str], program: str):
         position += 1
     config = config_class()
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise UserError(f"Config file `{config_file}` does not exist. Change `--config`.")
+        path = config_path(config_file)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -130,6 +131,18 @@ def parse_args(config_class, argv: list[str], program: str):
     for key, value in pairs:
         _set(config, key, value, keys)
     return config, resume
+
+
+def config_path(value: str) -> Path:
+    """`--config`'s file: a path, or the name of a bundled recipe (`dapo` is `recipes/dapo.yaml`)."""
+    path, recipe = Path(value), RECIPES / f"{value}.yaml"
+    if path.is_file():
+        return path
+    if "/" not in value and recipe.is_file():
+        return recipe
+    names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml")))
+    raise UserError(f"Config file `{value}` does not exist, and it is not one of the bundled recipes ({names}). "
+                    "Change `--config`.")
 
 
 def to_dict(config) -> dict:

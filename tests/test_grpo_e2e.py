@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from config.cli import flat_keys, parse_args
 from config.errors import UserError
@@ -22,6 +23,8 @@ GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
     "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.ppo_epochs",
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
+    "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.overlong_buffer",
+    "grpo.overlong_penalty", "grpo.mask_truncated", "grpo.entropy_coef",
 }
 
 
@@ -43,7 +46,13 @@ def test_key_set_is_frozen():
     (["--grpo.n_samples=1"], "`grpo.n_samples` must be at least 2"),
     (["--grpo.baseline=median"], "`grpo.baseline=median` is not one of mean, leave_one_out"),
     (["--grpo.kl_estimator=k2"], "`grpo.kl_estimator=k2` is not one of k1, k3"),
-    (["--grpo.loss_aggregation=sum"], "`grpo.loss_aggregation=sum` is not one of token_mean, seq_mean_token_mean"),
+    (["--grpo.loss_aggregation=sum"],
+     "`grpo.loss_aggregation=sum` is not one of token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
+    (["--grpo.importance_ratio=segment"], "`grpo.importance_ratio=segment` is not one of token, sequence"),
+    (["--grpo.overlong_buffer=33"], "`grpo.overlong_buffer` must be between 0 (off) and `grpo.max_new_tokens=32`"),
+    (["--grpo.max_sampling_rounds=0"], "`grpo.max_sampling_rounds` must be at least 1"),
+    (["--grpo.entropy_coef=-0.1"], "`grpo.entropy_coef` must be 0 or more"),
+    (["--config", "dapo", "--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8`"),
     (["--grpo.dual_clip=0.5"], "`grpo.dual_clip` must be 0 (off) or above 1"),
     (["--grpo.temperature=0"], "`grpo.temperature` must be positive"),
     (["--grpo.max_new_tokens=128"], "`grpo.max_new_tokens` must be at least 1 and below `data.max_seq_len=128`"),
@@ -57,6 +66,55 @@ def test_start_up_errors_name_the_key(argv, expected):
     with pytest.raises(UserError) as error:
         config.validate(world_size=2)
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("recipe", sorted(path.stem for path in (REPO / "recipes").glob("*.yaml")))
+def test_every_recipe_is_valid_and_cites_its_sources(recipe):
+    """`--config NAME` finds the bundled recipe from any directory; it validates with GRPO's defaults otherwise, and
+    its comment names the paper and the peers' keys it matches."""
+    config, _ = parse_args(GRPOConfig, ["--config", recipe], "trainer.grpo")
+    config.validate(world_size=2)
+    text = (REPO / "recipes" / f"{recipe}.yaml").read_text()
+    assert "arXiv" in text and "verl" in text
+    assert config.grpo != GRPOConfig().grpo or recipe == "grpo"
+
+
+def test_recipes_set_what_their_papers_name():
+    dapo = parse_args(GRPOConfig, ["--config", "dapo"], "trainer.grpo")[0].grpo
+    assert (dapo.dynamic_sampling, dapo.overlong_buffer, dapo.clip_high, dapo.kl_coef) == (True, 6, 0.28, 0.0)
+    gspo = parse_args(GRPOConfig, ["--config", "gspo"], "trainer.grpo")[0].grpo
+    assert (gspo.importance_ratio, gspo.clip_low, gspo.clip_high, gspo.loss_aggregation) == ("sequence", 3e-4, 4e-4, "seq_mean_token_mean")
+    dr_grpo = parse_args(GRPOConfig, ["--config", "dr_grpo"], "trainer.grpo")[0].grpo
+    assert (dr_grpo.scale_rewards, dr_grpo.loss_aggregation) == (False, "seq_mean_token_sum_norm")
+    rloo = parse_args(GRPOConfig, ["--config", "rloo"], "trainer.grpo")[0].grpo
+    assert (rloo.baseline, rloo.scale_rewards) == ("leave_one_out", False)
+    # The spelled-out default is the default.
+    assert parse_args(GRPOConfig, ["--config", "grpo"], "trainer.grpo")[0] == GRPOConfig()
+    with pytest.raises(UserError, match=r"not one of the bundled recipes \(dapo, dr_grpo, grpo, gspo, rloo\)"):
+        parse_args(GRPOConfig, ["--config", "ppo"], "trainer.grpo")
+
+
+def make_round(equal: list[bool], n_samples: int = 2) -> grpo.Round:
+    """A hand-made round whose groups are all-equal (no signal) where `equal` says."""
+    count = len(equal) * n_samples
+    return grpo.Round(prompts=[None] * count, completions=[[1]] * count, texts=[""] * count, truncated=[False] * count,
+                      scores=None, penalty=0.0, advantages=torch.zeros(len(equal), n_samples),
+                      equal=torch.tensor(equal), seconds=0.0)
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():
+    # One round of the batch's size: every group, in order (what a run without dynamic sampling trains on).
+    assert grpo.select_groups([make_round([True, False, True, False])], 4) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    # Two groups without signal in round 0 are replaced by the first two with signal of round 1.
+    rounds = [make_round([True, False, True, False]), make_round([False, True, False, False])]
+    assert grpo.select_groups(rounds, 4) == [(0, 1), (0, 3), (1, 0), (1, 2)]
+    # The rounds ran out with one group too few: the first group without signal fills the batch.
+    rounds = [make_round([True, False, True, True]), make_round([True, False, True, True])]
+    assert grpo.select_groups(rounds, 4) == [(0, 0), (0, 1), (0, 2), (1, 1)]
+    # Round 0 of each step is what it always was (the seed of a run without dynamic sampling does not change).
+    assert grpo.rollout_seed(1234, 3, 1) == grpo.rollout_seed(1234, 3, 1, 0) != grpo.rollout_seed(1234, 3, 1, 1)
+    draws = [grpo.extra_prompt_indices(100, 8, 1234, 3, number) for number in (1, 2)]
+    assert draws[0] != draws[1] and draws[0] == grpo.extra_prompt_indices(100, 8, 1234, 3, 1) and len(set(draws[0])) == 8
 
 
 def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, caplog):
@@ -142,18 +200,24 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft
     data-parallel ranks (generation and evaluation run the same forwards on both ranks). From the same weights and
     seeds, FSDP's first step samples exactly DDP's completions.
 
-    The reward is a user function (`module:function`) that raises on some completions: those score 0, are
-    counted, and the run goes on."""
+    With DAPO's dynamic sampling: the reward makes every group of some prompts all-equal (those whose reference is
+    even), so the ranks sample extra rounds, each its own number of groups short, and the batch trains on groups with
+    signal only. The reward is a user function (`module:function`) that also raises on some completions: those score
+    0, are counted, and the run goes on."""
     (tmp_path / "fragile_reward.py").write_text(
-        "from data.rewards import arithmetic\n\n"
         "def fragile(completion, reference):\n"
+        "    if int(reference.split()[-1]) % 2 == 0:\n"
+        "        return 0.5  # every completion alike: no signal in the group\n"
+        "    if '####' in completion:\n"
+        "        return 1.0\n"
         "    if len(completion) % 2:\n"
         "        raise ValueError('cannot handle odd lengths')\n"
-        "    return arithmetic(completion, reference)\n")
+        "    return 0.0\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
     small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
              "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
-             "--grpo.reward=fragile_reward:fragile"]
+             "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true",
+             "--grpo.max_sampling_rounds=2"]
     fsdp = ["--parallel.use_megatron_fsdp=true"]
     for name, layout in (("ddp", []), ("fsdp", fsdp)):
         torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'straight'}"], nproc=2)
@@ -163,7 +227,7 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft
         torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'split'}",
                   "--resume-from-checkpoint", "latest"], nproc=2)
     fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors", "truncated_rate",
-              "eval_accuracy", "eval_answer_accuracy")
+              "eval_accuracy", "eval_answer_accuracy", "sampling_rounds", "kept_group_rate", "zero_advantage_groups")
     rows = {f"{name}/{run}": [tuple(row.get(key) for key in fields) for row in metrics(tmp_path / name / run)]
             for name in ("ddp", "fsdp") for run in ("straight", "split")}
     print("GRPO straight vs resumed:", rows)
@@ -172,14 +236,18 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft
     assert rows["ddp/split"] == straight and rows["fsdp/split"] == rows["fsdp/straight"]
     # The held-out baseline and step 1's rollouts (the same weights and seeds): the same completions, so the same
     # rewards, raising completions and truncations (losses and gradients are reduced differently, so only close).
-    sampled = [1, 6, 7, 8, 9]
+    sampled = [1, 6, 7, 8, 9, 10, 11, 12]
     assert [[row[index] for index in sampled] for row in rows["fsdp/straight"][:2]] == [[row[index] for index in sampled]
                                                                                        for row in straight[:2]]
     steps = straight[1:]
     assert len({row[1] for row in steps}) > 1 and all(row[3] is not None for row in steps)
+    # Dynamic sampling: half the prompts give all-equal groups, so every step sampled a second round; its groups with
+    # signal replaced those without (measured: 2, 0, 2, 1 zero-advantage groups of the batch's 4, against a kept share
+    # of 2, 4, 2, 3 of the 8 groups sampled: the batch is always 4 groups).
+    assert [row[10] for row in steps] == [2, 2, 2, 2]
+    assert [round(row[11] * 8) + row[12] for row in steps] == [4, 4, 4, 4] and min(row[12] for row in steps) == 0
     assert straight[-1][8] is not None and rows["fsdp/straight"][-1][8] is not None  # held-out figures at the end
-    # Measured from the default SFT: 0, 8, 16, 16 raising completions at steps 1-4 (of 32), rewards 0.094, 0.063,
-    # 0.094, 0.0 (that SFT mostly answers in the plain style, which the arithmetic reward does not grade).
+    # Measured from the default SFT: 7, 6, 4, 12 raising completions at steps 1-4 (of 64 sampled).
     assert sum(row[6] for row in steps) >= 16 and all(0 <= row[1] < 1 for row in steps)
     assert (tmp_path / "ddp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "fsdp" / "split" / "hf" / "model.safetensors").is_file()

@@ -17,7 +17,7 @@ WORKER = "tests/distributed/readme_worker.py"
 # would be told to.
 SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.overwrite_output_dir=true"],
          "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
-                          "--train.micro_batch_size=8", "--train.overwrite_output_dir=true"]}
+                          "--train.micro_batch_size=4", "--train.overwrite_output_dir=true"]}
 
 
 def documented_commands(markdown: str) -> list[dict]:
@@ -95,3 +95,9 @@ def test_every_readme_torchrun_command_logs_step_one(fixtures, tmp_path):
     for result in results:
         print(f"README command ran: {result['line']}\n    step 1: loss {result['step1'] and result['step1']['loss']}")
         assert result["step1"] is not None and result["step1"]["loss"] == result["step1"]["loss"], result["line"]
+    # Every recipe ran its first steps from the default SFT (docs/grpo.md lists each), with its own terms.
+    by_recipe = {result["line"].split("--config ")[1].split()[0]: result["step1"] for result in results if "--config " in result["line"]}
+    assert {"grpo", "dapo", "dr_grpo", "gspo", "rloo"} <= set(by_recipe)
+    assert by_recipe["dapo"]["sampling_rounds"] >= 1 and by_recipe["dapo"]["overlong_penalty"] <= 0
+    assert by_recipe["dapo"]["kl"] is None and by_recipe["gspo"]["kl"] is None and by_recipe["grpo"]["kl"] is not None
+    assert "sampling_rounds" not in by_recipe["gspo"]

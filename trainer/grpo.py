@@ -8,23 +8,33 @@ The variant, exactly (defaults in brackets):
   The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from
   (train.seed, s), so a run, and a resume, is reproducible.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
-  answer; a reward function that raises scores 0 and is counted (`reward_errors`).
+  answer; a reward function that raises scores 0 and is counted (`reward_errors`). With `grpo.overlong_buffer`
+  N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
+  budget.
+- Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose rewards are all equal are dropped and another
+  round of prompts is sampled, at most `grpo.max_sampling_rounds` [4] rounds a step, until each rank's share of
+  the batch is groups with signal (a batch still short is filled with dropped groups). Extra rounds draw their
+  prompts and seeds from (train.seed, step, round, DP rank); every rank runs every round.
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
-  [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old (log-ratio clamped to +-20), bounded by
-  -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) as a loss term (estimator k3 [or
-  k1]; pi_ref the starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with
-  its adapters switched off). pi_old is the policy's
+  [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as
+  exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by
+  -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) (estimator k3 [or k1]; pi_ref the
+  starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with its adapters
+  switched off), minus `grpo.entropy_coef` [0] x the token's entropy. pi_old is the policy's
   own log-prob, recomputed forward-only after the rollout when the rollouts serve several updates
   (ppo_epochs x mini_batches > 1); with one update per step it is the policy's log-prob detached (r = 1 in
-  value, the same numbers without the extra pass).
-  Log-probs and entropy use the vocab-parallel logits / temperature, never gathering the vocabulary.
-- Aggregation: the token mean over the whole global batch [token_mean, as DAPO and Dr. GRPO], or the mean
-  over completions of each one's token mean (`seq_mean_token_mean`, the original GRPO paper).
+  value, the same numbers without the extra pass). `grpo.mask_truncated` leaves completions cut at the
+  budget out of the loss. Log-probs and entropy use the vocab-parallel logits / temperature, never gathering
+  the vocabulary.
+- Aggregation: the token mean over the whole global batch [token_mean, as DAPO], the mean over completions of
+  each one's token mean (`seq_mean_token_mean`, the original GRPO paper), or each completion's token sum over
+  the budget max_new_tokens, averaged over completions (`seq_mean_token_sum_norm`, Dr. GRPO).
 - Update: `grpo.ppo_epochs` [1] passes over the rollouts, each split into `grpo.mini_batches` [1] optimizer
   steps; the learning-rate schedule advances once per GRPO step.
+- Named recipes (`--config grpo|dapo|dr_grpo|gspo|rloo`) set these keys as the papers do: `recipes/`.
 
 parse -> validate -> build -> resume -> loop -> save. With no arguments it starts from the default SFT's
 output `outputs/sft/hf`, running that SFT first, in the same process group, when it is missing.

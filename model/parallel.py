@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config.process import is_global_rank_zero
 from model import cpu_compat, precision
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,8 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0 writes files and prints."""
-        return self.rank == 0
+        """Global rank 0 writes files and prints (`config.process.is_global_rank_zero`)."""
+        return is_global_rank_zero()
 
 
 def free_port() -> int:

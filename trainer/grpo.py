@@ -41,7 +41,7 @@ import time
 import torch
 
 from ckpt import checkpoint
-from config import cli
+from config import cli, process
 from config.sections import GRPOConfig
 from data import prompts as prompt_data, rewards, sft as sft_data
 from model import build, generate, parallel
@@ -276,8 +276,8 @@ def main(argv: list[str]) -> None:
     config.validate(world_size)
     if config.starts_from_default_sft():
         default_start.validate(world_size)
-    metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
-    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
+    metrics.setup_logging(process.is_global_rank_zero())
+    checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward = rewards.get_reward(config.grpo.reward)
     startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)

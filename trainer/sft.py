@@ -12,7 +12,7 @@ import os
 import torch
 
 from ckpt import checkpoint
-from config import cli
+from config import cli, process
 from config.sections import DEFAULT_REWARD, SFTConfig
 from data import prompts as prompt_data, rewards, sft as sft_data
 from model import build, parallel
@@ -165,8 +165,8 @@ def main(argv: list[str]):
     config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
-    metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
-    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
+    metrics.setup_logging(process.is_global_rank_zero())
+    checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():

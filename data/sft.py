@@ -367,13 +367,12 @@ def fill_rows(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) 
 
 
 class BatchSchedule:
-    """Seeded, per-epoch reshuffled order of example indices, split into this data-parallel rank's microbatches."""
+    """Seeded, per-epoch reshuffled order of example indices, split into this data-parallel rank's microbatches.
+
+    The batch sizes divide as start-up validation checked (`TrainerConfig.validate`)."""
 
     def __init__(self, num_examples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  seed: int):
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise UserError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-                            f"train.micro_batch_size ({micro_batch_size}) times the data-parallel size ({dp_size}).")
         if num_examples < global_batch_size:
             raise UserError(f"The data has {num_examples} usable examples, fewer than one global batch; lower "
                             f"train.global_batch_size (now {global_batch_size}) or add data.")

@@ -20,7 +20,7 @@ from config import sections
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from data import sft as sft_data
+from data import batches
 from model import precision
 from tests.conftest import torchrun
 
@@ -86,11 +86,11 @@ def test_grpo_shares_the_keys():
 
 
 def test_sequence_length_is_padded_to_the_tensor_parallel_size():
-    examples = [sft_data.Example(list(range(12)), [1] * 12)]  # 11 inputs
-    assert sft_data.padded_length(examples, 128) == 16
-    assert sft_data.padded_length(examples, 128, multiple=16) == 16
-    assert sft_data.padded_length(examples, 128, multiple=3) == 24
-    assert sft_data.padded_length(examples, 12, multiple=4) == 12  # capped by data.max_seq_len (a multiple, checked)
+    examples = [batches.Example(list(range(12)), [1] * 12)]  # 11 inputs
+    assert batches.padded_length(examples, 128) == 16
+    assert batches.padded_length(examples, 128, multiple=16) == 16
+    assert batches.padded_length(examples, 128, multiple=3) == 24
+    assert batches.padded_length(examples, 12, multiple=4) == 12  # capped by data.max_seq_len (a multiple, checked)
     assert make("--parallel.tp=4").parallel.sequence_multiple == 4
     assert make("--parallel.tp=4", "--parallel.sequence_parallel=false").parallel.sequence_multiple == 1
     assert make().parallel.sequence_multiple == 1  # tp=1: nothing to split

@@ -8,16 +8,13 @@ import pytest
 import torch
 import transformers
 
+from data.batches import Example, collate, collate_packed, pack
 from data.sft import (
     BatchSchedule,
     DropReport,
-    Example,
     build_examples,
-    collate,
-    collate_packed,
     encode_texts,
     load_rows,
-    pack,
     to_conversations,
     tokenize_conversation,
 )

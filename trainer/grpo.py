@@ -43,7 +43,7 @@ import torch
 from ckpt import checkpoint
 from config import cli, process
 from config.sections import GRPOConfig
-from data import prompts as prompt_data, rewards, sft as sft_data
+from data import batches, prompts as prompt_data, rewards
 from model import build, generate, parallel
 from trainer import default_start, evaluation, grpo_math, metrics
 from trainer.metrics import log
@@ -76,7 +76,7 @@ def rollout_seed(seed: int, step: int, dp_rank: int) -> int:
 class Rollouts:
     """One step's completions on this rank: groups of `grpo.n_samples` consecutive rows, with rewards and advantages."""
 
-    examples: list[sft_data.Example]  # prompt + completion ids; the loss mask covers the completion
+    examples: list[batches.Example]  # prompt + completion ids; the loss mask covers the completion
     advantages: torch.Tensor  # [completions]
     scores: rewards.Scores
     zero_advantage_groups: int
@@ -115,7 +115,7 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     scores = rewards.score(reward, texts, [prompt.reference for prompt in mine], grpo.format_bonus)
     group_rewards = torch.tensor(scores.rewards, dtype=torch.float32).view(-1, grpo.n_samples)  # [prompts, samples]
     advantages, zero_groups = grpo_math.group_advantages(group_rewards, grpo.baseline, grpo.scale_rewards)
-    examples = [sft_data.Example(prompt.ids + completion, [0] * len(prompt.ids) + [1] * len(completion))
+    examples = [batches.Example(prompt.ids + completion, [0] * len(prompt.ids) + [1] * len(completion))
                 for prompt, completion in zip(mine, completions)]
     return Rollouts(examples, advantages.flatten(), scores, zero_groups, truncated, seconds, mine, texts)
 
@@ -227,11 +227,11 @@ def build_microbatches(rollouts: Rollouts, policy, reference, config, device) ->
     """This rank's rollouts as padded microbatches with advantages, old log-probs (policy) and reference log-probs."""
     micro, temperature = config.train.micro_batch_size, config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
-    seq_len = sft_data.padded_length(rollouts.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
+    seq_len = batches.padded_length(rollouts.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
     microbatches = []
     for start in range(0, len(rollouts.examples), micro):
-        batch = sft_data.collate(rollouts.examples[start : start + micro], seq_len, policy.tokenizer.pad_token_id)
-        batch = sft_data.to_device(batch, device)
+        batch = batches.collate(rollouts.examples[start : start + micro], seq_len, policy.tokenizer.pad_token_id)
+        batch = batches.to_device(batch, device)
         batch["advantages"] = rollouts.advantages[start : start + micro, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]

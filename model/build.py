@@ -16,7 +16,7 @@ import torch
 
 from config.errors import UserError
 from config.sections import have_transformer_engine
-from model import lora, parallel, precision
+from model import lora, parallel, rules
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
 
     `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
-    passes `precision.transformer_overrides(config)` there (sequence parallelism, recomputation).
+    passes `rules.transformer_overrides(config)` there (sequence parallelism, recomputation).
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider)
@@ -115,8 +115,8 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Off unless the overrides switch it on (Bridge's providers may default it on; tp=1 refuses it).
     provider.sequence_parallel = False
     provider.seq_length = seq_length
-    provider.params_dtype = precision.DTYPES[dtype]
-    provider.pipeline_dtype = precision.DTYPES[dtype]
+    provider.params_dtype = rules.DTYPES[dtype]
+    provider.pipeline_dtype = rules.DTYPES[dtype]
     provider.bf16 = dtype == "bf16"
     provider.fp16 = dtype == "fp16"
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
@@ -397,13 +397,13 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
         attention=config.model.attention,
-        transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
+        transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     if not trainable:
         return Policy(bridge, provider, build_chunks(provider), None, None, tokenizer, hf_config)
-    optimizer_config = precision.optimizer_config(config)
+    optimizer_config = rules.optimizer_config(config)
     environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
-    ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
+    ddp_config = rules.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
     chunks = build_chunks(provider)
     adapters = lora.apply(chunks, config.peft, provider) if config.peft.method == "lora" else None
     chunks = wrap_for_data_parallel(chunks, provider, ddp_config)
@@ -412,7 +412,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     lr_schedule = warmup_cosine_schedule(optimizer, config)
     attach_training_hooks(provider, chunks, optimizer, ddp_config)
     on_phase("optimizer")
-    log.info("resolved settings:\n%s", precision.settings_table(
+    log.info("resolved settings:\n%s", rules.settings_table(
         optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
     return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
 

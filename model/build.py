@@ -294,10 +294,10 @@ def load_tokenizer(model_path: Path):
 
 @dataclasses.dataclass
 class Policy:
-    """The trained model and everything built with it: Bridge, chunks, optimizer, LR schedule, tokenizer."""
+    """The trained model and everything built with it: Bridge and its provider, chunks, optimizer, LR schedule, tokenizer."""
 
     bridge: object
-    transformer_config: object  # the provider: megatron-core's TransformerConfig of every chunk
+    provider: object  # Bridge's model provider, a megatron-core TransformerConfig: every chunk's settings
     chunks: list
     optimizer: object
     lr_schedule: object
@@ -313,7 +313,7 @@ class Policy:
     @property
     def can_generate(self) -> bool:
         """Generation needs the whole model on every rank: no pipeline stages."""
-        return self.transformer_config.pipeline_model_parallel_size == 1
+        return self.provider.pipeline_model_parallel_size == 1
 
     @functools.cached_property
     def generator(self):
@@ -333,9 +333,9 @@ class Policy:
 
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
-        config = self.transformer_config
-        return parallel.all_reduce_sum([float(local_tokens)])[0] / (config.tensor_model_parallel_size
-                                                                     * config.pipeline_model_parallel_size)
+        provider = self.provider
+        return parallel.all_reduce_sum([float(local_tokens)])[0] / (provider.tensor_model_parallel_size
+                                                                     * provider.pipeline_model_parallel_size)
 
     def sync_parameters(self) -> None:
         """Finish the parameter gathers of the last optimizer step, before anything reads parameters outside a forward
@@ -362,7 +362,7 @@ class Policy:
 
     def frozen_copy(self) -> list:
         """A second copy of the starting weights that is never trained (GRPO's KL reference without LoRA)."""
-        chunks = build_chunks(self.transformer_config)
+        chunks = build_chunks(self.provider)
         for chunk in chunks:
             chunk.requires_grad_(False).eval()
         return chunks

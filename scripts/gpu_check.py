@@ -122,7 +122,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
     config = SFTConfig(model=ModelConfig(dtype="bf16"), data=DataConfig(max_seq_len=seq_len))
     runtime = parallel.init_distributed(config.parallel, seed=0)
     policy = build.build_policy(config, model_path, build.load_tokenizer(model_path), trainable=False)
-    provider, model = policy.transformer_config, policy.chunks[0].eval()
+    provider, model = policy.provider, policy.chunks[0].eval()
     positions = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)[..., :vocab].float()

@@ -622,7 +622,7 @@ class Checkpointer:
         self.last_save_s = time.perf_counter() - started
         return path
 
-    def maybe_save(self, step: int, step_seconds: float = 0.0) -> bool:
+    def maybe_save_or_export(self, step: int, step_seconds: float = 0.0) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
         the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished).
 

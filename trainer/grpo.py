@@ -334,7 +334,7 @@ def main(argv: list[str]) -> None:
             writer.write(row)
             if config.train.logs_at(step):
                 writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples))
-            if checkpointer.maybe_save(step, timer.seconds):
+            if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
 

@@ -205,7 +205,7 @@ def main(argv: list[str]):
             if config.train.evaluates_at(step):
                 row.update(evaluate(policy, data, config, runtime))
             writer.write(row)
-            if checkpointer.maybe_save(step, timer.seconds):
+            if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
     return policy

@@ -18,7 +18,6 @@ Targets: SFT MFU >= 35% for the 0.5B shape at seq len 2048 on one H200 without T
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess

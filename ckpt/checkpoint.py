@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from config.cli import to_dict
 from config.errors import UserError
+from config.process import is_global_rank_zero
 from config.sections import read_hf_config
 
 log = logging.getLogger(__name__)
@@ -584,7 +585,7 @@ class Checkpointer:
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, None
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_global_rank_zero():
             clean_stale_saves(self.directory)
 
     def finished(self) -> bool:
@@ -617,11 +618,11 @@ class Checkpointer:
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight
         path = save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
-                    dist.get_rank() == 0)
+                    is_global_rank_zero())
         self.last_save_s = time.perf_counter() - started
         return path
 
-    def maybe_save(self, step: int, step_seconds: float = 0.0) -> bool:
+    def maybe_save_or_export(self, step: int, step_seconds: float = 0.0) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
         the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished).
 
@@ -633,12 +634,12 @@ class Checkpointer:
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)
         if step == train.steps:
-            self.policy.export(Path(train.out_dir), dist.get_rank() == 0)
+            self.policy.export(Path(train.out_dir), is_global_rank_zero())
         if stop and self.preemption.requested_anywhere:
             log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
                      "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
                      self.slowest_step_s, self.last_save_s)
-            if dist.get_rank() == 0 and os.environ.get(STOP_FILE_VARIABLE):
+            if is_global_rank_zero() and os.environ.get(STOP_FILE_VARIABLE):
                 _write_stop_file(Path(os.environ[STOP_FILE_VARIABLE]), step, path)
         elif stop:
             log.info("stopping at step %d (train.exit_interval); resume with --resume-from-checkpoint latest", step)

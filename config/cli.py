@@ -7,7 +7,6 @@
 import dataclasses
 import difflib
 import json
-import os
 import sys
 import types
 import typing
@@ -16,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from config.errors import UserError
+from config.process import is_global_rank_zero
 
 # Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -166,7 +166,7 @@ def run_cli(main) -> None:
     try:
         main(sys.argv[1:])
     except UserError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_global_rank_zero():
             # One paragraph: a message quoting a library's multi-line error is folded onto one line.
             print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)

@@ -122,7 +122,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = field(default=600, metadata={"help": "optimizer steps (GRPO: rollout + update steps); also the learning-rate schedule's length"})
     # The embedded default SFT: 64 samples a step (one micro-batch per rank on 2 processes) learn the arithmetic table
-    # in 600 steps, which 32 did not (docs/figures.md has the measured accuracies and their command).
+    # in 600 steps, which 32 did not (docs/grpo.md has the measured accuracies and their command).
     global_batch_size: int = field(default=64, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
     micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward on one rank"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})

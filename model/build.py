@@ -16,7 +16,7 @@ import torch
 
 from config.errors import UserError
 from config.sections import have_transformer_engine
-from model import lora, parallel, precision
+from model import lora, parallel, rules
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
 
     `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
-    passes `precision.transformer_overrides(config)` there (sequence parallelism, recomputation).
+    passes `rules.transformer_overrides(config)` there (sequence parallelism, recomputation).
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider)
@@ -115,8 +115,8 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Off unless the overrides switch it on (Bridge's providers may default it on; tp=1 refuses it).
     provider.sequence_parallel = False
     provider.seq_length = seq_length
-    provider.params_dtype = precision.DTYPES[dtype]
-    provider.pipeline_dtype = precision.DTYPES[dtype]
+    provider.params_dtype = rules.DTYPES[dtype]
+    provider.pipeline_dtype = rules.DTYPES[dtype]
     provider.bf16 = dtype == "bf16"
     provider.fp16 = dtype == "fp16"
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
@@ -294,10 +294,10 @@ def load_tokenizer(model_path: Path):
 
 @dataclasses.dataclass
 class Policy:
-    """The trained model and everything built with it: Bridge, chunks, optimizer, LR schedule, tokenizer."""
+    """The trained model and everything built with it: Bridge and its provider, chunks, optimizer, LR schedule, tokenizer."""
 
     bridge: object
-    transformer_config: object  # the provider: megatron-core's TransformerConfig of every chunk
+    provider: object  # Bridge's model provider, a megatron-core TransformerConfig: every chunk's settings
     chunks: list
     optimizer: object
     lr_schedule: object
@@ -313,7 +313,7 @@ class Policy:
     @property
     def can_generate(self) -> bool:
         """Generation needs the whole model on every rank: no pipeline stages."""
-        return self.transformer_config.pipeline_model_parallel_size == 1
+        return self.provider.pipeline_model_parallel_size == 1
 
     @functools.cached_property
     def generator(self):
@@ -333,9 +333,9 @@ class Policy:
 
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
-        config = self.transformer_config
-        return parallel.all_reduce_sum([float(local_tokens)])[0] / (config.tensor_model_parallel_size
-                                                                     * config.pipeline_model_parallel_size)
+        provider = self.provider
+        return parallel.all_reduce_sum([float(local_tokens)])[0] / (provider.tensor_model_parallel_size
+                                                                     * provider.pipeline_model_parallel_size)
 
     def sync_parameters(self) -> None:
         """Finish the parameter gathers of the last optimizer step, before anything reads parameters outside a forward
@@ -362,7 +362,7 @@ class Policy:
 
     def frozen_copy(self) -> list:
         """A second copy of the starting weights that is never trained (GRPO's KL reference without LoRA)."""
-        chunks = build_chunks(self.transformer_config)
+        chunks = build_chunks(self.provider)
         for chunk in chunks:
             chunk.requires_grad_(False).eval()
         return chunks
@@ -397,13 +397,13 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
         attention=config.model.attention,
-        transformer_overrides={"calculate_per_token_loss": True, **precision.transformer_overrides(config)})
+        transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     if not trainable:
         return Policy(bridge, provider, build_chunks(provider), None, None, tokenizer, hf_config)
-    optimizer_config = precision.optimizer_config(config)
+    optimizer_config = rules.optimizer_config(config)
     environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
-    ddp_config = precision.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
+    ddp_config = rules.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
     chunks = build_chunks(provider)
     adapters = lora.apply(chunks, config.peft, provider) if config.peft.method == "lora" else None
     chunks = wrap_for_data_parallel(chunks, provider, ddp_config)
@@ -412,7 +412,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     lr_schedule = warmup_cosine_schedule(optimizer, config)
     attach_training_hooks(provider, chunks, optimizer, ddp_config)
     on_phase("optimizer")
-    log.info("resolved settings:\n%s", precision.settings_table(
+    log.info("resolved settings:\n%s", rules.settings_table(
         optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
     return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
 

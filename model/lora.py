@@ -17,9 +17,12 @@ helpers also take megatron-core's placeholders for TE layers (MagicMocks when TE
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import sys
 import types
+
+# Bound at import, as model.build decides at import: the fused-Adam test double later replaces
+# `sections.have_transformer_engine` (for the optimizer), and Bridge must still be imported as without TE.
+from config.sections import have_transformer_engine
 
 LORA_LAYERS = "megatron.bridge.peft.lora_layers"
 # What lora_layers imports besides Transformer Engine: imported first, outside the placeholder's window.
@@ -101,7 +104,7 @@ class _LoraLayersFinder(importlib.abc.MetaPathFinder):
 
 def allow_import_without_te() -> None:
     """Make `import megatron.bridge` (which imports lora_layers) work without Transformer Engine; before that import."""
-    if importlib.util.find_spec("transformer_engine") is not None or LORA_LAYERS in sys.modules:
+    if have_transformer_engine() or LORA_LAYERS in sys.modules:
         return
     if not any(isinstance(finder, _LoraLayersFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _LoraLayersFinder())

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model import cpu_compat, precision
+from config.process import is_global_rank_zero
+from model import cpu_compat, rules
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0 writes files and prints."""
-        return self.rank == 0
+        """Global rank 0 writes files and prints (`config.process.is_global_rank_zero`)."""
+        return is_global_rank_zero()
 
 
 def free_port() -> int:
@@ -51,7 +52,7 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def detect_environment(parallel, world_size: int) -> precision.Environment:
+def detect_environment(parallel, world_size: int) -> rules.Environment:
     """The machine as the settings rules see it: CUDA or not, the GPU's compute capability, the data-parallel size.
 
     Reading the capability initialises the CUDA runtime but creates no context, and CUDA reads
@@ -59,14 +60,14 @@ def detect_environment(parallel, world_size: int) -> precision.Environment:
     """
     cuda = torch.cuda.is_available()
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
-    return precision.Environment(cuda=cuda, compute_capability=capability,
-                                 data_parallel_size=parallel.data_parallel_size(world_size))
+    return rules.Environment(cuda=cuda, compute_capability=capability,
+                             data_parallel_size=parallel.data_parallel_size(world_size))
 
 
-def set_cuda_connections(parallel, environment: precision.Environment) -> None:
-    """Set CUDA_DEVICE_MAX_CONNECTIONS as megatron-core's overlap needs it (`precision.cuda_device_max_connections`),
+def set_cuda_connections(parallel, environment: rules.Environment) -> None:
+    """Set CUDA_DEVICE_MAX_CONNECTIONS as megatron-core's overlap needs it (`rules.cuda_device_max_connections`),
     before this process creates its CUDA context; a value the user exported wins."""
-    wanted = precision.cuda_device_max_connections(parallel, environment)
+    wanted = rules.cuda_device_max_connections(parallel, environment)
     current = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if wanted is None or current == wanted:
         return

@@ -1,6 +1,12 @@
 """The embedded default model: a ~1M parameter Qwen2 with its own arithmetic tokenizer, built offline.
 
 The same recipe also builds a random-weight model of Qwen2.5-0.5B's shape for the GPU check.
+
+The tokenizer is byte-level BPE trained on the bundled task's text: `train_tokenizer(text)` with
+`data.arithmetic.training_text(TOKENIZER_SETTINGS["training_problems"])`, which its caller passes (model/ imports
+nothing from data/). The result, vocabulary and merges, is kept in `tiny_tokenizer.json`, which the build reads;
+tests/test_tiny_and_arithmetic.py trains it anew and compares. After a change to the recipe, write
+`train_tokenizer(...).to_str(pretty=True)` to that file.
 """
 
 import hashlib
@@ -15,8 +21,6 @@ import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-from data.arithmetic import training_text
 
 # Bump when the build code changes in a way the recipe below does not capture.
 RECIPE_VERSION = 1
@@ -41,6 +45,7 @@ TOKENIZER_SETTINGS = {
     "chat_template": CHAT_TEMPLATE,
     "split_pattern": PRETOKENIZE_REGEX,
 }
+TOKENIZER_FILE = pathlib.Path(__file__).with_name("tiny_tokenizer.json")
 
 # Qwen2.5-0.5B's shape family, scaled down; vocab_size is filled in from the tokenizer.
 MODEL_CONFIG = {
@@ -90,8 +95,8 @@ def recipe_hash(model_config: dict = MODEL_CONFIG, vocab_size: int | None = None
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer on arithmetic text and wrap it with the chat template."""
+def train_tokenizer(text: str) -> Tokenizer:
+    """The tokenizer's recipe: byte-level BPE trained on `text` (the bundled arithmetic text) and the chat roles."""
     tokenizer = Tokenizer(models.BPE())
     # AutoTokenizer loads every qwen2 checkpoint as Qwen2Tokenizer, which rebuilds this exact
     # pipeline (NFC, Qwen2's split with one token per digit, then bytes) around our vocab and merges;
@@ -111,10 +116,14 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [training_text(TOKENIZER_SETTINGS["training_problems"]), *CHAT_LITERALS]
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.train_from_iterator([text, *CHAT_LITERALS], trainer=trainer)
+    return tokenizer
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The tiny tokenizer (`TOKENIZER_FILE`) wrapped with the chat template."""
     wrapped = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=TURN_END, pad_token=PAD_TOKEN, bos_token=None
+        tokenizer_object=Tokenizer.from_file(str(TOKENIZER_FILE)), eos_token=TURN_END, pad_token=PAD_TOKEN, bos_token=None
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped

@@ -103,18 +103,19 @@ def worker(out: Path, seq_len: int, dtype: str) -> None:
     import torch
     import transformers
 
+    from config.process import is_global_rank_zero
     from config.sections import ParallelConfig
     from model import parallel, tiny
 
     parallel.init_distributed(ParallelConfig(), seed=0)
     checkpoints = {layers: out / f"layers{layers}" for layers in LAYER_COUNTS}
-    if int(os.environ["RANK"]) == 0:
+    if is_global_rank_zero():
         for layers, directory in checkpoints.items():
             tiny.build_checkpoint(directory, {**tiny.QWEN2_0P5B_CONFIG, "num_hidden_layers": layers, "dtype": "float32"})
     torch.distributed.barrier()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints[LAYER_COUNTS[0]])
     rows = {name: measure(name, checkpoints, seq_len, dtype, tokenizer) for name in VARIANTS}
-    if int(os.environ["RANK"]) == 0:
+    if is_global_rank_zero():
         (out / "figures.json").write_text(json.dumps(rows))
     torch.distributed.destroy_process_group()
 

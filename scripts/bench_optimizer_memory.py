@@ -17,7 +17,7 @@ Buffers are padded for bucketing, so figures sit slightly above the ideal ones. 
 column is the dtype of the gradient buffers actually allocated. On a GPU a "peak GiB" column adds the
 variant's high-water mark of allocated memory during its step (above what was allocated before it).
 
-The precision-aware row runs on tests/fused_adam_double.py, a TEST DOUBLE of Transformer Engine's
+The precision-aware row runs on scripts/fused_adam_double.py, a TEST DOUBLE of Transformer Engine's
 FusedAdam (TE needs CUDA): its state tensors have the dtypes and sizes TE 2.0's would have.
 """
 
@@ -114,7 +114,7 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
     from config.sections import SFTConfig
     from data import sft as sft_data
     from model import build
-    from tests import fused_adam_double
+    from scripts import fused_adam_double
     from trainer import sft
 
     if name in USES_DOUBLE:

@@ -7,7 +7,7 @@ On one GPU, for a random-weight model of Qwen2.5-0.5B's shape (model/tiny.py bui
      accept the model's attention shapes.
   2. SFT_STEPS steps of `trainer.sft` at seq len 2048 with the SDPA spec, then with megatron-core's
      local spec: tokens/s, MFU against the GPU's bf16 dense peak, peak memory, and the SDPA / local ratio.
-  3. GRPO_STEPS steps of `trainer.grpo` when that entry point exists: rollout tokens/s.
+  3. GRPO_STEPS steps of `trainer.grpo`: rollout tokens/s.
   4. Memory of each precision mode: scripts/bench_optimizer_memory.py at DP=1 on the same model.
 Each step runs the project's own entry points in a subprocess (its own CUDA context); a failed step is
 reported and the others still run. `--cpu-smoke` runs the same steps on the tiny model on CPU with
@@ -17,11 +17,8 @@ Targets: SFT MFU >= 35% for the 0.5B shape at seq len 2048 on one H200 without T
 """
 
 import argparse
-import importlib.util
 import json
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,13 +46,6 @@ def say(text: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def free_port() -> int:
-    """A free local TCP port for a torchrun rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_step(name: str, command: list[str], work: Path, limit_s: int) -> bool:
     """Run one step's command from the repository root, its output in `<work>/<name>.log`; True when it exits 0."""
     log = work / f"{name}.log"
@@ -74,6 +64,8 @@ def run_step(name: str, command: list[str], work: Path, limit_s: int) -> bool:
 
 def torchrun(*arguments: str) -> list[str]:
     """One-process torchrun of this interpreter (the venv's, or the GPU image's with carried wheels)."""
+    from model.parallel import free_port
+
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
             *arguments]
 
@@ -85,13 +77,14 @@ def environment() -> dict:
     """Versions and the device, printed first so a report says what it measured."""
     import torch
 
+    from config.sections import have_transformer_engine
     from trainer.metrics import peak_flops
 
     packages = {name: metadata.version(name) for name in
                 ("torch", "megatron-core", "megatron-bridge", "megatron-fsdp", "transformers", "tokenizers")}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     info = {"device": device, "peak_bf16_flops": peak_flops(), "packages": packages,
-            "transformer_engine": importlib.util.find_spec("transformer_engine") is not None}
+            "transformer_engine": have_transformer_engine()}
     say(f"environment: {json.dumps(info)}")
     return info
 
@@ -128,7 +121,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
     config = SFTConfig(model=ModelConfig(dtype="bf16"), data=DataConfig(max_seq_len=seq_len))
     runtime = parallel.init_distributed(config.parallel, seed=0)
     policy = build.build_policy(config, model_path, build.load_tokenizer(model_path), trainable=False)
-    provider, model = policy.transformer_config, policy.chunks[0].eval()
+    provider, model = policy.provider, policy.chunks[0].eval()
     positions = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)[..., :vocab].float()
@@ -234,10 +227,7 @@ def sft(attention: str, model_path: Path, data: Path, settings: dict, work: Path
 
 
 def grpo(model_path: Path, settings: dict, work: Path) -> dict:
-    """Step 3: trainer.grpo when it exists in this checkout."""
-    if not (REPO / "trainer" / "grpo.py").exists():
-        say("grpo: skipped (trainer/grpo.py is not in this checkout)")
-        return {"skipped": "trainer/grpo.py is not in this checkout"}
+    """Step 3: a few steps of trainer.grpo: rollout and training tokens/s."""
     out_dir = work / "grpo"
     command = torchrun("-m", "trainer.grpo", f"--model.path={model_path}", "--model.dtype=bf16",
                        f"--train.steps={settings['grpo_steps']}", f"--grpo.max_new_tokens={settings['grpo_new_tokens']}",
@@ -283,8 +273,7 @@ def summary(report: dict) -> None:
     if "mfu" in sdpa:
         lines.append(f"SFT MFU with SDPA: {sdpa['mfu']:.1%} (target >= {MFU_TARGET:.0%}: {'met' if sdpa['mfu'] >= MFU_TARGET else 'NOT met'})")
     grpo_result = report["grpo"]
-    lines.append("GRPO: " + (grpo_result.get("skipped") or grpo_result.get("error")
-                             or f"rollout {grpo_result['rollout_tokens_per_s']:.0f} tokens/s"))
+    lines.append("GRPO: " + (grpo_result.get("error") or f"rollout {grpo_result['rollout_tokens_per_s']:.0f} tokens/s"))
     lines.append("precision modes: " + ("see the table above" if "table" in report["precision_memory"] else "failed"))
     print("\n".join(lines), flush=True)
 

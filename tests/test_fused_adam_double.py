@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests import fused_adam_double
-from tests.fused_adam_double import FusedAdamDouble
+from scripts import fused_adam_double
+from scripts.fused_adam_double import FusedAdamDouble
 
 
 def test_matches_torch_adamw_in_fp32():

@@ -1,6 +1,6 @@
 """Sequence parallelism, activation recomputation and communication overlap (issue 15).
 
-Pure rules and start-up checks run in plain pytest (GPUs simulated by `precision.Environment`); the end-to-end
+Pure rules and start-up checks run in plain pytest (GPUs simulated by `rules.Environment`); the end-to-end
 comparisons run in one torchrun launch of tests/distributed/levers_worker.py (2 CPU processes, fp32):
 - TP=2 with sequence parallelism on vs off: per-step losses of 5 SFT steps and exported HF weights within 1e-6;
 - recompute selective and full vs none: bit-identical per-step losses and parameter gradients (recomputation reruns
@@ -20,8 +20,8 @@ from config import sections
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from data import sft as sft_data
-from model import precision
+from data import batches
+from model import rules
 from tests.conftest import torchrun
 
 LOSS_TOLERANCE = 1e-6
@@ -86,11 +86,11 @@ def test_grpo_shares_the_keys():
 
 
 def test_sequence_length_is_padded_to_the_tensor_parallel_size():
-    examples = [sft_data.Example(list(range(12)), [1] * 12)]  # 11 inputs
-    assert sft_data.padded_length(examples, 128) == 16
-    assert sft_data.padded_length(examples, 128, multiple=16) == 16
-    assert sft_data.padded_length(examples, 128, multiple=3) == 24
-    assert sft_data.padded_length(examples, 12, multiple=4) == 12  # capped by data.max_seq_len (a multiple, checked)
+    examples = [batches.Example(list(range(12)), [1] * 12)]  # 11 inputs
+    assert batches.padded_length(examples, 128) == 16
+    assert batches.padded_length(examples, 128, multiple=16) == 16
+    assert batches.padded_length(examples, 128, multiple=3) == 24
+    assert batches.padded_length(examples, 12, multiple=4) == 12  # capped by data.max_seq_len (a multiple, checked)
     assert make("--parallel.tp=4").parallel.sequence_multiple == 4
     assert make("--parallel.tp=4", "--parallel.sequence_parallel=false").parallel.sequence_multiple == 1
     assert make().parallel.sequence_multiple == 1  # tp=1: nothing to split
@@ -115,7 +115,7 @@ def test_transformer_overrides_are_accepted_by_megatron_core(argv, expected):
     from megatron.core.transformer import TransformerConfig
 
     config = make(*argv)
-    overrides = precision.transformer_overrides(config)
+    overrides = rules.transformer_overrides(config)
     assert {key: overrides[key] for key in expected} == expected
     built = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=config.parallel.tp,
                               **overrides)  # runs megatron-core's own validation (__post_init__)
@@ -125,15 +125,15 @@ def test_transformer_overrides_are_accepted_by_megatron_core(argv, expected):
 H100, B200 = (9, 0), (10, 0)
 
 
-def gpu(capability=H100, data_parallel_size=2) -> precision.Environment:
+def gpu(capability=H100, data_parallel_size=2) -> rules.Environment:
     """A simulated CUDA machine."""
-    return precision.Environment(cuda=True, compute_capability=capability, data_parallel_size=data_parallel_size)
+    return rules.Environment(cuda=True, compute_capability=capability, data_parallel_size=data_parallel_size)
 
 
 # (arguments, environment) -> (overlap_grad_reduce, overlap_param_gather, align_param_gather, CUDA_DEVICE_MAX_CONNECTIONS)
 OVERLAP_TABLE = [
-    ([], precision.Environment(data_parallel_size=2), (False, False, False, None)),  # CPU: gloo has nothing to overlap
-    (["--parallel.tp=2"], precision.Environment(data_parallel_size=2), (False, False, False, None)),
+    ([], rules.Environment(data_parallel_size=2), (False, False, False, None)),  # CPU: gloo has nothing to overlap
+    (["--parallel.tp=2"], rules.Environment(data_parallel_size=2), (False, False, False, None)),
     ([], gpu(), (True, True, False, None)),
     ([], gpu(data_parallel_size=1), (False, False, False, None)),  # nothing to reduce
     (["--parallel.use_distributed_optimizer=false"], gpu(), (False, False, False, None)),
@@ -144,9 +144,9 @@ OVERLAP_TABLE = [
     (["--parallel.tp=2"], gpu(B200), (True, True, False, "32")),  # Blackwell: more connections, never 1
     ([], gpu(B200), (True, True, False, "32")),
     (["--parallel.tp=2", "--parallel.use_megatron_fsdp=true"], gpu(), (True, True, False, None)),  # FSDP needs > 1
-    (["--parallel.use_megatron_fsdp=true"], precision.Environment(data_parallel_size=2), (True, False, False, None)),
+    (["--parallel.use_megatron_fsdp=true"], rules.Environment(data_parallel_size=2), (True, False, False, None)),
     (["--parallel.tp=2", "--ddp.override_ddp_config={overlap_param_gather: false}"], gpu(), (True, False, False, "1")),
-    (["--ddp.override_ddp_config={overlap_grad_reduce: true}"], precision.Environment(data_parallel_size=2),
+    (["--ddp.override_ddp_config={overlap_grad_reduce: true}"], rules.Environment(data_parallel_size=2),
      (True, False, False, None)),  # the user's override wins, on CPU too
 ]
 
@@ -154,21 +154,21 @@ OVERLAP_TABLE = [
 @pytest.mark.parametrize("argv, environment, expected", OVERLAP_TABLE)
 def test_overlap_and_connection_rules(argv, environment, expected):
     config = make(*argv)
-    built = precision.ddp_config(config, environment=environment)
-    connections = precision.cuda_device_max_connections(config.parallel, environment)
+    built = rules.ddp_config(config, environment=environment)
+    connections = rules.cuda_device_max_connections(config.parallel, environment)
     assert (built.overlap_grad_reduce, built.overlap_param_gather, built.align_param_gather, connections) == expected
 
 
 def test_settings_table_shows_every_lever():
     config = make("--parallel.tp=2", "--model.recompute=full", "--model.recompute_num_layers=2")
-    optimizer = precision.optimizer_config(config)
-    ddp = precision.ddp_config(config, optimizer, environment=gpu())
-    transformer = SimpleNamespace(tensor_model_parallel_size=2, **precision.transformer_overrides(config))
-    table = precision.settings_table(optimizer, ddp, transformer, cuda_connections="1", cuda=True)
+    optimizer = rules.optimizer_config(config)
+    ddp = rules.ddp_config(config, optimizer, environment=gpu())
+    transformer = SimpleNamespace(tensor_model_parallel_size=2, **rules.transformer_overrides(config))
+    table = rules.settings_table(optimizer, ddp, transformer, cuda_connections="1", cuda=True)
     for expected in ("overlap_grad_reduce=True overlap_param_gather=True align_param_gather=False", "sequence parallel",
                      "True (tp=2)", "full method=uniform num_layers=2", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert expected in table, table
-    cpu_table = precision.settings_table(optimizer, precision.ddp_config(config, optimizer), None)
+    cpu_table = rules.settings_table(optimizer, rules.ddp_config(config, optimizer), None)
     assert "not applicable (no CUDA)" in cpu_table and "overlap_grad_reduce=False" in cpu_table
 
 

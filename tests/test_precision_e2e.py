@@ -2,7 +2,7 @@
 
 fp32 DDP is the reference. Megatron-FSDP must reproduce it; bf16 (with the distributed optimizer) must
 track it loosely; the precision-aware optimizer (bf16 moments, bf16 main gradients) runs through the
-FusedAdam test double (tests/fused_adam_double.py), since Transformer Engine needs CUDA, and must train
+FusedAdam test double (scripts/fused_adam_double.py), since Transformer Engine needs CUDA, and must train
 with the optimizer state really held in the dtypes asked for. A separate small run checks that
 `model.build.broadcast_parameters` synchronises every model chunk, not only the first.
 """

@@ -8,16 +8,13 @@ import pytest
 import torch
 import transformers
 
+from data.batches import Example, collate, collate_packed, pack
 from data.sft import (
     BatchSchedule,
     DropReport,
-    Example,
     build_examples,
-    collate,
-    collate_packed,
     encode_texts,
     load_rows,
-    pack,
     to_conversations,
     tokenize_conversation,
 )
@@ -204,9 +201,7 @@ def test_unreachable_hub_dataset_names_data_path(monkeypatch):
     assert "data.path" in str(raised.value)
 
 
-def test_batch_sizes_that_do_not_divide_name_the_keys():
-    with pytest.raises(UserError, match="train.global_batch_size.*train.micro_batch_size"):
-        BatchSchedule(100, global_batch_size=6, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
+def test_data_smaller_than_one_global_batch_names_the_key():
     with pytest.raises(UserError, match="train.global_batch_size"):
         BatchSchedule(7, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
 

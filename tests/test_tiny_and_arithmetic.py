@@ -93,6 +93,12 @@ def test_tiny_tokenizer_and_chat_template(checkpoint):
     assert len(tokenizer) <= model.config.vocab_size
 
 
+def test_committed_tokenizer_is_the_one_trained_on_the_bundled_text():
+    """model/tiny_tokenizer.json is the recipe's result on data.arithmetic's training text (model/ cannot import data/)."""
+    trained = tiny.train_tokenizer(training_text(tiny.TOKENIZER_SETTINGS["training_problems"]))
+    assert trained.to_str() == tokenizers.Tokenizer.from_file(str(tiny.TOKENIZER_FILE)).to_str()
+
+
 def test_auto_tokenizer_matches_trained_tokenizer(checkpoint):
     # AutoTokenizer rebuilds qwen2 tokenizers as Qwen2Tokenizer; its ids must match what was trained.
     trained = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))

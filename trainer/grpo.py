@@ -51,9 +51,9 @@ import time
 import torch
 
 from ckpt import checkpoint
-from config import cli
+from config import cli, process
 from config.sections import GRPOConfig
-from data import prompts as prompt_data, rewards, sft as sft_data
+from data import batches, prompts as prompt_data, rewards
 from model import build, generate, parallel
 from rl import grpo_math
 from trainer import default_start, evaluation, metrics
@@ -111,7 +111,7 @@ class Rollouts:
     """One step's rollouts on this rank: the batch it trains on (groups of `grpo.n_samples` consecutive rows) and
     every round sampled for it (with dynamic sampling, more than one, and groups left out of the batch)."""
 
-    examples: list[sft_data.Example]  # prompt + completion ids; the loss mask covers the trained completion tokens
+    examples: list[batches.Example]  # prompt + completion ids; the loss mask covers the trained completion tokens
     advantages: torch.Tensor  # [completions]
     zero_advantage_groups: int  # in the batch
     rounds: list[Round]
@@ -200,7 +200,7 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
         for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
             prompt, completion = sampled.prompts[row].ids, sampled.completions[row]
             trained = 0 if grpo.mask_truncated and sampled.truncated[row] else 1
-            examples.append(sft_data.Example(prompt + completion, [0] * len(prompt) + [trained] * len(completion)))
+            examples.append(batches.Example(prompt + completion, [0] * len(prompt) + [trained] * len(completion)))
     return Rollouts(examples, torch.cat(advantages), zero_groups, rounds)
 
 
@@ -339,11 +339,11 @@ def build_microbatches(rollouts: Rollouts, policy, reference, config, device) ->
     """This rank's rollouts as padded microbatches with advantages, old log-probs (policy) and reference log-probs."""
     micro, temperature = config.train.micro_batch_size, config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
-    seq_len = sft_data.padded_length(rollouts.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
+    seq_len = batches.padded_length(rollouts.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
     microbatches = []
     for start in range(0, len(rollouts.examples), micro):
-        batch = sft_data.collate(rollouts.examples[start : start + micro], seq_len, policy.tokenizer.pad_token_id)
-        batch = sft_data.to_device(batch, device)
+        batch = batches.collate(rollouts.examples[start : start + micro], seq_len, policy.tokenizer.pad_token_id)
+        batch = batches.to_device(batch, device)
         batch["advantages"] = rollouts.advantages[start : start + micro, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
@@ -388,8 +388,8 @@ def main(argv: list[str]) -> None:
     config.validate(world_size)
     if config.starts_from_default_sft():
         default_start.validate(world_size)
-    metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
-    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
+    metrics.setup_logging(process.is_global_rank_zero())
+    checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward = rewards.get_reward(config.grpo.reward)
     startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
@@ -446,7 +446,7 @@ def main(argv: list[str]) -> None:
             writer.write(row)
             if config.train.logs_at(step):
                 writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples))
-            if checkpointer.maybe_save(step, timer.seconds):
+            if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
 

@@ -12,9 +12,9 @@ import os
 import torch
 
 from ckpt import checkpoint
-from config import cli
+from config import cli, process
 from config.sections import DEFAULT_REWARD, SFTConfig
-from data import prompts as prompt_data, rewards, sft as sft_data
+from data import batches, prompts as prompt_data, rewards, sft as sft_data
 from model import build, parallel
 from trainer import evaluation, metrics
 from trainer.metrics import log
@@ -27,8 +27,8 @@ from trainer.metrics import log
 class SFTData:
     """Tokenized training and held-out examples, and the held-out prompts whose greedy answers are graded."""
 
-    train: list[sft_data.Example]
-    eval: list[sft_data.Example]
+    train: list[batches.Example]
+    eval: list[batches.Example]
     eval_prompts: list[prompt_data.Prompt]
 
 
@@ -62,12 +62,12 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         # A microbatch's samples share as few rows as fit; the row count varies, which only the
         # non-pipelined schedule allows (validated at start-up).
         seq_len = config.data.max_seq_len
-        batches = [sft_data.collate_packed(sft_data.pack(group, seq_len), seq_len, pad_id) for group in groups]
+        collated = [batches.collate_packed(batches.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
-        seq_len = sft_data.padded_length([example for group in groups for example in group], config.data.max_seq_len,
-                                         config.parallel.sequence_multiple)
-        batches = [sft_data.collate(group, seq_len, pad_id) for group in groups]
-    return [sft_data.to_device(batch, device) for batch in batches], seq_len
+        seq_len = batches.padded_length([example for group in groups for example in group], config.data.max_seq_len,
+                                        config.parallel.sequence_multiple)
+        collated = [batches.collate(group, seq_len, pad_id) for group in groups]
+    return [batches.to_device(batch, device) for batch in collated], seq_len
 
 
 # ---------------------------------------------------------------- loss
@@ -132,9 +132,9 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     loss_sum, tokens = 0.0, 0.0
     for start in range(0, len(share), micro):
         group = share[start : start + micro]
-        batches, seq_len = collate_microbatches(group, [list(range(len(group)))], config, policy.tokenizer.pad_token_id,
-                                                runtime.device)
-        batch_loss, batch_tokens = run_microbatches(policy.chunks, batches, seq_len, forward_only=True)
+        microbatches, seq_len = collate_microbatches(group, [list(range(len(group)))], config,
+                                                     policy.tokenizer.pad_token_id, runtime.device)
+        batch_loss, batch_tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=True)
         loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
     accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,
                                            max_new_tokens=config.data.max_seq_len // 2)
@@ -165,8 +165,8 @@ def main(argv: list[str]):
     config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
-    metrics.setup_logging(int(os.environ.get("RANK", "0")) == 0)
-    checkpoint.check_output_dir(config, resume, int(os.environ.get("RANK", "0")) == 0)
+    metrics.setup_logging(process.is_global_rank_zero())
+    checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
@@ -205,7 +205,7 @@ def main(argv: list[str]):
             if config.train.evaluates_at(step):
                 row.update(evaluate(policy, data, config, runtime))
             writer.write(row)
-            if checkpointer.maybe_save(step, timer.seconds):
+            if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     parallel.shutdown(runtime)
     return policy

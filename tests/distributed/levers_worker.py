@@ -88,7 +88,7 @@ def export_difference(first: Path, second: Path) -> dict:
 def recompute_gradients(model_path: Path, tokenizer, data: str) -> dict:
     """Every parameter gradient of one forward/backward at TP=2 with sequence parallelism, per recompute setting:
     the largest absolute difference from `none`, and the losses."""
-    from data import sft as sft_data
+    from data import batches
 
     results, baseline = {}, None
     for name, arguments in GRADIENT_RECOMPUTES.items():
@@ -98,8 +98,8 @@ def recompute_gradients(model_path: Path, tokenizer, data: str) -> dict:
         policy = build.build_policy(config, model_path, tokenizer, trainable=False)
         model = policy.chunks[0]
         examples = sft.load_data(config, tokenizer, 1).train[:4]
-        seq_len = sft_data.padded_length(examples, config.data.max_seq_len, config.parallel.sequence_multiple)
-        batch = sft_data.collate(examples, seq_len, tokenizer.pad_token_id)
+        seq_len = batches.padded_length(examples, config.data.max_seq_len, config.parallel.sequence_multiple)
+        batch = batches.collate(examples, seq_len, tokenizer.pad_token_id)
         per_token = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
                           labels=batch["labels"])  # [batch, seq]
         loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
@@ -122,7 +122,7 @@ def greedy_with_sequence_parallel(model_path: Path, tokenizer, prompts: list, ex
                                     vocab_size=policy.vocab_size)
     bare = build.unwrap(policy.chunks[0])
     return {"greedy_equal": completions == expected, "generated_tokens": sum(map(len, completions)),
-            "sequence_parallel_during_training": bool(policy.transformer_config.sequence_parallel),
+            "sequence_parallel_during_training": bool(policy.provider.sequence_parallel),
             "sequence_parallel_restored": bool(bare.config.sequence_parallel and bare.output_layer.sequence_parallel)}
 
 

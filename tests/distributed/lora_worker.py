@@ -45,7 +45,7 @@ def base_tensors(chunks: list) -> dict[str, torch.Tensor]:
 
 def check(policy, out_dir: Path, vocab: int, is_main: bool) -> dict:
     """The straight run's policy against a fresh build, and its exports against transformers and peft."""
-    fresh = build.build_chunks(policy.transformer_config)
+    fresh = build.build_chunks(policy.provider)
     trained, untouched = base_tensors(policy.chunks), base_tensors(fresh)
     tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     ours = logits(policy.chunks, tokens)[..., :vocab]

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config.sections import ParallelConfig  # noqa: E402
-from data.sft import Example, collate, collate_packed  # noqa: E402
+from data.batches import Example, collate, collate_packed  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 from model.tiny import ensure_tiny_checkpoint  # noqa: E402
 

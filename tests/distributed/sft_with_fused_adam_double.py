@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests import fused_adam_double  # noqa: E402
+from scripts import fused_adam_double  # noqa: E402
 
 
 def dtype_name(dtype) -> str:

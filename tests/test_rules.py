@@ -1,4 +1,5 @@
-"""Optimizer/DDP config rules, checked branch by branch on megatron-core's real config classes."""
+"""model/rules.py: the optimizer, DDP and transformer settings rules, checked branch by branch on megatron-core's
+real config classes."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from config import sections
 from config.errors import UserError
 from config.sections import SFTConfig
-from model import precision
+from model import rules
 
 
 def make(dtype="fp32", **changes) -> SFTConfig:
@@ -38,7 +39,7 @@ def optimizer_settings(config) -> dict:
     original = megatron_optimizer.OptimizerConfig
     megatron_optimizer.OptimizerConfig = Capture
     try:
-        precision.optimizer_config(config)
+        rules.optimizer_config(config)
     finally:
         megatron_optimizer.OptimizerConfig = original
     return captured
@@ -47,7 +48,7 @@ def optimizer_settings(config) -> dict:
 def test_fp32_builds_the_real_config_with_every_always_field():
     config = make("fp32", **{"optim.lr": 3e-4, "optim.min_lr": 3e-5, "optim.weight_decay": 0.1, "optim.clip_grad": 0.5,
                              "optim.betas": [0.8, 0.99], "optim.eps": 1e-6})
-    built = precision.optimizer_config(config)
+    built = rules.optimizer_config(config)
     assert (built.bf16, built.fp16, built.params_dtype, built.use_precision_aware_optimizer) == (False, False, torch.float32, False)
     assert (built.optimizer, built.lr, built.min_lr, built.weight_decay, built.clip_grad) == ("adam", 3e-4, 3e-5, 0.1, 0.5)
     assert (built.adam_beta1, built.adam_beta2, built.adam_eps) == (0.8, 0.99, 1e-6)  # never silently dropped
@@ -55,11 +56,11 @@ def test_fp32_builds_the_real_config_with_every_always_field():
 
 
 def test_bf16_default_keeps_fp32_state_and_fp32_buckets():
-    built = precision.optimizer_config(make("bf16"))
+    built = rules.optimizer_config(make("bf16"))
     assert (built.bf16, built.fp16, built.params_dtype) == (True, False, torch.bfloat16)
     assert built.use_precision_aware_optimizer is False
     assert (built.main_grads_dtype, built.exp_avg_dtype, built.exp_avg_sq_dtype) == (torch.float32,) * 3
-    assert precision.ddp_config(make("bf16"), built).grad_reduce_in_fp32 is True
+    assert rules.ddp_config(make("bf16"), built).grad_reduce_in_fp32 is True
 
 
 @pytest.mark.parametrize("field", ["main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"])
@@ -82,7 +83,7 @@ def test_fp16_rules(with_transformer_engine):
 
 def test_override_optimizer_config_wins_last():
     config = make("bf16", **{"optim.lr": 1e-3, "optim.override_optimizer_config": {"lr": 5e-5, "adam_beta2": 0.9}})
-    built = precision.optimizer_config(config)
+    built = rules.optimizer_config(config)
     assert (built.lr, built.adam_beta2) == (5e-5, 0.9)
 
 
@@ -96,24 +97,24 @@ class FakeOptimizer:
 @pytest.mark.parametrize("aware, main_grads, expected", [
     (False, torch.float32, True), (True, torch.float32, True), (True, torch.bfloat16, False), (True, torch.float16, False)])
 def test_grad_reduce_in_fp32_follows_main_grads(aware, main_grads, expected):
-    assert precision.ddp_config(make("bf16"), FakeOptimizer(aware, main_grads)).grad_reduce_in_fp32 is expected
+    assert rules.ddp_config(make("bf16"), FakeOptimizer(aware, main_grads)).grad_reduce_in_fp32 is expected
 
 
 def test_explicit_grad_reduce_in_fp32_override_wins():
     config = make("bf16", **{"ddp.override_ddp_config": {"grad_reduce_in_fp32": True}})
-    assert precision.ddp_config(config, FakeOptimizer(True, torch.bfloat16)).grad_reduce_in_fp32 is True
+    assert rules.ddp_config(config, FakeOptimizer(True, torch.bfloat16)).grad_reduce_in_fp32 is True
 
 
 def test_fsdp_defaults_and_their_overrides():
-    built = precision.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "parallel.use_distributed_optimizer": False}))
+    built = rules.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "parallel.use_distributed_optimizer": False}))
     assert built.use_megatron_fsdp and built.use_distributed_optimizer and built.check_for_nan_in_grad
     assert built.data_parallel_sharding_strategy == "optim_grads_params" and built.overlap_grad_reduce
     bf16_fsdp = make("bf16", **{"parallel.use_megatron_fsdp": True})
-    assert precision.ddp_config(bf16_fsdp).megatron_fsdp_main_grads_dtype == torch.float32  # not bf16 by default
-    assert precision.ddp_config(bf16_fsdp, FakeOptimizer(True, torch.bfloat16)).megatron_fsdp_main_grads_dtype == torch.bfloat16
-    assert precision.transformer_overrides(make("fp32", **{"parallel.use_megatron_fsdp": True}))["gradient_accumulation_fusion"] is False
-    assert "gradient_accumulation_fusion" not in precision.transformer_overrides(make("fp32"))
-    overridden = precision.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "ddp.override_ddp_config": {
+    assert rules.ddp_config(bf16_fsdp).megatron_fsdp_main_grads_dtype == torch.float32  # not bf16 by default
+    assert rules.ddp_config(bf16_fsdp, FakeOptimizer(True, torch.bfloat16)).megatron_fsdp_main_grads_dtype == torch.bfloat16
+    assert rules.transformer_overrides(make("fp32", **{"parallel.use_megatron_fsdp": True}))["gradient_accumulation_fusion"] is False
+    assert "gradient_accumulation_fusion" not in rules.transformer_overrides(make("fp32"))
+    overridden = rules.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "ddp.override_ddp_config": {
         "data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": False, "check_for_nan_in_grad": False}}))
     assert (overridden.data_parallel_sharding_strategy, overridden.overlap_grad_reduce, overridden.check_for_nan_in_grad) == (
         "optim_grads", False, False)
@@ -121,9 +122,9 @@ def test_fsdp_defaults_and_their_overrides():
 
 def test_environment_defaults_lose_to_user_overrides():
     gloo = {"gradient_reduce_div_fusion": False}
-    assert precision.ddp_config(make(), extra_defaults=gloo).gradient_reduce_div_fusion is False
+    assert rules.ddp_config(make(), extra_defaults=gloo).gradient_reduce_div_fusion is False
     config = make(**{"ddp.override_ddp_config": {"gradient_reduce_div_fusion": True}})
-    assert precision.ddp_config(config, extra_defaults=gloo).gradient_reduce_div_fusion is True
+    assert rules.ddp_config(config, extra_defaults=gloo).gradient_reduce_div_fusion is True
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -150,6 +151,6 @@ def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypat
 
 
 def test_settings_table_lists_the_resolved_values():
-    optimizer = precision.optimizer_config(make("bf16"))
-    table = precision.settings_table(optimizer, precision.ddp_config(make("bf16"), optimizer))
+    optimizer = rules.optimizer_config(make("bf16"))
+    table = rules.settings_table(optimizer, rules.ddp_config(make("bf16"), optimizer))
     assert "bf16=True" in table and "betas=(0.9, 0.95)" in table and "grad_reduce_in_fp32=True" in table

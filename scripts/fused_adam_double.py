@@ -1,4 +1,4 @@
-"""Test double of Transformer Engine's `FusedAdam`; the product never uses it.
+"""Test double of Transformer Engine's `FusedAdam` for scripts/bench_optimizer_memory.py and the tests; the product never uses it.
 
 megatron-core's precision-aware optimizer (`use_precision_aware_optimizer=True`) needs TE's FusedAdam,
 and TE cannot be installed without CUDA. This plain-torch class honours the part of FusedAdam's
@@ -187,7 +187,7 @@ def install() -> None:
     from config import sections
 
     optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
-    optimizers.__doc__ = "Test double registered by tests/fused_adam_double.py; holds only FusedAdam."
+    optimizers.__doc__ = "Test double registered by scripts/fused_adam_double.py; holds only FusedAdam."
     optimizers.FusedAdam = FusedAdamDouble
     _set(sys.modules, optimizers.__name__, optimizers)
     # get_megatron_optimizer builds `Adam(..., adam_w_mode=...)` unless USING_PYTORCH_OPTIMIZER.

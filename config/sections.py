@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.errors import UserError
-from rl.grpo_math import BASELINES, IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
+# GRPO's named choices; trainer/grpo_math.py maps each name to its function.
+BASELINES = ("mean", "leave_one_out")
+KL_ESTIMATORS = ("k1", "k3")
+IMPORTANCE_RATIOS = ("token", "sequence")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 RECOMPUTE_NAMES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")

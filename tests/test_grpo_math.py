@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rl import grpo_math
+from trainer import grpo_math
 
 
 def close(actual, expected, tolerance=1e-5):

@@ -55,8 +55,7 @@ from config import cli, process
 from config.sections import GRPOConfig
 from data import batches, prompts as prompt_data, rewards
 from model import build, generate, parallel
-from rl import grpo_math
-from trainer import default_start, evaluation, metrics
+from trainer import default_start, evaluation, grpo_math, metrics
 from trainer.metrics import log
 
 

@@ -1,6 +1,6 @@
 """GRPO math as small pure functions: group advantages, reward shaping, importance ratios, the clipped surrogate,
-KL estimators, aggregation, entropy. Each named choice is one table below (name -> function); the config's
-checks read the names from them.
+KL estimators, aggregation, entropy. Each named choice is one table below (name -> function), over the names
+`config.sections` lists once (and validates at start-up).
 
 Shapes: `groups` prompts x `samples` completions for rewards; `[batch, seq]` per-token tensors, where a
 batch row is one completion and `mask` is 1 on the completion's tokens (those the policy sampled).
@@ -8,6 +8,8 @@ batch row is one completion and `mask` is 1 on the completion's tokens (those th
 
 import torch
 import torch.distributed as dist
+
+from config import sections
 
 # exp() of a log-ratio beyond this overflows the surrogate long before clipping can help.
 LOG_RATIO_CLAMP = 20.0
@@ -28,7 +30,7 @@ def leave_one_out_baseline(rewards: torch.Tensor) -> torch.Tensor:
     return (total - rewards) / (rewards.size(1) - 1)  # [groups, samples]
 
 
-BASELINES = {"mean": mean_baseline, "leave_one_out": leave_one_out_baseline}
+BASELINES = dict(zip(sections.BASELINES, (mean_baseline, leave_one_out_baseline), strict=True))
 
 
 def group_advantages(rewards: torch.Tensor, baseline: str = "mean", scale_rewards: bool = True,
@@ -67,7 +69,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return difference.exp() - difference - 1
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+KL_ESTIMATORS = dict(zip(sections.KL_ESTIMATORS, (kl_k1, kl_k3), strict=True))
 
 
 def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,7 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
     return logprobs - logprobs.detach() + sequence.detach()  # [batch, seq]: the value is the sequence's
 
 
-IMPORTANCE_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+IMPORTANCE_RATIOS = dict(zip(sections.IMPORTANCE_RATIOS, (token_log_ratio, sequence_log_ratio), strict=True))
 
 
 def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
@@ -137,8 +139,8 @@ def seq_mean_token_sum_norm(values: torch.Tensor, mask: torch.Tensor, budget: in
     return (values * mask).sum(), torch.tensor(float(values.size(0) * budget), dtype=values.dtype, device=values.device)
 
 
-LOSS_AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
-                     "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+LOSS_AGGREGATIONS = dict(zip(sections.LOSS_AGGREGATIONS, (token_mean, seq_mean_token_mean, seq_mean_token_sum_norm),
+                             strict=True))
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:

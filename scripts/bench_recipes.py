@@ -67,11 +67,13 @@ def main() -> None:
         if any(len(result["curve"]) > 2 for result in results):
             print(f"<!-- {recipe} held-out accuracy by step: {[result['curve'] for result in results]} -->")
         join = lambda values: " / ".join(values)  # noqa: E731
-        print(f"| {recipe} | {join(f'{result['gain']:+.3f}' for result in results)} "
-              f"| {results[0]['held_out'][0]:.3f} -> {join(f'{result['held_out'][1]:.3f}' for result in results)} "
-              f"| {results[0]['answers'][0]:.3f} -> {join(f'{result['answers'][1]:.3f}' for result in results)} "
-              f"| {join(f'{result['minutes']:.1f}' for result in results)} "
-              f"({statistics.median(result['minutes'] for result in results):.1f}) |", flush=True)
+        gains = join(f"{result['gain']:+.3f}" for result in results)
+        held_out = join(f"{result['held_out'][1]:.3f}" for result in results)
+        answers = join(f"{result['answers'][1]:.3f}" for result in results)
+        minutes = join(f"{result['minutes']:.1f}" for result in results)
+        median = statistics.median(result["minutes"] for result in results)
+        print(f"| {recipe} | {gains} | {results[0]['held_out'][0]:.3f} -> {held_out} "
+              f"| {results[0]['answers'][0]:.3f} -> {answers} | {minutes} ({median:.1f}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Shared test helpers: an isolated model cache, and launching the real entry points under torchrun."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,15 +28,32 @@ def isolated_model_cache(tmp_path_factory):
 
 
 
+# megatron-core torch.compile's its fused functions (SwiGLU, bias-GELU, ...): on CPU the first step of every process
+# then compiles for seconds. A test comparing runs made with the same setting, or asserting what does not depend on
+# the last bit, runs eagerly; the runs exactly as users start them (the default SFT and GRPO) keep compiling.
+EAGER = {"TORCH_COMPILE_DISABLE": "1"}
+
+
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True, cwd: Path = REPO,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node nproc ARGS` (from the repository root unless `cwd`); on failure show its output."""
+             env: dict | None = None, compiled: bool = False) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc-per-node nproc ARGS` (from the repository root unless `cwd`; eagerly unless `compiled`);
+    on failure show its output."""
     command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env=None if env is None else {**os.environ, **env})
+                            env={**os.environ, **({} if compiled else EAGER), **(env or {})})
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, timeout: int = 900) -> list[dict]:
+    """Run several `trainer.*` commands (`{"module": ..., "argv": [...]}`, see tests/distributed/commands_worker.py) in one
+    launch, one after another in one process group: torchrun's start-up is paid once. Returns each one's step-1 row."""
+    listing, results = tmp_path / f"commands-{len(commands)}-{free_port()}.json", tmp_path / "results.json"
+    listing.write_text(json.dumps(commands))
+    torchrun(["tests/distributed/commands_worker.py", "--commands", str(listing), "--out", str(results)], nproc=nproc,
+             timeout=timeout)
+    return json.loads(results.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +61,6 @@ def default_sft(tmp_path_factory) -> Path:
     """The embedded default SFT exactly as a user starts it (only the output directory moved), run once per session:
     its figures are asserted in test_sft_e2e, and the GRPO tests start from its export, as the default GRPO does."""
     out_dir = tmp_path_factory.mktemp("default-sft")
-    torchrun(["-m", "trainer.sft", f"--train.out_dir={out_dir}"], nproc=2, timeout=900)
+    torchrun(["-m", "trainer.sft", f"--train.out_dir={out_dir}"], nproc=2, timeout=900, compiled=True)
     return out_dir
 

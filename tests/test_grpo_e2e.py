@@ -16,7 +16,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, torchrun, torchrun_commands
 from trainer import grpo
 
 GRPO_KEYS = {
@@ -158,7 +158,8 @@ def sft_checkpoint(default_sft):
 @pytest.mark.distributed
 def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, tmp_path):
     """The embedded default as a user starts it; only the starting checkpoint and the output directory moved."""
-    torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", f"--train.out_dir={tmp_path}"], nproc=2, timeout=600)
+    torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", f"--train.out_dir={tmp_path}"], nproc=2, timeout=600,
+             compiled=True)
     rows = metrics(tmp_path)
     steps = [row for row in rows if "reward_mean" in row]
     evaluations = [row for row in rows if "eval_accuracy" in row]
@@ -218,14 +219,15 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft
              "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
              "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true",
              "--grpo.max_sampling_rounds=2"]
-    fsdp = ["--parallel.use_megatron_fsdp=true"]
-    for name, layout in (("ddp", []), ("fsdp", fsdp)):
-        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'straight'}"], nproc=2)
-        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'split'}",
-                  "--train.exit_interval=2"], nproc=2)
-        assert not (tmp_path / name / "split" / "hf").exists()  # stopped early: no final export yet
-        torchrun(["-m", "trainer.grpo", *small, *layout, f"--train.out_dir={tmp_path / name / 'split'}",
-                  "--resume-from-checkpoint", "latest"], nproc=2)
+    layouts = {"ddp": [], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
+    # Three launches, each running the DDP and the FSDP run in turn: straight; split, stopped at step 2; and, in fresh
+    # processes, the split runs resumed.
+    for run, extra in (("straight", []), ("split", ["--train.exit_interval=2"]),
+                       ("split", ["--resume-from-checkpoint", "latest"])):
+        torchrun_commands([{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={tmp_path / name / run}", *extra]}
+                           for name, layout in layouts.items()], tmp_path)
+        if extra[:1] == ["--train.exit_interval=2"]:
+            assert not any((tmp_path / name / "split" / "hf").exists() for name in layouts)  # stopped early: no export yet
     fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors", "truncated_rate",
               "eval_accuracy", "eval_answer_accuracy", "sampling_rounds", "kept_group_rate", "zero_advantage_groups")
     rows = {f"{name}/{run}": [tuple(row.get(key) for key in fields) for row in metrics(tmp_path / name / run)]

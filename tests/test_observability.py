@@ -19,7 +19,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import SFTConfig
-from tests.conftest import REPO, free_port, torchrun
+from tests.conftest import EAGER, REPO, free_port, torchrun
 from trainer import plots
 
 pytestmark = pytest.mark.distributed
@@ -27,9 +27,6 @@ pytestmark = pytest.mark.distributed
 # Long enough for the Slurm test's SIGTERM to land mid-run; evaluation on 8 held-out prompts gives the held-out panels.
 SFT = ["-m", "trainer.sft", "--train.steps=16", "--train.global_batch_size=8", "--train.micro_batch_size=4",
        "--train.eval_samples=8", "--optim.warmup_steps=2", "--train.log_interval=4"]
-# megatron-core torch.compile's its fused functions; on CPU the first steps of every process then spend tens of
-# seconds compiling. These tests compare runs made with the same setting, so they run eagerly.
-EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy"]
 GRPO_PANELS = ["training loss", "learning rate", "grad norm", "held-out accuracy", "reward", "rollout accuracy",
                "KL to the reference", "entropy", "response length (tokens)"]

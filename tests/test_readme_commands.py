@@ -2,15 +2,11 @@
 reader's paths replaced by test fixtures (a tiny checkpoint for `/models/...`, slices of the real GSM8K for the data
 files, a small YAML for `run.yaml`). So no documented command can rot."""
 
-import json
 import shlex
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K, REPO, torchrun
-
-WORKER = "tests/distributed/readme_worker.py"
+from tests.conftest import GSM8K, REPO, torchrun_commands
 # Two steps, a few held-out prompts; GRPO also a small batch (2 prompts x 8 samples), so the commands' own models,
 # data, lengths and keys run, not their full scale.
 # Commands writing to one directory (two SFT examples use the default `outputs/sft`) replace each other, as a reader
@@ -87,10 +83,7 @@ def test_every_readme_torchrun_command_logs_step_one(fixtures, tmp_path):
     for command in commands:
         command["argv"] = [fixtures.get(token, token) for token in command["argv"]]
         command.update(cwd=str(work), smoke=SMOKE[command["module"]])
-    (tmp_path / "commands.json").write_text(json.dumps(commands))
-    torchrun([WORKER, "--commands", str(tmp_path / "commands.json"), "--out", str(tmp_path / "results.json")],
-             nproc=2, timeout=900)
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = torchrun_commands(commands, tmp_path)
     assert len(results) == len(commands)
     for result in results:
         print(f"README command ran: {result['line']}\n    step 1: loss {result['step1'] and result['step1']['loss']}")

@@ -1,8 +1,9 @@
-"""Runs the README's torchrun commands (paths already substituted by tests/test_readme_commands.py) one after another
-in one process group, as `torchrun -m trainer.sft|grpo ARGS` would: SFT commands first (GRPO's read their output).
+"""Runs several `trainer.sft|grpo ARGS` commands one after another in one process group, as `torchrun -m trainer.X
+ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (GRPO's may read their output).
 
-Each command is first validated as written (its own process count), then run for two steps with the smoke settings
-the test appends. Rank 0 writes, per command, the first metrics row of step 1 it logged.
+Each command (a JSON object: `module`, `argv`, and optionally `cwd`, `env`, `world_size`, `smoke`) is first
+validated as written (at `world_size`, default this launch's), then run with its `smoke` arguments appended (the
+README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1 it logged.
 """
 
 import argparse
@@ -29,13 +30,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = []
     for command in sorted(commands, key=lambda command: command["module"] != "trainer.sft"):
-        os.chdir(command["cwd"])
-        os.environ.update(command["env"])
+        os.chdir(command.get("cwd", os.getcwd()))
+        os.environ.update(command.get("env", {}))
+        smoke = command.get("smoke", [])
         config_class, loop = LOOPS[command["module"]]
         config, _ = cli.parse_args(config_class, command["argv"], command["module"])
-        config.validate(command["world_size"])  # as written: the README's own process count and settings
-        loop(command["argv"] + command["smoke"])
-        config, _ = cli.parse_args(config_class, command["argv"] + command["smoke"], command["module"])
+        config.validate(command.get("world_size", dist.get_world_size()))  # as written: e.g. the README's own process count
+        loop(command["argv"] + smoke)
+        config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         results.append({"line": command["line"], "step1": next((row for row in rows if row["step"] == 1), None)})

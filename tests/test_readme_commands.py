@@ -7,6 +7,7 @@ import shlex
 import pytest
 
 from tests.conftest import GSM8K, REPO, torchrun_commands
+
 # Two steps, a few held-out prompts; GRPO also a small batch (2 prompts x 8 samples), so the commands' own models,
 # data, lengths and keys run, not their full scale.
 # Commands writing to one directory (two SFT examples use the default `outputs/sft`) replace each other, as a reader

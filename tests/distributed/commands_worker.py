@@ -9,6 +9,7 @@ README test's two-step settings). Rank 0 writes, per command, the first metrics 
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 
 import torch.distributed as dist
@@ -40,7 +41,8 @@ def main() -> None:
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        results.append({"line": command["line"], "step1": next((row for row in rows if row["step"] == 1), None)})
+        line = command.get("line", shlex.join([command["module"], *command["argv"]]))
+        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None)})
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))

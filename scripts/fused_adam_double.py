@@ -24,12 +24,13 @@ fp16 and fp8 moments (which TE keeps with per-tensor scales) are refused rather 
 `install()` makes megatron-core build this class wherever it would build TE's FusedAdam.
 """
 
-import importlib.util
 import sys
 import types
 
 import torch
 from packaging.version import Version
+
+from config.sections import have_transformer_engine
 
 DOUBLE_TE_VERSION = "2.0.0"
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -176,7 +177,7 @@ def install() -> None:
     """
     if _replaced:
         return
-    if importlib.util.find_spec("transformer_engine") is not None:
+    if have_transformer_engine():
         raise RuntimeError("Transformer Engine is installed: use it, not the FusedAdam test double.")
     import megatron.core.models.gpt.gpt_model  # noqa: F401  (layers decide TE-or-not at import)
     import megatron.core.optimizer as megatron_optimizer

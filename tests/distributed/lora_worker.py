@@ -1,5 +1,5 @@
-"""Run under torchrun (2 processes) by tests/test_lora.py: LoRA SFT through the entry point's `main`, at TP=1 (DP=2)
-and TP=2, in one launch.
+"""Run under torchrun (2 processes) by tests/test_lora.py: LoRA SFT through the entry point's `main`, at TP=1 (DP=2, the
+distributed optimizer) and TP=2, in one launch.
 
 Per layout: 6 steps straight, then 3 steps (`train.exit_interval`) and a resume to 6, into another directory. After
 the straight run, with the trained policy still in memory:
@@ -27,7 +27,8 @@ from trainer import sft  # noqa: E402
 COMMON = ["--peft.method=lora", "--model.dtype=fp32", "--train.steps=6", "--train.global_batch_size=8",
           "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=3", "--optim.lr=1e-2",
           "--optim.warmup_steps=1", "--ckpt.save_interval=3", "--data.max_seq_len=64"]
-LAYOUTS = {"tp1": ["--parallel.tp=1"], "tp2": ["--parallel.tp=2"]}
+# TP=1 runs two data-parallel ranks under the distributed optimizer (the adapters' state sharded over them).
+LAYOUTS = {"tp1": ["--parallel.tp=1", "--parallel.use_distributed_optimizer=true"], "tp2": ["--parallel.tp=2"]}
 
 
 def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor:

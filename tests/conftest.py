@@ -34,13 +34,18 @@ def isolated_model_cache(tmp_path_factory):
 EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 
 
+def torchrun_env(compiled: bool = False, env: dict | None = None) -> dict:
+    """The environment of a test's torchrun launch: eager unless `compiled` (see EAGER), then `env`."""
+    return {**os.environ, **({} if compiled else EAGER), **(env or {})}
+
+
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = True, cwd: Path = REPO,
              env: dict | None = None, compiled: bool = False) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node nproc ARGS` (from the repository root unless `cwd`; eagerly unless `compiled`);
     on failure show its output."""
     command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **({} if compiled else EAGER), **(env or {})})
+                            env=torchrun_env(compiled, env))
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result

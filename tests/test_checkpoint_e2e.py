@@ -1,7 +1,6 @@
 """Exact resume through the real entry point on 2 processes: exit_interval, SIGTERM, killed saves, DP change, Megatron-FSDP."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import EAGER, REPO, TORCHRUN, free_port, torchrun
+from tests.conftest import REPO, TORCHRUN, free_port, torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -36,9 +35,9 @@ def run_until_sigterm(args: list[str], out_dir, after_step: int) -> subprocess.C
     (Signalling only the torchrun agent also works, but the agent then exits 1 itself after forwarding.)
     """
     command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
-    # Eagerly, as `torchrun` runs the runs it is compared with: compiled and eager fused functions differ in the last bit.
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **EAGER}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    # The environment of the `torchrun` runs it is compared with: compiled and eager fused functions differ in the last bit.
+    process = subprocess.Popen(command, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     metrics = out_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None:

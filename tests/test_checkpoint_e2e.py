@@ -1,4 +1,10 @@
-"""Exact resume through the real entry point on 2 processes: exit_interval, SIGTERM, killed saves, DP change, Megatron-FSDP."""
+"""Exact resume through the real entry point on 2 processes: exit_interval, SIGTERM, killed saves, DP change, Megatron-FSDP.
+
+The two tests' runs share launches (the module fixture `runs`), as a test pays torchrun's start-up per launch: the
+first legs of every scenario run in one 2-process launch, the resumes in another (fresh processes, as a resumed job
+is), the DP=1 continuations in one 1-process launch. The SIGTERM run and the corrupt-shard run, whose processes'
+exits are what they test, are launched alone.
+"""
 
 import json
 import shutil
@@ -10,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TORCHRUN, free_port, torchrun, torchrun_env
+from tests.conftest import REPO, TORCHRUN, free_port, torchrun, torchrun_commands, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -50,42 +56,88 @@ def run_until_sigterm(args: list[str], out_dir, after_step: int) -> subprocess.C
     return subprocess.CompletedProcess(command, process.returncode, output, "")
 
 
-def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
-    straight, resumed, dp1 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "dp1"
-    torchrun([*RUN, f"--train.out_dir={straight}"])
+def rows(out_dir) -> list[dict]:
+    """metrics.jsonl's rows, wall-clock fields left out."""
+    return [{key: value for key, value in json.loads(line).items() if key not in ("step_time_s", "tokens_per_s")}
+            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Held-out evaluation on (8 prompts every 4 steps): under Megatron-FSDP its greedy generation gathers parameters in
+# every forward, so both ranks must run the same forwards.
+FSDP_RUN = ["-m", "trainer.sft", "--parallel.use_megatron_fsdp=true", "--train.steps=12", "--train.global_batch_size=8",
+            "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=4", "--optim.warmup_steps=2",
+            "--ckpt.save_interval=4"]
+
+
+def command(run: list[str], out_dir, *extra: str) -> dict:
+    """One `trainer.sft` command of a shared launch (tests/distributed/commands_worker.py)."""
+    return {"module": "trainer.sft", "argv": [*run[2:], f"--train.out_dir={out_dir}", *extra]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both tests' runs, in the order a user's jobs would make them; returns what was seen between the launches."""
+    root = tmp_path_factory.mktemp("resume")
+    ddp, fsdp, seen = root / "ddp", root / "fsdp", {"root": root}
+    # 1. Straight runs, and Megatron's convention: save and exit 0 at train.exit_interval.
+    torchrun_commands([command(RUN, ddp / "straight"), command(RUN, ddp / "resumed", "--train.exit_interval=15"),
+                       command(FSDP_RUN, fsdp / "straight"), command(FSDP_RUN, fsdp / "resumed", "--train.exit_interval=6")],
+                      root)
+    for layout in (ddp, fsdp):
+        seen[layout.name, "stopped"] = checkpoints(layout / "resumed"), max(losses(layout / "resumed"))
+        shutil.copytree(layout / "resumed" / "checkpoints", layout / "dp1" / "checkpoints")  # for the DP change
+
+    # 2. A save killed with -9 leaves a partial directory and a stray pointer file; `latest` is untouched.
+    partial = ddp / "resumed" / "checkpoints" / ".partial-step_00000020"
+    shutil.copytree(ddp / "resumed" / "checkpoints" / "step_00000015" / "rng", partial / "rng")
+    (ddp / "resumed" / "checkpoints" / "latest.tmp").write_text("step_00000020")
+
+    # 3. Resume from latest, then SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0.
+    seen["sigterm"] = run_until_sigterm([*RUN, f"--train.out_dir={ddp / 'resumed'}", "--resume-from-checkpoint", "latest"],
+                                        ddp / "resumed", 18)
+    seen["sigterm_losses"] = losses(ddp / "resumed")
+    seen["sigterm_latest"] = (ddp / "resumed" / "checkpoints" / "latest").read_text()
+
+    # 4. Resume again (fresh processes) to the end; then the finished run once more.
+    resume = ("--resume-from-checkpoint", "latest")
+    seen["resumes"] = torchrun_commands([command(RUN, ddp / "resumed", *resume), command(RUN, ddp / "resumed", *resume),
+                                         command(FSDP_RUN, fsdp / "resumed", *resume)], root)
+
+    # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism), and an overwritten earlier run, on one process.
+    shutil.copytree(ddp / "straight", ddp / "overwritten")
+    torchrun_commands([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
+                       command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
+                       command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], root, nproc=1)
+    return seen
+
+
+def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):
+    root = runs["root"]
+    straight, resumed, dp1 = root / "ddp" / "straight", root / "ddp" / "resumed", root / "ddp" / "dp1"
     assert checkpoints(straight) == ["step_00000030", "step_00000040"]  # keep_last=2
     assert (straight / "checkpoints" / "latest").read_text() == "step_00000040"
 
-    # 1. Megatron's convention: save and exit 0 at train.exit_interval.
-    torchrun([*RUN, f"--train.out_dir={resumed}", "--train.exit_interval=15"])
-    assert checkpoints(resumed) == ["step_00000010", "step_00000015"]
-    assert max(losses(resumed)) == 15
-    shutil.copytree(resumed / "checkpoints", dp1 / "checkpoints")  # for the DP-change run below
+    # 1. Saved and stopped at train.exit_interval=15.
+    assert runs["ddp", "stopped"] == (["step_00000010", "step_00000015"], 15)
 
-    # 2. A save killed with -9 leaves a partial directory and a stray pointer file; `latest` is untouched.
-    partial = resumed / "checkpoints" / ".partial-step_00000020"
-    shutil.copytree(resumed / "checkpoints" / "step_00000015" / "rng", partial / "rng")
-    (resumed / "checkpoints" / "latest.tmp").write_text("step_00000020")
-
-    # 3. Resume from latest, then SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0.
-    result = run_until_sigterm([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"], resumed, 18)
+    # 3. The SIGTERM run resumed from latest (past the killed save's leftovers), finished its step, saved and exited 0.
+    result = runs["sigterm"]
     assert result.returncode == 0, result.stdout[-4000:]
     assert "resumed from" in result.stdout and "stopping at step" in result.stdout
-    interrupted_at = max(losses(resumed))
+    interrupted_at = max(runs["sigterm_losses"])
     assert 18 <= interrupted_at < 40
-    assert (resumed / "checkpoints" / "latest").read_text() == f"step_{interrupted_at:08d}"
+    assert runs["sigterm_latest"] == f"step_{interrupted_at:08d}"
 
-    # 4. Resume again to the end: every step's loss equals the uninterrupted run's, bit for bit.
-    torchrun([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
+    # 4. Resumed again to the end: every step's loss equals the uninterrupted run's, bit for bit.
     reference, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 41))
     assert got == reference
-    assert not partial.exists()  # the rerun's save of that step replaced the killed one's leftovers
+    assert not (resumed / "checkpoints" / ".partial-step_00000020").exists()  # the rerun's save of that step replaced the killed one's leftovers
     assert checkpoints(resumed) == ["step_00000030", "step_00000040"]
 
     # 5. A finished run says so and exits 0 without training.
-    finished = torchrun([*RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
-    assert "already finished all 40 steps" in finished.stdout
+    assert "already finished all 40 steps" in runs["resumes"][1]["log"]
+    assert "already finished" not in runs["resumes"][0]["log"]
 
     # 5b. The same command again without --resume-from-checkpoint (a typo, a re-submitted job) is refused before any
     # work, and leaves the first run byte for byte; with the overwrite key it runs.
@@ -96,20 +148,17 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
     assert f"error: `train.out_dir={straight}` holds an earlier run" in again.stderr
     assert "--resume-from-checkpoint latest" in again.stderr and "--train.overwrite_output_dir=true" in again.stderr
     assert {path: path.read_bytes() for path in straight.rglob("*") if path.is_file()} == snapshot
-    overwritten = tmp_path / "overwritten"
-    shutil.copytree(straight, overwritten)
-    torchrun([*RUN, f"--train.out_dir={overwritten}", "--train.steps=2", "--train.overwrite_output_dir=true"], nproc=1)
+    overwritten = root / "ddp" / "overwritten"
     assert sorted(losses(overwritten)) == [1, 2] and checkpoints(overwritten) == ["step_00000002"]
 
     # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism): the loss continues.
-    torchrun([*RUN, f"--train.out_dir={dp1}", "--resume-from-checkpoint", "latest", "--train.exit_interval=18"], nproc=1)
     continued = losses(dp1)
     for step in (16, 17, 18):
         print(f"DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")
         assert abs(continued[step] - reference[step]) < 1e-4 * reference[step]
 
     # 7. A truncated model/optimizer shard is a one-paragraph error naming the checkpoint, on every rank, exit 2.
-    broken = tmp_path / "broken"
+    broken = root / "ddp" / "broken"
     shutil.copytree(straight / "checkpoints", broken / "checkpoints")
     shard = next((broken / "checkpoints" / "step_00000040" / "model_and_optimizer").glob("*.distcp"))
     with open(shard, "r+b") as file:
@@ -123,37 +172,18 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(tmp_path):
     assert "Traceback" not in failed.stderr.split("error:")[0] and "bytes) (EOFError). Resume" in message  # the underlying error, one line
 
 
-# Held-out evaluation on (8 prompts every 4 steps): under Megatron-FSDP its greedy generation gathers parameters in
-# every forward, so both ranks must run the same forwards.
-FSDP_RUN = ["-m", "trainer.sft", "--parallel.use_megatron_fsdp=true", "--train.steps=12", "--train.global_batch_size=8",
-            "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=4", "--optim.warmup_steps=2",
-            "--ckpt.save_interval=4"]
-
-
-def rows(out_dir) -> list[dict]:
-    """metrics.jsonl's rows, wall-clock fields left out."""
-    return [{key: value for key, value in json.loads(line).items() if key not in ("step_time_s", "tokens_per_s")}
-            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_megatron_fsdp_exact_resume(tmp_path):
+def test_megatron_fsdp_exact_resume(runs):
     """Megatron-FSDP checkpoints through its DTensor path: the resumed run's losses equal the straight run's, bit for bit.
 
     Step 7's loss is the first forward after the load: it also shows the loaded weights are live at once
     (stale compute weights would give the untrained model's loss there).
     """
-    straight, resumed, dp1 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "dp1"
-    torchrun([*FSDP_RUN, f"--train.out_dir={straight}"])
+    straight, resumed, dp1 = (runs["root"] / "fsdp" / name for name in ("straight", "resumed", "dp1"))
     assert checkpoints(straight) == ["step_00000008", "step_00000012"]
     assert (straight / "hf" / "model.safetensors").is_file()  # the export gathers the uneven DTensor shards
+    assert runs["fsdp", "stopped"] == (["step_00000004", "step_00000006"], 6)
 
-    torchrun([*FSDP_RUN, f"--train.out_dir={resumed}", "--train.exit_interval=6"])
-    assert checkpoints(resumed) == ["step_00000004", "step_00000006"]
-    assert max(losses(resumed)) == 6
-    shutil.copytree(resumed / "checkpoints", dp1 / "checkpoints")
-
-    result = torchrun([*FSDP_RUN, f"--train.out_dir={resumed}", "--resume-from-checkpoint", "latest"])
-    assert "resumed from" in result.stdout
+    assert "resumed from" in runs["resumes"][2]["log"]
     reference, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 13))
     assert got == reference
@@ -161,7 +191,6 @@ def test_megatron_fsdp_exact_resume(tmp_path):
     assert [row["step"] for row in rows(straight) if "eval_accuracy" in row] == [0, 4, 8, 12]
 
     # DP=2 -> DP=1: the DTensors reshard over data parallelism; the loss continues.
-    torchrun([*FSDP_RUN, f"--train.out_dir={dp1}", "--resume-from-checkpoint", "latest", "--train.exit_interval=8"], nproc=1)
     continued = losses(dp1)
     for step in (7, 8):
         print(f"Megatron-FSDP DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")

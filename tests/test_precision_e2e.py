@@ -1,35 +1,47 @@
-"""Precision and data-parallel variants of `trainer.sft` end to end on CPU (2 processes, tiny model, 10 steps).
+"""Precision and data-parallel variants of `trainer.sft` end to end on CPU (tiny model, 10 steps each).
 
 fp32 DDP is the reference. Megatron-FSDP must reproduce it; bf16 (with the distributed optimizer) must
 track it loosely; the precision-aware optimizer (bf16 moments, bf16 main gradients) runs through the
 FusedAdam test double (scripts/fused_adam_double.py), since Transformer Engine needs CUDA, and must train
-with the optimizer state really held in the dtypes asked for. A separate small run checks that
+with the optimizer state really held in the dtypes asked for. Data parallelism, gradient accumulation and
+packing over one global batch must leave the losses unchanged. A separate small run checks that
 `model.build.broadcast_parameters` synchronises every model chunk, not only the first.
+
+The runs share launches (torchrun's start-up is paid per launch): the 2-process `trainer.sft` variants in one,
+the 1-process ones in another; the FusedAdam double replaces megatron-core's Adam for its whole process, so its
+run has a launch of its own.
 """
 
 import json
 import math
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import torchrun, torchrun_commands
 
 pytestmark = pytest.mark.distributed
 
 SAME_RUN = ["--train.steps=10", "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_samples=0",
             "--optim.warmup_steps=1"]
-SFT = ["-m", "trainer.sft"]
-DOUBLE_WORKER = ["tests/distributed/sft_with_fused_adam_double.py"]
-RUNS = {
-    "ddp_fp32": (SFT, ["--parallel.use_distributed_optimizer=false"]),
-    "ddp_bf16_distributed_optimizer": (SFT, ["--model.dtype=bf16"]),
-    "fsdp_fp32": (SFT, ["--parallel.use_megatron_fsdp=true"]),
-    "precision_aware_bf16": (DOUBLE_WORKER, ["--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true",
-                                             "--optim.main_grads_dtype=bf16", "--optim.exp_avg_dtype=bf16",
-                                             "--optim.exp_avg_sq_dtype=bf16"]),
+PRECISION_RUNS = {
+    "ddp_fp32": ["--parallel.use_distributed_optimizer=false"],
+    "ddp_bf16_distributed_optimizer": ["--model.dtype=bf16"],
+    "fsdp_fp32": ["--parallel.use_megatron_fsdp=true"],
+}
+DOUBLE_WORKER = "tests/distributed/sft_with_fused_adam_double.py"
+PRECISION_AWARE = ["--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true", "--optim.main_grads_dtype=bf16",
+                   "--optim.exp_avg_dtype=bf16", "--optim.exp_avg_sq_dtype=bf16"]
+# The same global batch of 8 (and seed 5): DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4,
+# DP=2 packed. Name: (process count, extra arguments).
+DATA_PARALLEL_RUN = ["--train.steps=10", "--train.global_batch_size=8", "--train.eval_samples=0", "--train.seed=5",
+                     "--optim.warmup_steps=1"]
+DATA_PARALLEL_RUNS = {
+    "dp1_micro8": (1, ["--train.micro_batch_size=8"]),
+    "dp1_micro2": (1, ["--train.micro_batch_size=2"]),
+    "dp2_micro4": (2, ["--train.micro_batch_size=4"]),
+    "dp2_micro2_packed": (2, ["--train.micro_batch_size=2", "--data.pack=true"]),
 }
 # Per-step worst relative differences from ddp_fp32 measured on CPU (2 processes): Megatron-FSDP 4.9e-8
 # (reduction order only); bf16 weights with the distributed optimizer 4.5e-4; precision-aware with bf16
@@ -56,29 +68,37 @@ def worst_relative_difference(values: list[float], reference: list[float]) -> fl
     return max(abs(value - expected) / abs(expected) for value, expected in zip(values, reference))
 
 
+def sft(out_dir: Path, *extra: str) -> dict:
+    """One `trainer.sft` command of a shared launch (tests/distributed/commands_worker.py)."""
+    return {"module": "trainer.sft", "argv": [*extra, f"--train.out_dir={out_dir}"]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Each variant trained once, same data and seed: {name: Run}.
+    """Every variant trained once: {name: Run}. A shared launch that fails fails the tests of its runs with its output.
 
-    A run that fails after writing its metrics still yields its losses; each test checks its own
-    run's exit status, so one broken variant does not hide the figures of the others.
+    The precision-aware run (its own launch) that fails after writing its metrics still yields its losses; its test
+    checks its exit status, so a broken double does not hide the figures of the others.
     """
     root = tmp_path_factory.mktemp("precision-runs")
-    results = {}
-    for name, (entry, extra) in RUNS.items():
-        try:
-            process = torchrun([*entry, *SAME_RUN, *extra, f"--train.out_dir={root / name}"], nproc=2, timeout=900, check=False)
-            exit_code, stderr = process.returncode, process.stderr
-        except subprocess.TimeoutExpired as timeout:
-            stderr = timeout.stderr or b""  # bytes on POSIX even with text=True
-            exit_code, stderr = "timed out (900 s)", stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
-        metrics_file = root / name / "metrics.jsonl"
-        losses = step_losses(root / name) if metrics_file.exists() else []
-        # Each rank's traceback lines carry a "[rankN]:" prefix; rank 0's say what went wrong.
-        rank0 = "\n".join(line for line in stderr.splitlines() if line.startswith("[rank0]:"))
-        results[name] = Run(root / name, losses, exit_code, rank0[-4000:] or stderr[-4000:])
+    two = [sft(root / name, *SAME_RUN, *extra) for name, extra in PRECISION_RUNS.items()]
+    two += [sft(root / name, *DATA_PARALLEL_RUN, *extra) for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 2]
+    torchrun_commands(two, root, nproc=2)
+    torchrun_commands([sft(root / name, *DATA_PARALLEL_RUN, *extra)
+                       for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 1], root, nproc=1)
+    results = {name: Run(root / name, step_losses(root / name), 0, "") for name in [*PRECISION_RUNS, *DATA_PARALLEL_RUNS]}
+    process = torchrun([DOUBLE_WORKER, *SAME_RUN, *PRECISION_AWARE, f"--train.out_dir={root / 'precision_aware_bf16'}"],
+                       nproc=2, timeout=900, check=False)
+    # Each rank's traceback lines carry a "[rankN]:" prefix; rank 0's say what went wrong.
+    rank0 = "\n".join(line for line in process.stderr.splitlines() if line.startswith("[rank0]:"))
+    metrics_file = root / "precision_aware_bf16" / "metrics.jsonl"
+    results["precision_aware_bf16"] = Run(root / "precision_aware_bf16",
+                                          step_losses(root / "precision_aware_bf16") if metrics_file.exists() else [],
+                                          process.returncode, rank0[-4000:] or process.stderr[-4000:])
     reference = results["ddp_fp32"].losses
-    for name, run in results.items():  # the figures, for the log
+    for name, run in results.items():  # the precision figures, for the log (the DP test prints its own)
+        if name in DATA_PARALLEL_RUNS:
+            continue
         difference = worst_relative_difference(run.losses, reference) if run.losses and reference else float("nan")
         print(f"\n{name:32s} exit {run.exit_code}  " + " ".join(f"{loss:.5f}" for loss in run.losses)
               + f"   max rel diff vs ddp_fp32 {difference:.2e}")
@@ -135,3 +155,16 @@ def test_broadcast_parameters_synchronises_every_chunk(tmp_path):
         assert result["dp_size"] == 2
         assert result["equal_before"] == [False, False]  # rank 1 perturbed both chunks
         assert result["equal_after"] == [True, True]
+
+
+def test_data_parallel_accumulation_and_packing_leave_losses_unchanged(runs):
+    """Same global batch of 8: DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4, DP=2 packed."""
+    reference = runs["dp1_micro8"].losses
+    for name in DATA_PARALLEL_RUNS:
+        values = runs[name].losses
+        assert len(values) == 10
+        worst = max(abs(a - b) for a, b in zip(values, reference))
+        print(f"{name}: max |loss - dp1_micro8| = {worst:.2e}")
+        assert worst < 1e-5, name
+    # The real megatron-core model, DDP and optimizer under the CPU layer learn on 2 processes.
+    assert sum(reference[-3:]) / 3 < 0.8 * sum(reference[:3]) / 3

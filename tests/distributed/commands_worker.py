@@ -3,11 +3,14 @@ ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (G
 
 Each command (a JSON object: `module`, `argv`, and optionally `cwd`, `env`, `world_size`, `smoke`) is first
 validated as written (at `world_size`, default this launch's), then run with its `smoke` arguments appended (the
-README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1 it logged.
+README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1 it logged and what the
+command logged (the lines a `torchrun -m trainer.X` launch of it alone would print).
 """
 
 import argparse
+import io
 import json
+import logging
 import os
 import shlex
 from pathlib import Path
@@ -37,12 +40,17 @@ def main() -> None:
         config_class, loop = LOOPS[command["module"]]
         config, _ = cli.parse_args(config_class, command["argv"], command["module"])
         config.validate(command.get("world_size", dist.get_world_size()))  # as written: e.g. the README's own process count
-        loop(command["argv"] + smoke)
+        captured = logging.StreamHandler(io.StringIO())  # beside the console's: the loops' loggers propagate to the root
+        logging.getLogger().addHandler(captured)
+        try:
+            loop(command["argv"] + smoke)
+        finally:
+            logging.getLogger().removeHandler(captured)
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         line = command.get("line", shlex.join([command["module"], *command["argv"]]))
-        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None)})
+        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue()})
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))

@@ -51,13 +51,15 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = 
     return result
 
 
-def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, timeout: int = 900) -> list[dict]:
+def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, timeout: int = 900,
+                      env: dict | None = None) -> list[dict]:
     """Run several `trainer.*` commands (`{"module": ..., "argv": [...]}`, see tests/distributed/commands_worker.py) in one
-    launch, one after another in one process group: torchrun's start-up is paid once. Returns each one's step-1 row."""
+    launch, one after another in one process group: torchrun's start-up is paid once. Returns, per command, its step-1
+    row and its log lines (SFT commands first, as they run)."""
     listing, results = tmp_path / f"commands-{len(commands)}-{free_port()}.json", tmp_path / "results.json"
     listing.write_text(json.dumps(commands))
     torchrun(["tests/distributed/commands_worker.py", "--commands", str(listing), "--out", str(results)], nproc=nproc,
-             timeout=timeout)
+             timeout=timeout, env=env)
     return json.loads(results.read_text())
 
 

@@ -194,8 +194,55 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+# The reward of the resume test: it makes every group of some prompts all-equal (those whose reference is even), and
+# raises on some completions.
+FRAGILE_REWARD = (
+    "def fragile(completion, reference):\n"
+    "    if int(reference.split()[-1]) % 2 == 0:\n"
+    "        return 0.5  # every completion alike: no signal in the group\n"
+    "    if '####' in completion:\n"
+    "        return 1.0\n"
+    "    if len(completion) % 2:\n"
+    "        raise ValueError('cannot handle odd lengths')\n"
+    "    return 0.0\n")
+RESUME_LAYOUTS = {"ddp": [], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
+
+
+def lora_command(sft_checkpoint, out_dir) -> dict:
+    """LoRA GRPO from the default SFT at LoRA's learning rate (docs/lora.md), 10 steps of the default batch.
+
+    No warmup: with it, the first step would run at learning rate 0 and the adapters could not move at once."""
+    return {"module": "trainer.grpo", "argv": [f"--model.path={sft_checkpoint}", "--peft.method=lora", "--optim.lr=1e-3",
+                                               "--optim.warmup_steps=0", "--train.steps=10", "--train.eval_interval=10",
+                                               "--train.eval_samples=200", f"--train.out_dir={out_dir}"]}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(sft_checkpoint, tmp_path_factory) -> dict:
+    """The eager 2-process GRPO runs of the resume and LoRA tests, in two launches (torchrun's start-up is paid per
+    launch): the straight runs, the split runs stopped at step 2 and the LoRA run in one; the split runs resumed, in
+    fresh processes as a resumed job is, in the other. Returns each command's result (log lines, step-1 row)."""
+    root = tmp_path_factory.mktemp("grpo-runs")
+    (root / "fragile_reward.py").write_text(FRAGILE_REWARD)
+    env = {"PYTHONPATH": f"{root}:{REPO}"}
+    small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
+             "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
+             "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2"]
+
+    def resume_commands(run: str, *extra: str) -> list[dict]:
+        return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}
+                for name, layout in RESUME_LAYOUTS.items()]
+
+    first = torchrun_commands([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
+                               lora_command(sft_checkpoint, root / "lora")], root, env=env)
+    # Stopped early: no export yet.
+    split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in RESUME_LAYOUTS)
+    torchrun_commands(resume_commands("split", "--resume-from-checkpoint", "latest"), root, env=env)
+    return {"root": root, "lora_log": first[-1]["log"], "split_exported_at_step_2": split_exported_at_step_2}
+
+
 @pytest.mark.distributed
-def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft_checkpoint, tmp_path, monkeypatch):
+def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(shared_runs):
     """2N steps straight vs N, `--resume-from-checkpoint latest`, N more: identical rewards, losses and held-out
     figures (sampling included), under DDP and under Megatron-FSDP, whose every forward gathers parameters over the
     data-parallel ranks (generation and evaluation run the same forwards on both ranks). From the same weights and
@@ -205,29 +252,8 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sft
     even), so the ranks sample extra rounds, each its own number of groups short, and the batch trains on groups with
     signal only. The reward is a user function (`module:function`) that also raises on some completions: those score
     0, are counted, and the run goes on."""
-    (tmp_path / "fragile_reward.py").write_text(
-        "def fragile(completion, reference):\n"
-        "    if int(reference.split()[-1]) % 2 == 0:\n"
-        "        return 0.5  # every completion alike: no signal in the group\n"
-        "    if '####' in completion:\n"
-        "        return 1.0\n"
-        "    if len(completion) % 2:\n"
-        "        raise ValueError('cannot handle odd lengths')\n"
-        "    return 0.0\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
-    small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
-             "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
-             "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true",
-             "--grpo.max_sampling_rounds=2"]
-    layouts = {"ddp": [], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
-    # Three launches, each running the DDP and the FSDP run in turn: straight; split, stopped at step 2; and, in fresh
-    # processes, the split runs resumed.
-    for run, extra in (("straight", []), ("split", ["--train.exit_interval=2"]),
-                       ("split", ["--resume-from-checkpoint", "latest"])):
-        torchrun_commands([{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={tmp_path / name / run}", *extra]}
-                           for name, layout in layouts.items()], tmp_path)
-        if extra[:1] == ["--train.exit_interval=2"]:
-            assert not any((tmp_path / name / "split" / "hf").exists() for name in layouts)  # stopped early: no export yet
+    tmp_path = shared_runs["root"]
+    assert not shared_runs["split_exported_at_step_2"]
     fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors", "truncated_rate",
               "eval_accuracy", "eval_answer_accuracy", "sampling_rounds", "kept_group_rate", "zero_advantage_groups")
     rows = {f"{name}/{run}": [tuple(row.get(key) for key in fields) for row in metrics(tmp_path / name / run)]
@@ -321,16 +347,13 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_p
 
 
 @pytest.mark.distributed
-def test_grpo_with_lora_learns_with_the_policy_without_adapters_as_its_kl_reference(sft_checkpoint, tmp_path):
+def test_grpo_with_lora_learns_with_the_policy_without_adapters_as_its_kl_reference(shared_runs):
     """LoRA GRPO from the default SFT at LoRA's learning rate (docs/lora.md), 10 steps of the default batch: no frozen
     copy is built (pi_ref is the policy with its adapters off), so the KL term is exactly 0 at step 1 (the adapters
     start at zero) and positive once they have moved; and it learns the rewarded `#### N` form."""
-    # No warmup: with it, the first step would run at learning rate 0 and the adapters could not move at once.
-    result = torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", "--peft.method=lora", "--optim.lr=1e-3",
-                       "--optim.warmup_steps=0", "--train.steps=10", "--train.eval_interval=10", "--train.eval_samples=200",
-                       f"--train.out_dir={tmp_path}"], nproc=2)
-    assert "KL reference: the policy with its LoRA adapters switched off (no copy built)" in result.stdout
-    assert "a frozen copy" not in result.stdout
+    tmp_path, log = shared_runs["root"] / "lora", shared_runs["lora_log"]
+    assert "KL reference: the policy with its LoRA adapters switched off (no copy built)" in log
+    assert "a frozen copy" not in log
     rows = metrics(tmp_path)
     steps = [row for row in rows if "reward_mean" in row]
     before, after = [row for row in rows if "eval_accuracy" in row]

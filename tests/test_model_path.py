@@ -28,12 +28,19 @@ def check_parity(ranks: dict[int, dict], world_size: int) -> None:
     assert main["round_trip_tied"] is True
 
 
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """TP=2, then TP=1 (two data-parallel ranks), measured in one 2-process launch."""
+    out = tmp_path_factory.mktemp("parity")
+    torchrun([WORKER, "--tp", "2,1", "--out", str(out)], nproc=2)
+    return out
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2])
-def test_parity_round_trip_and_generation(tp, tmp_path):
-    torchrun([WORKER, "--tp", str(tp), "--out", str(tmp_path)], nproc=tp)
-    ranks = results(tmp_path)
-    check_parity(ranks, tp)
+def test_parity_round_trip_and_generation(tp, layouts):
+    ranks = results(layouts / f"tp{tp}")
+    check_parity(ranks, 2)
     for rank in ranks.values():
         assert rank["greedy_equal"] is True, "greedy generation must match transformers.generate token for token"
         assert rank["sampling_reproducible"] is True
@@ -44,7 +51,7 @@ def test_parity_round_trip_and_generation(tp, tmp_path):
         assert min(rank["stop_lengths"]) < max(rank["stop_lengths"])
         assert rank["samples_greedy_repeat"] is True and rank["samples_reproducible"] is True
         assert rank["samples_differ_within_groups"] > len(rank["sampled"]) // 4  # groups are sampled, not copied
-        assert rank["sampled"] == ranks[0]["sampled"]  # tensor-parallel ranks sample identically
+        assert rank["sampled"] == ranks[0]["sampled"]  # tensor-parallel (and data-parallel) ranks sample identically
         assert rank["end_ids"] is True and rank["stops_at_second_end_id"] is True
         assert rank["truncated"] == rank["truncated_by_hand"] and 1 <= sum(rank["truncated"]) < len(rank["truncated"])
 
@@ -59,4 +66,4 @@ def test_parity_pipeline_parallel_across_two_simulated_nodes(tmp_path):
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-6000:]
-    check_parity(results(tmp_path), 2)
+    check_parity(results(tmp_path / "tp1"), 2)

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -49,7 +50,7 @@ def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, measured in turn (results in <out>/tp<T>/)")
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -77,19 +78,34 @@ def main() -> None:
         reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=stop,
                            pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist() for prompt in prompts]
 
-    runtime = parallel.init_distributed(ParallelConfig(tp=args.tp, pp=args.pp), seed=7)
+    expected = SimpleNamespace(tokens=tokens, logits=reference_logits, prompts=prompts, completions=reference_completions,
+                               stop=stop, stopped_completions=stopped_completions)
+    for tp in [int(size) for size in args.tp.split(",")]:
+        out = Path(args.out) / f"tp{tp}"
+        out.mkdir(parents=True, exist_ok=True)
+        runtime = measure(path, tokenizer, tp, args.pp, out, expected)
+    parallel.shutdown(runtime)
+
+
+def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamespace):
+    """One layout's parity, generation and round trip against transformers' figures (`expected`); writes
+    `out/rank<R>.json`."""
+    tokens, reference_logits, prompts, stop = expected.tokens, expected.logits, expected.prompts, expected.stop
+    reference_completions, stopped_completions = expected.completions, expected.stopped_completions
+    vocab = reference_logits.size(-1)
+    runtime = parallel.init_distributed(ParallelConfig(tp=tp, pp=pp), seed=7)
     bridge = build.auto_bridge(path)
-    provider = build.configure_provider(bridge, dtype="fp32", tp=args.tp, pp=args.pp, vpp=None, seq_length=64)
+    provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=pp, vpp=None, seq_length=64)
     chunks = build.build_chunks(provider)
     result = {"rank": runtime.rank, "world_size": runtime.world_size}
 
     logits = megatron_logits(chunks, tokens)
     if logits is not None:
         result["max_abs_logit_diff"] = (logits[..., :vocab] - reference_logits).abs().max().item()
-        print(f"[parity] TP={args.tp} PP={args.pp} rank {runtime.rank}: max |logits - transformers| = "
+        print(f"[parity] TP={tp} PP={pp} rank {runtime.rank}: max |logits - transformers| = "
               f"{result['max_abs_logit_diff']:.3g}", flush=True)
 
-    if args.pp == 1:
+    if pp == 1:
         kwargs = dict(max_new_tokens=16, end_ids=tokenizer.eos_token_id, vocab_size=vocab)
         result["greedy_equal"] = generate.generate(chunks, prompts, **kwargs) == reference_completions
         first = generate.generate(chunks, prompts, temperature=1.0, top_p=0.9, top_k=50, seed=11, **kwargs)
@@ -111,7 +127,7 @@ def main() -> None:
         result["sampled"] = sampled[0]
         # A checkpoint whose generation_config.json declares two end ids (as Qwen2.5-Instruct's does): generation
         # stops at either, here at the second; a completion that reaches the budget without one is truncated.
-        declared = Path(args.out) / f"two-end-ids-rank{runtime.rank}"
+        declared = out / f"two-end-ids-rank{runtime.rank}"
         declared.mkdir()
         (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, stop]}))
         end_ids = generate.end_token_ids(declared, tokenizer)
@@ -123,7 +139,7 @@ def main() -> None:
         result["truncated_by_hand"] = [len(completion) == 16 and completion[-1] not in (tokenizer.eos_token_id, stop)
                                        for completion in two_ends]
 
-    export_dir = Path(args.out) / "export"
+    export_dir = out / "export"
     build.export_hf(bridge, chunks, export_dir)
     torch.distributed.barrier()
     if runtime.is_main:
@@ -133,8 +149,8 @@ def main() -> None:
         result["round_trip_max_abs_diff"] = max((state[name] - tensor).abs().max().item() for name, tensor in original.items())
         result["round_trip_missing"] = sorted(set(original) - set(state))
         result["round_trip_tied"] = exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
-    Path(args.out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
-    parallel.shutdown(runtime)
+    Path(out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
+    return runtime
 
 
 if __name__ == "__main__":

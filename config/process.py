@@ -1,9 +1,16 @@
 """Where this process sits among torchrun's, read from the environment torchrun sets (valid before and after the
-process group starts; a process started without torchrun is rank 0)."""
+process group starts; a process started without torchrun is rank 0), and where it keeps what it builds once."""
 
 import os
+import pathlib
 
 
 def is_global_rank_zero() -> bool:
     """Whether this is global rank 0, the one process that writes shared files and prints."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def cache_dir() -> pathlib.Path:
+    """Where built things are kept between runs (the tiny model, tokenized SFT data): `$TRAINER_CACHE_DIR`, or
+    `~/.cache/megatron-trainer` when it is unset."""
+    return pathlib.Path(os.environ.get("TRAINER_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-trainer")

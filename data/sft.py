@@ -7,11 +7,18 @@ counted. A conversation whose turn pieces tokenize differently from its whole re
 starting with a newline merges with the header's) is dropped and counted rather than masked by guess.
 Every row read is either used or counted in the `DropReport` under one reason.
 
+Tokenized examples are kept in a cache (`cached_examples`) keyed by everything tokenizing reads, so a restarted or
+repeated run skips the work.
+
 Batching (padding, packing, collating) is `data.batches`, which GRPO's rollouts share.
 """
 
 import collections
 import dataclasses
+import hashlib
+import json
+import logging
+import os
 import pathlib
 
 import torch
@@ -20,6 +27,7 @@ from config.errors import UserError
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 from data.batches import Example
 
+log = logging.getLogger(__name__)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (1000, EVAL_SEED), "eval": (1000, EVAL_SEED)}
 # SFT's targets on the bundled train split: this share answers `The answer is N.`, the rest `#### N`. The SFT
@@ -280,6 +288,71 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
         raise UserError(f"No usable SFT example is left after tokenizing: {report.summary()}. Raise data.max_seq_len "
                         f"(now {max_seq_len}) if samples lost every response token, or change data.path (or the "
                         "model, when its chat template merges tokens across every turn boundary).")
+    return examples
+
+
+# --- cache of tokenized examples -----------------------------------------------------------------
+
+CACHE_FOLDER = "sft-examples"
+
+
+def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
+    """A digest of everything `build_examples` reads, or None for a slow tokenizer (which has no one text of its state).
+
+    The conversations and the report's row numbering so far, `max_seq_len`, the whole fast tokenizer (vocabulary,
+    merges, normalisation, added tokens), its chat template and special tokens, the first conversation as that template
+    renders it now (a template that prints today's date renders differently tomorrow), and the source of this module and
+    of `data.batches` (a change to the tokenization code is a new key)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    state = {"conversations": conversations, "max_seq_len": max_seq_len, "rows_read": report.rows_read,
+             "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
+             "first_drops": report.first_drops, "truncated": report.truncated,
+             "chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
+             "first_rendering": tokenizer.apply_chat_template(conversations[0], tokenize=False) if conversations else ""}
+    digest = hashlib.sha256()
+    for part in (json.dumps(state, sort_keys=True, default=str), tokenizer.backend_tokenizer.to_str(),
+                 pathlib.Path(__file__).read_text(), pathlib.Path(__file__).with_name("batches.py").read_text()):
+        digest.update(hashlib.sha256(part.encode()).digest())
+    return digest.hexdigest()[:32]
+
+
+def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,
+                    cache_dir: pathlib.Path | None) -> list[Example]:
+    """`build_examples`, read from `cache_dir` when these conversations were tokenized the same way before (the
+    report then reads as if tokenized now); otherwise built and written there. None: no cache.
+
+    Every process reads or writes the same file (each write is atomic), so ranks and nodes sharing the cache agree. A
+    damaged entry is rebuilt; a cache that cannot be written is left out with a warning."""
+    key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
+    if key is None:
+        return build_examples(conversations, tokenizer, max_seq_len, report)
+    path = cache_dir / CACHE_FOLDER / f"{key}.json"
+    try:
+        stored = json.loads(path.read_text())
+        examples = [Example(input_ids, loss_mask) for input_ids, loss_mask in stored["examples"]]
+        restored = stored["report"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not cached yet, or damaged: tokenize
+    else:
+        report.kept_rows, report.truncated = restored["kept_rows"], restored["truncated"]
+        report.dropped_by_reason = collections.Counter(dict(restored["dropped"]))
+        report.first_drops = [tuple(drop) for drop in restored["first_drops"]]
+        log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)", path)
+        return examples
+    examples = build_examples(conversations, tokenizer, max_seq_len, report)
+    stored = {"examples": [[example.input_ids, example.loss_mask] for example in examples],
+              "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
+                         "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}}
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(json.dumps(stored))
+        os.replace(staging, path)
+    except OSError as error:
+        log.warning("tokenized examples not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
+                    "directory to silence this", error)
+        staging.unlink(missing_ok=True)
     return examples
 
 

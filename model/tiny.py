@@ -22,6 +22,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from config import process
+
 # Bump when the build code changes in a way the recipe below does not capture.
 RECIPE_VERSION = 1
 COMPLETE_MARKER = ".complete"
@@ -80,11 +82,6 @@ QWEN2_0P5B_CONFIG = {
     "dtype": "bfloat16",
 }
 QWEN2_0P5B_VOCAB_SIZE = 151936
-
-
-def default_cache_dir() -> pathlib.Path:
-    """Return `$TRAINER_CACHE_DIR`, or `~/.cache/megatron-trainer` when it is unset."""
-    return pathlib.Path(os.environ.get("TRAINER_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-trainer")
 
 
 def recipe_hash(model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> str:
@@ -153,13 +150,13 @@ def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG,
 
 def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return the directory of the tiny Hugging Face checkpoint, building it once per recipe."""
-    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else process.cache_dir()
     return _ensure_built(cache_dir / f"tiny-qwen2-{recipe_hash()}", lambda directory: build_checkpoint(directory))
 
 
 def ensure_qwen2_0p5b_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return the directory of the random-weight Qwen2.5-0.5B-shaped checkpoint, building it once (about 1 GB, bf16)."""
-    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else process.cache_dir()
     target = cache_dir / f"qwen2-0.5b-random-{recipe_hash(QWEN2_0P5B_CONFIG, QWEN2_0P5B_VOCAB_SIZE)}"
     return _ensure_built(target, lambda directory: build_checkpoint(directory, QWEN2_0P5B_CONFIG, QWEN2_0P5B_VOCAB_SIZE))
 

@@ -20,7 +20,7 @@ SFT_KEYS = {
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
     "optim.override_optimizer_config", "ddp.override_ddp_config",
     "data.path", "data.hub_config", "data.eval_path", "data.prompt_field", "data.response_field", "data.messages_field",
-    "data.max_seq_len", "data.pack",
+    "data.max_seq_len", "data.pack", "data.cache",
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",

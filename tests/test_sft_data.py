@@ -13,6 +13,7 @@ from data.sft import (
     BatchSchedule,
     DropReport,
     build_examples,
+    cached_examples,
     encode_texts,
     load_rows,
     to_conversations,
@@ -165,6 +166,42 @@ def test_responses_whose_tokens_merge_with_the_header_are_dropped_not_guessed(to
     assert report.first_drops == [(1, "tokens merge across a turn boundary")]
     with pytest.raises(UserError, match="chat template"):
         tokenize_conversation(merging, tokenizer)
+
+
+def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(tokenizer, tmp_path, monkeypatch):
+    """The cache returns exactly what tokenizing gives (examples and the drop report), and a change to anything tokenizing
+    reads (conversations, max_seq_len, the chat template) is a new entry; a damaged entry is rebuilt."""
+    import data.sft as sft_data
+
+    rows = [{"question": "1 + 1?", "answer": "2"}, {"question": "x", "answer": ""}, {"question": "2 + 2?", "answer": "1 + 1 = 2 " * 40},
+            {"question": "1 + 1 " * 60, "answer": "2"}, {"question": "1 + 1?", "answer": "\n2"}]
+
+    def tokenized(max_seq_len=32, cache=tmp_path, source=rows):
+        conversations, report = to_conversations(source)
+        return cached_examples(conversations, tokenizer, max_seq_len, report, cache), report.summary()
+
+    fresh = tokenized(cache=None)
+    assert fresh[1] == ("2 of 5 rows used, 3 dropped (empty response: 1, no loss tokens after truncation: 1, tokens merge "
+                        "across a turn boundary: 1), 1 truncated; first dropped: row 1 (empty response), row 3 (no loss "
+                        "tokens after truncation), row 4 (tokens merge across a turn boundary)")
+    assert not (tmp_path / "sft-examples").exists()
+    assert tokenized() == fresh  # written
+    (entry,) = (tmp_path / "sft-examples").iterdir()
+    monkeypatch.setattr(sft_data, "build_examples", lambda *args: pytest.fail("tokenized again"))
+    assert tokenized() == fresh  # read: no tokenizing
+    monkeypatch.undo()
+
+    assert tokenized(max_seq_len=64) != fresh  # the longer limit keeps row 3's answer and cuts nothing
+    assert tokenized(source=rows[:1])[0] == fresh[0][:1]
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = original.replace("<|im_start|>", "<|im_start|> ")
+        assert tokenized()[0] != fresh[0]
+    finally:
+        tokenizer.chat_template = original
+    assert len(list((tmp_path / "sft-examples").iterdir())) == 4
+    entry.write_text('{"examples": [[1')  # cut short
+    assert tokenized() == fresh and json.loads(entry.read_text())["report"]["truncated"] == 1
 
 
 # --- configuration mistakes -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Unit tests for the arithmetic problem generator and the embedded tiny checkpoint."""
 
+import pathlib
 import re
 import shutil
 
@@ -138,5 +139,9 @@ def test_tiny_build_losing_the_rename_race_uses_the_winner(checkpoint, tmp_path,
 
 
 def test_default_cache_dir_follows_environment(tmp_path, monkeypatch):
+    from config import process
+
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path))
-    assert tiny.default_cache_dir() == tmp_path
+    assert process.cache_dir() == tmp_path
+    monkeypatch.delenv("TRAINER_CACHE_DIR")
+    assert process.cache_dir() == pathlib.Path.home() / ".cache" / "megatron-trainer"

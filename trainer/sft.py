@@ -40,7 +40,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
         rows = sft_data.load_rows(path, split=split, hub_config=data.hub_config or None, sft_targets=True)
         conversations, report = sft_data.to_conversations(
             rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
-        built = sft_data.build_examples(conversations, tokenizer, data.max_seq_len, report)
+        built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
+                                         process.cache_dir() if data.cache else None)
         log.info("data %s (%s): %d samples used; %s", path, split, len(built), report.summary())
         return built, conversations
 

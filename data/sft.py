@@ -14,12 +14,14 @@ Batching (padding, packing, collating) is `data.batches`, which GRPO's rollouts 
 """
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import pathlib
+import platform
 
 import torch
 
@@ -344,7 +346,7 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
     stored = {"examples": [[example.input_ids, example.loss_mask] for example in examples],
               "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
                          "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}}
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")  # nodes may share the cache
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging.write_text(json.dumps(stored))
@@ -352,7 +354,8 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
     except OSError as error:
         log.warning("tokenized examples not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
                     "directory to silence this", error)
-        staging.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
     return examples
 
 

@@ -202,6 +202,10 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     assert len(list((tmp_path / "sft-examples").iterdir())) == 4
     entry.write_text('{"examples": [[1')  # cut short
     assert tokenized() == fresh and json.loads(entry.read_text())["report"]["truncated"] == 1
+    unwritable = tmp_path / "unwritable"
+    unwritable.mkdir()
+    (unwritable / "sft-examples").write_text("a file where the cache's folder would go")
+    assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
 
 
 # --- configuration mistakes -----------------------------------------------------------------------

@@ -63,6 +63,51 @@ def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, time
     return json.loads(results.read_text())
 
 
+SHARED_LAUNCH = "tests/distributed/shared_launch.py"
+
+
+def worker_listing(workers: list[dict], path: Path) -> list[str]:
+    """Writes `workers` (each `{"script", "argv", "out"}`) for tests/distributed/shared_launch.py; returns the
+    launch's arguments after torchrun's own."""
+    path.write_text(json.dumps(workers))
+    return [SHARED_LAUNCH, str(path)]
+
+
+def torchrun_worker(script: str, argv: list[str], out: Path, timeout: int = 900) -> Path:
+    """One worker (see tests/distributed/shared_launch.py) in a 2-process launch of its own; returns `out`."""
+    torchrun(worker_listing([{"script": script, "argv": argv, "out": str(out)}], out / "workers.json"), nproc=2,
+             timeout=timeout)
+    return worker_output(out)
+
+
+def worker_output(out: Path) -> Path:
+    """A worker's output directory, or a failure showing the traceback the worker left there."""
+    errors = sorted(Path(out).glob("error.rank*.txt"))
+    if errors:
+        pytest.fail("\n".join(f"--- {error.name}\n{error.read_text()}" for error in errors))
+    return Path(out)
+
+
+@pytest.fixture(scope="session")
+def shared_launch(request, tmp_path_factory) -> dict[str, Path]:
+    """One 2-process torchrun launch for the workers of every test module whose selected tests use this fixture,
+    one worker after another (tests/distributed/shared_launch.py): torchrun's start-up and the imports, 10-15 s a
+    launch, are paid once. Each such module defines `shared_worker(out)`, which writes the worker's inputs under
+    `out` and returns the worker's script and arguments (its results go to `out` too). Returns, per test module
+    name, its worker's output directory."""
+    modules = {item.module.__name__: item.module for item in request.session.items
+               if getattr(item, "module", None) and "shared_launch" in getattr(item, "fixturenames", ())}
+    root = tmp_path_factory.mktemp("shared-launch")
+    workers = {}
+    for name, module in modules.items():
+        out = root / name.rpartition(".")[2]
+        out.mkdir()
+        script, *argv = module.shared_worker(out)
+        workers[name] = {"script": script, "argv": argv, "out": str(out)}
+    torchrun(worker_listing(list(workers.values()), root / "workers.json"), nproc=2, timeout=2400)
+    return {name: Path(worker["out"]) for name, worker in workers.items()}
+
+
 @pytest.fixture(scope="session")
 def default_sft(tmp_path_factory) -> Path:
     """The embedded default SFT exactly as a user starts it (only the output directory moved), run once per session:

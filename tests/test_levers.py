@@ -22,7 +22,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data import batches
 from model import rules
-from tests.conftest import torchrun
+from tests.conftest import torchrun_worker
 
 LOSS_TOLERANCE = 1e-6
 WEIGHT_TOLERANCE = 1e-6
@@ -184,7 +184,7 @@ def results(tmp_path_factory) -> dict:
     # A small arithmetic set: tokenizing the bundled 11,000 problems costs each run seconds per process.
     for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
-    torchrun(["tests/distributed/levers_worker.py", "--data", str(data), "--out", str(out)], nproc=2, timeout=900)
+    torchrun_worker("tests/distributed/levers_worker.py", ["--data", str(data), "--out", str(out)], out)
     figures = json.loads((out / "results.json").read_text())
     print("\n" + json.dumps(figures, indent=1))
     return figures

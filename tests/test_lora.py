@@ -1,4 +1,4 @@
-"""LoRA through Megatron-Bridge's PEFT: start-up checks, and SFT at TP=1 and TP=2 end to end (one launch)."""
+"""LoRA through Megatron-Bridge's PEFT: start-up checks, and SFT at TP=1 and TP=2 end to end (in the shared launch)."""
 
 import json
 
@@ -7,9 +7,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from tests.conftest import torchrun
-
-WORKER = "tests/distributed/lora_worker.py"
+from tests.conftest import worker_output
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -41,10 +39,15 @@ def rows(out_dir) -> list[dict]:
             for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def shared_worker(out) -> list[str]:
+    """Both layouts' runs, in the shared launch (conftest's `shared_launch`)."""
+    return ["tests/distributed/lora_worker.py", "--out", str(out)]
+
+
 @pytest.mark.distributed
-def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transformers_and_peft(tmp_path):
-    torchrun([WORKER, "--out", str(tmp_path)], nproc=2, timeout=900)
-    results = json.loads((tmp_path / "results.json").read_text())
+def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transformers_and_peft(shared_launch):
+    out = worker_output(shared_launch[__name__])
+    results = json.loads((out / "results.json").read_text())
     import peft
     import torch
     import transformers
@@ -52,7 +55,7 @@ def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transform
     from model.tiny import ensure_tiny_checkpoint
 
     for layout in ("tp1", "tp2"):
-        result, straight, split = results[layout], tmp_path / layout / "straight", tmp_path / layout / "split"
+        result, straight, split = results[layout], out / layout / "straight", out / layout / "split"
         trainer = torch.load(straight / "trainer_logits.pt")
         merged = transformers.AutoModelForCausalLM.from_pretrained(straight / "hf", dtype=torch.float32).eval()
         base = transformers.AutoModelForCausalLM.from_pretrained(ensure_tiny_checkpoint(), dtype=torch.float32)
@@ -73,7 +76,7 @@ def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transform
         assert rows(split) == rows(straight)  # 3 + resume + 3 = 6 straight, held-out figures included
     # A checkpoint holds the adapters and their optimizer state (main weights and two Adam moments): on the tiny model,
     # whose rank-8 adapters are 8% of its weights, measured 1.2 MB against 3.2 MB for the weights alone.
-    last = tmp_path / "tp1" / "straight" / "checkpoints" / "step_00000006"
+    last = out / "tp1" / "straight" / "checkpoints" / "step_00000006"
     adapter_bytes = sum(path.stat().st_size for path in last.rglob("*.distcp"))
-    model_bytes = (tmp_path / "tp1" / "straight" / "hf" / "model.safetensors").stat().st_size
+    model_bytes = (out / "tp1" / "straight" / "hf" / "model.safetensors").stat().st_size
     assert adapter_bytes < 0.5 * model_bytes, (adapter_bytes, model_bytes)

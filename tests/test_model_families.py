@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import torchrun_worker
 
 WORKER = "tests/distributed/family_worker.py"
 LOGIT_TOLERANCE = 1e-5
@@ -77,8 +77,8 @@ def family_results(tmp_path_factory) -> dict[str, dict]:
     sft_data = tmp_path_factory.mktemp("family-sft-data")
     for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
         (sft_data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
-    torchrun([WORKER, "--out", str(out), "--sft-data", str(sft_data),
-              *(f"--model={family}={checkpoints / family}" for family in FAMILIES)], nproc=2, timeout=1500)
+    torchrun_worker(WORKER, ["--out", str(out), "--sft-data", str(sft_data),
+                             *(f"--model={family}={checkpoints / family}" for family in FAMILIES)], out, timeout=1500)
     results = {}
     for family in FAMILIES:
         ranks = {int(path.stem.removeprefix("rank")): json.loads(path.read_text())

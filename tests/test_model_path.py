@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, TORCHRUN, free_port, torchrun
+from tests.conftest import REPO, TORCHRUN, free_port, worker_listing, worker_output
 
 WORKER = "tests/distributed/parity_worker.py"
 LOGIT_TOLERANCE = 1e-5
@@ -28,12 +28,14 @@ def check_parity(ranks: dict[int, dict], world_size: int) -> None:
     assert main["round_trip_tied"] is True
 
 
+def shared_worker(out) -> list[str]:
+    """TP=2, then TP=1 (two data-parallel ranks), in the 2-process shared launch (conftest's `shared_launch`)."""
+    return [WORKER, "--tp", "2,1", "--out", str(out)]
+
+
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    """TP=2, then TP=1 (two data-parallel ranks), measured in one 2-process launch."""
-    out = tmp_path_factory.mktemp("parity")
-    torchrun([WORKER, "--tp", "2,1", "--out", str(out)], nproc=2)
-    return out
+def layouts(shared_launch):
+    return worker_output(shared_launch[__name__])
 
 
 @pytest.mark.distributed
@@ -60,10 +62,11 @@ def test_parity_round_trip_and_generation(tp, layouts):
 def test_parity_pipeline_parallel_across_two_simulated_nodes(tmp_path):
     """PP=2 over two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1): the multi-node path users run."""
     endpoint = f"127.0.0.1:{free_port()}"
-    command = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", endpoint, "--rdzv-id", "two-node-test", WORKER, "--pp", "2", "--out", str(tmp_path)]
+    worker = {"script": WORKER, "argv": ["--pp", "2", "--out", str(tmp_path)], "out": str(tmp_path)}
+    command = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+               "--rdzv-id", "two-node-test", *worker_listing([worker], tmp_path / "workers.json")]
     agents = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-6000:]
-    check_parity(results(tmp_path / "tp1"), 2)
+    check_parity(results(worker_output(tmp_path) / "tp1"), 2)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import torchrun, torchrun_commands
+from tests.conftest import torchrun, torchrun_commands, worker_output
 
 pytestmark = pytest.mark.distributed
 
@@ -148,10 +148,15 @@ def test_precision_aware_optimizer_trains_with_bf16_state(runs):
         assert state["param"] == ["bfloat16"]
 
 
-def test_broadcast_parameters_synchronises_every_chunk(tmp_path):
-    torchrun(["tests/distributed/sync_chunks_worker.py", f"--out={tmp_path}"], nproc=2)
+def shared_worker(out) -> list[str]:
+    """Two chunks synced over two data-parallel ranks, in the shared launch (conftest's `shared_launch`)."""
+    return ["tests/distributed/sync_chunks_worker.py", f"--out={out}"]
+
+
+def test_broadcast_parameters_synchronises_every_chunk(shared_launch):
+    out = worker_output(shared_launch[__name__])
     for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = json.loads((out / f"rank{rank}.json").read_text())
         assert result["dp_size"] == 2
         assert result["equal_before"] == [False, False]  # rank 1 perturbed both chunks
         assert result["equal_after"] == [True, True]

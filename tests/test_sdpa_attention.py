@@ -7,9 +7,7 @@ import types
 import pytest
 import torch
 
-from tests.conftest import torchrun
-
-WORKER = "tests/distributed/sdpa_worker.py"
+from tests.conftest import worker_output
 TOLERANCE = 1e-5  # fp32
 
 
@@ -111,11 +109,16 @@ def test_refuses_what_it_cannot_compute():
         core_attention(softmax_type="off-by-one")
 
 
+def shared_worker(out) -> list[str]:
+    """TP=2, then TP=1, in the 2-process shared launch (conftest's `shared_launch`)."""
+    return ["tests/distributed/sdpa_worker.py", "--tp", "2,1", "--out", str(out)]
+
+
 @pytest.mark.distributed
-def test_sdpa_spec_equals_local_spec_at_tp2_and_tp1(tmp_path):
-    """One 2-process launch measures TP=2, then TP=1 (data-parallel pair); every rank must agree with the local spec."""
-    torchrun([WORKER, "--tp", "2,1", "--out", str(tmp_path)], nproc=2)
-    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("tp*-rank*.json"))]
+def test_sdpa_spec_equals_local_spec_at_tp2_and_tp1(shared_launch):
+    """The 2-process shared launch measures TP=2, then TP=1 (data-parallel pair); every rank must agree with the local
+    spec."""
+    ranks = [json.loads(path.read_text()) for path in sorted(worker_output(shared_launch[__name__]).glob("tp*-rank*.json"))]
     assert sorted((rank["tp"]) for rank in ranks) == [1, 1, 2, 2]
     for rank in ranks:
         assert rank["core_attention"] == {"local": "DotProductAttention", "sdpa": "SDPACoreAttention"}

@@ -1,15 +1,14 @@
-"""Run under torchrun (2 processes) by tests/test_model_families.py, once for every model family.
+"""Run by tests/test_model_families.py in the shared launch (shared_launch.py, 2 processes), once for every model
+family.
 
 For each `--model NAME=DIR`: HF -> Megatron logit parity, greedy generation against `transformers.generate` and the
 export round trip, at TP=2; then a few SFT steps through the SFT entry point's `main` (DP=2). Each rank writes
 `<out>/<NAME>/rank<R>.json`, and the SFT its `<out>/<NAME>/sft/metrics.jsonl`; the test asserts on those files.
-All families share one launch because on 2 cores a launch costs 30-60 s of imports, more than a family's checks.
 """
 
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -18,12 +17,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config.errors import UserError  # noqa: E402
-from config.sections import ParallelConfig  # noqa: E402
-from model import build, generate, parallel  # noqa: E402
-from trainer import sft  # noqa: E402
+from config.errors import UserError
+from config.sections import ParallelConfig
+from model import build, generate, parallel
+from trainer import sft
 
 PROMPTS = [
     "Tom has 3 apples and buys 5 more. How many apples does Tom have now?",
@@ -130,23 +127,28 @@ def run_family(name: str, path: Path, reference: dict, out_dir: Path, tp: int, s
     return result
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", action="append", required=True, help="NAME=DIR, repeated")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--sft-data", required=True, help="data.path for the SFT steps (train and test splits)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    models = {name: Path(directory) for name, directory in (item.split("=", 1) for item in args.model)}
-    # Every reference is computed before megatron's parallel state first exists: transformers 5.12 leaves Qwen2's
-    # rotary `inv_freq` buffer uninitialised when loading after initialize_model_parallel (and the CPU layer stays on).
-    references = {name: reference_outputs(path) for name, path in models.items()}
-    print(f"[family] imports and references: {time.process_time():.1f} CPU s", flush=True)
-    # One process group for every family: a second gloo group in the same torchrun launch reads the first one's
-    # addresses from the rendezvous store and fails to connect (measured). Later phases join this one, and their
-    # `parallel.shutdown` leaves it up (it was created here).
-    parallel.init_distributed(ParallelConfig(), seed=7)
-    for name, path in models.items():
+    args = parser.parse_args(argv)
+    args.models = {name: Path(directory) for name, directory in (item.split("=", 1) for item in args.model)}
+    return args
+
+
+def prepare(args) -> dict[str, dict]:
+    """Every family's transformers reference (before megatron's parallel state first exists)."""
+    started = time.process_time()
+    references = {name: reference_outputs(path) for name, path in args.models.items()}
+    print(f"[family] references: {time.process_time() - started:.1f} CPU s", flush=True)
+    return references
+
+
+def run(args, references: dict[str, dict]) -> None:
+    started = time.process_time()
+    for name, path in args.models.items():
         out_dir = Path(args.out) / name
         result = run_family(name, path, references[name], out_dir, args.tp, args.sft_data)
         rank = int(os.environ["RANK"])
@@ -154,9 +156,4 @@ def main() -> None:
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
         print(f"[family] {name} rank {rank}: " + ", ".join(f"{key}={value}" for key, value in result.items()
                                                          if not key.endswith(("_error", "_refused"))), flush=True)
-    print(f"[family] total: {time.process_time():.1f} CPU s", flush=True)
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    print(f"[family] every family: {time.process_time() - started:.1f} CPU s", flush=True)

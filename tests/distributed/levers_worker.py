@@ -1,6 +1,5 @@
-"""Run under torchrun (2 processes) by tests/test_levers.py: sequence parallelism, recomputation and overlap, end to end.
-
-One launch does every comparison (on 2 cores a launch costs 30-60 s of imports, more than the checks):
+"""Run by tests/test_levers.py in the shared launch (shared_launch.py, 2 processes): sequence parallelism, recomputation
+and overlap, end to end:
 1. SFT through the entry point's `main`, TP=2, fp32, 5 steps: sequence parallelism off, on, and on with
    `model.recompute=selective` and `full`; the test compares per-step losses, grad norms and exported HF weights.
 2. One forward/backward of the same batch at TP=2 with recompute none / selective / full: every parameter gradient.
@@ -14,24 +13,19 @@ Rank 0 writes `<out>/results.json`; the runs write their own `metrics.jsonl` and
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
-STARTED = time.time()  # before the heavy imports: the launch's fixed cost is part of the figures
+import torch
+import transformers
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config import cli  # noqa: E402
-from config.sections import ParallelConfig, SFTConfig  # noqa: E402
-from model import build, generate, parallel  # noqa: E402
-from model.tiny import ensure_tiny_checkpoint  # noqa: E402
-from trainer import grpo, sft  # noqa: E402
+from config import cli
+from config.sections import SFTConfig
+from model import build, generate, parallel
+from model.tiny import ensure_tiny_checkpoint
+from trainer import grpo, sft
 
 PROMPTS = ["Tom has 3 apples and buys 5 more. How many apples does Tom have now?", "What is 12 + 7?",
            "Anna had 9 books and lost 4 of them. How many books are left?"]
@@ -141,19 +135,23 @@ def run_grpo(out: Path, model_path: Path, data: str) -> dict:
     return {key: [row[key] for row in rows if key in row] for key in ("loss", "kl", "grad_norm", "response_len")}
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True, help="data.path (a directory with train and test splits)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def prepare(args) -> tuple[list[list[int]], list[list[int]]]:
+    return reference_completions(ensure_tiny_checkpoint())
+
+
+def run(args, references: tuple[list[list[int]], list[list[int]]]) -> None:
     out = Path(args.out)
     model_path = ensure_tiny_checkpoint()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    prompts, expected = reference_completions(model_path)
-    results = {"start_up": {"wall_seconds": round(time.time() - STARTED, 1)}}  # imports, tiny model, transformers' reference
-    # One process group for every phase (a second gloo group in one launch fails to connect); the phases'
-    # `parallel.shutdown` leaves it up, since it was created here.
-    parallel.init_distributed(ParallelConfig(), seed=7)
+    prompts, expected = references
+    results = {}
     phases = {**{f"sft_{name}": (lambda name=name: run_sft(name, out, args.data)) for name in SFT_RUNS},
               "recompute_gradients": lambda: recompute_gradients(model_path, tokenizer, args.data),
               "greedy_sp": lambda: greedy_with_sequence_parallel(model_path, tokenizer, prompts, expected),
@@ -170,8 +168,3 @@ def main() -> None:
             results[f"export_{first}_vs_{second}"] = export_difference(out / first / "hf", out / second / "hf")
     if int(os.environ["RANK"]) == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
-"""Run under torchrun (2 processes) by tests/test_lora.py: LoRA SFT through the entry point's `main`, at TP=1 (DP=2, the
-distributed optimizer) and TP=2, in one launch.
+"""Run by tests/test_lora.py in the shared launch (shared_launch.py, 2 processes): LoRA SFT through the entry point's
+`main`, at TP=1 (DP=2, the distributed optimizer) and TP=2.
 
 Per layout: 6 steps straight, then 3 steps (`train.exit_interval`) and a resume to 6, into another directory. After
 the straight run, with the trained policy still in memory:
@@ -12,17 +12,14 @@ Rank 0 writes `<out>/results.json`.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config import cli  # noqa: E402
-from config.sections import SFTConfig  # noqa: E402
-from model import build, parallel  # noqa: E402
-from trainer import sft  # noqa: E402
+from config import cli
+from config.sections import SFTConfig
+from model import build, parallel
+from trainer import sft
 
 COMMON = ["--peft.method=lora", "--model.dtype=fp32", "--train.steps=6", "--train.global_batch_size=8",
           "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=3", "--optim.lr=1e-2",
@@ -63,12 +60,14 @@ def check(policy, out_dir: Path, vocab: int, is_main: bool) -> dict:
     return result
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(args) -> None:
     out = Path(args.out)
-    torch.distributed.init_process_group("gloo")  # kept across the runs below (each loop keeps a group it did not create)
     is_main = torch.distributed.get_rank() == 0
     results = {}
     for name, layout in LAYOUTS.items():
@@ -82,9 +81,3 @@ def main() -> None:
         sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--resume-from-checkpoint", "latest"])
     if is_main:
         (out / "results.json").write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,11 @@
-"""Run under torchrun by tests/test_model_path.py: HF -> Megatron parity, round trip, generation.
+"""Run by tests/test_model_path.py in a shared launch (shared_launch.py): HF -> Megatron parity, round trip,
+generation.
 
 Each rank writes `<out>/rank<R>.json` with what it measured; the test asserts on those files.
 """
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,11 +13,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config.sections import ParallelConfig  # noqa: E402
-from model import build, generate, parallel  # noqa: E402
-from model.tiny import ensure_tiny_checkpoint  # noqa: E402
+from config.sections import ParallelConfig
+from model import build, generate, parallel
+from model.tiny import ensure_tiny_checkpoint
 
 PROMPTS = [
     "Tom has 3 apples and buys 5 more. How many apples does Tom have now?",
@@ -48,12 +45,16 @@ def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
     return gather_from_tensor_model_parallel_region(outputs[0])
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, measured in turn (results in <out>/tp<T>/)")
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def prepare(args) -> SimpleNamespace:
+    """The tiny checkpoint, its tokenizer, and transformers' logits, greedy and early-stopped completions of it."""
     path = ensure_tiny_checkpoint()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     # The reference is loaded before megatron's parallel state exists: transformers 5.12 leaves
@@ -77,13 +78,15 @@ def main() -> None:
     stopped_completions = [
         reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=stop,
                            pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist() for prompt in prompts]
+    return SimpleNamespace(path=path, tokenizer=tokenizer, tokens=tokens, logits=reference_logits, prompts=prompts,
+                           completions=reference_completions, stop=stop, stopped_completions=stopped_completions)
 
-    expected = SimpleNamespace(tokens=tokens, logits=reference_logits, prompts=prompts, completions=reference_completions,
-                               stop=stop, stopped_completions=stopped_completions)
+
+def run(args, expected: SimpleNamespace) -> None:
     for tp in [int(size) for size in args.tp.split(",")]:
         out = Path(args.out) / f"tp{tp}"
         out.mkdir(parents=True, exist_ok=True)
-        runtime = measure(path, tokenizer, tp, args.pp, out, expected)
+        runtime = measure(expected.path, expected.tokenizer, tp, args.pp, out, expected)
     parallel.shutdown(runtime)
 
 
@@ -152,6 +155,3 @@ def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamesp
     Path(out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
     return runtime
 
-
-if __name__ == "__main__":
-    main()

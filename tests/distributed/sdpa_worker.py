@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_sdpa_attention.py: the SDPA layer spec against megatron-core's local one.
+"""Run by tests/test_sdpa_attention.py in the shared launch (shared_launch.py): the SDPA layer spec against megatron-core's local one.
 
 For each tensor-parallel size in `--tp` (one launch serves several: megatron's parallel state is torn
 down and set up again in between), the tiny model is built twice from the same HF weights, once per
@@ -12,17 +12,14 @@ spec (fp32). Each rank writes `<out>/tp<T>-rank<R>.json` with what it measured:
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config.sections import ParallelConfig  # noqa: E402
-from data.batches import Example, collate, collate_packed  # noqa: E402
-from model import build, generate, parallel  # noqa: E402
-from model.tiny import ensure_tiny_checkpoint  # noqa: E402
+from config.sections import ParallelConfig
+from data.batches import Example, collate, collate_packed
+from model import build, generate, parallel
+from model.tiny import ensure_tiny_checkpoint
 
 SPECS = ("local", "sdpa")
 PACKED_LENGTHS = (10, 14)  # input tokens of the two packed samples
@@ -41,11 +38,14 @@ def max_abs(first: torch.Tensor, second: torch.Tensor) -> float:
     return (first - second).abs().max().item()
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, measured in turn")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(args) -> None:
     path = ensure_tiny_checkpoint()
     for tp in [int(size) for size in args.tp.split(",")]:
         runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=5)
@@ -157,6 +157,3 @@ def compare_specs(tp: int, bridge) -> dict:
     result["checkpoint_keys"] = len(keys["local"])
     return result
 
-
-if __name__ == "__main__":
-    main()

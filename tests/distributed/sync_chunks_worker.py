@@ -1,4 +1,5 @@
-"""Run under torchrun (2 processes) by tests/test_precision_e2e.py: `broadcast_parameters` syncs every model chunk.
+"""Run by tests/test_precision_e2e.py in the shared launch (shared_launch.py, 2 processes): `broadcast_parameters`
+syncs every model chunk.
 
 Two small chunks stand in for virtual pipeline stages. Rank 1 perturbs both (the second one with an
 expert-style parameter too, which is replicated over the expert-data-parallel group), then
@@ -8,16 +9,13 @@ chunk, whether its parameters were equal on all ranks before and after the call.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from config.sections import ParallelConfig  # noqa: E402
-from model import build, parallel  # noqa: E402
+from config.sections import ParallelConfig
+from model import build, parallel
 
 
 def make_chunk() -> torch.nn.Module:
@@ -33,10 +31,13 @@ def equal_on_all_ranks(chunk: torch.nn.Module) -> bool:
     return all(torch.equal(gathered[0], other) for other in gathered[1:])
 
 
-def main() -> None:
+def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run(args) -> None:
     runtime = parallel.init_distributed(ParallelConfig(), seed=3)
     chunks = [make_chunk(), make_chunk()]
     # Expert weights take the other branch of broadcast_parameters (megatron marks them allreduce=False).
@@ -55,6 +56,3 @@ def main() -> None:
     Path(args.out, f"rank{runtime.rank}.json").write_text(json.dumps(result))
     parallel.shutdown(runtime)
 
-
-if __name__ == "__main__":
-    main()

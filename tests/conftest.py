@@ -73,13 +73,6 @@ def worker_listing(workers: list[dict], path: Path) -> list[str]:
     return [SHARED_LAUNCH, str(path)]
 
 
-def torchrun_worker(script: str, argv: list[str], out: Path, timeout: int = 900) -> Path:
-    """One worker (see tests/distributed/shared_launch.py) in a 2-process launch of its own; returns `out`."""
-    torchrun(worker_listing([{"script": script, "argv": argv, "out": str(out)}], out / "workers.json"), nproc=2,
-             timeout=timeout)
-    return worker_output(out)
-
-
 def worker_output(out: Path) -> Path:
     """A worker's output directory, or a failure showing the traceback the worker left there."""
     errors = sorted(Path(out).glob("error.rank*.txt"))

@@ -1,7 +1,7 @@
 """Sequence parallelism, activation recomputation and communication overlap (issue 15).
 
 Pure rules and start-up checks run in plain pytest (GPUs simulated by `rules.Environment`); the end-to-end
-comparisons run in one torchrun launch of tests/distributed/levers_worker.py (2 CPU processes, fp32):
+comparisons run in tests/distributed/levers_worker.py, in the shared launch (2 CPU processes, fp32):
 - TP=2 with sequence parallelism on vs off: per-step losses of 5 SFT steps and exported HF weights within 1e-6;
 - recompute selective and full vs none: bit-identical per-step losses and parameter gradients (recomputation reruns
   the same deterministic fp32 CPU kernels on the same inputs, so backward consumes bitwise-equal activations);
@@ -22,7 +22,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data import batches
 from model import rules
-from tests.conftest import torchrun_worker
+from tests.conftest import worker_output
 
 LOSS_TOLERANCE = 1e-6
 WEIGHT_TOLERANCE = 1e-6
@@ -172,20 +172,25 @@ def test_settings_table_shows_every_lever():
     assert "not applicable (no CUDA)" in cpu_table and "overlap_grad_reduce=False" in cpu_table
 
 
-# ---------------------------------------------------------------- end to end (one torchrun launch)
+# ---------------------------------------------------------------- end to end (in the shared launch)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    """Every comparison's figures, from one torchrun launch of the worker."""
+def shared_worker(out) -> list[str]:
+    """The worker's small data set; it runs in the 2-process shared launch (conftest's `shared_launch`)."""
     from data.arithmetic import generate_problems
 
-    data, out = tmp_path_factory.mktemp("levers-data"), tmp_path_factory.mktemp("levers-out")
+    data = out / "data"
+    data.mkdir()
     # A small arithmetic set: tokenizing the bundled 11,000 problems costs each run seconds per process.
     for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
-    torchrun_worker("tests/distributed/levers_worker.py", ["--data", str(data), "--out", str(out)], out)
-    figures = json.loads((out / "results.json").read_text())
+    return ["tests/distributed/levers_worker.py", "--data", str(data), "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def results(shared_launch) -> dict:
+    """Every comparison's figures, from the worker's run in the shared launch."""
+    figures = json.loads((worker_output(shared_launch[__name__]) / "results.json").read_text())
     print("\n" + json.dumps(figures, indent=1))
     return figures
 

@@ -2,7 +2,7 @@
 
 For each family: HF -> Megatron logits, greedy generation against `transformers.generate` and the export round trip
 at TP=2, then 6 SFT steps through the SFT entry point; families this trainer cannot build are refused at start-up.
-One torchrun launch covers every family (tests/distributed/family_worker.py); the figures are in README.md.
+One worker covers every family (tests/distributed/family_worker.py, in the shared launch); the figures are in README.md.
 """
 
 import json
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import torchrun_worker
+from tests.conftest import worker_output
 
 WORKER = "tests/distributed/family_worker.py"
 LOGIT_TOLERANCE = 1e-5
@@ -62,23 +62,29 @@ def build_family_checkpoint(family: str, directory, tokenizer_dir) -> None:
         shutil.copy(tokenizer_dir / name, directory / name)
 
 
-@pytest.fixture(scope="module")
-def family_results(tmp_path_factory) -> dict[str, dict]:
-    """Every family's per-rank results and SFT metrics, from one torchrun launch of the worker."""
+def shared_worker(out) -> list[str]:
+    """Every family's tiny checkpoint and a small SFT set; the worker runs in the shared launch (conftest's
+    `shared_launch`)."""
     from model.tiny import ensure_tiny_checkpoint
 
     from data.arithmetic import generate_problems
 
     tokenizer_dir = ensure_tiny_checkpoint()
-    checkpoints, out = tmp_path_factory.mktemp("families"), tmp_path_factory.mktemp("family-results")
+    checkpoints, sft_data = out / "checkpoints", out / "sft-data"
     for family in FAMILIES:
         build_family_checkpoint(family, checkpoints / family, tokenizer_dir)
     # A small arithmetic set: tokenizing the bundled 11,000 problems would cost each family 7 s per process.
-    sft_data = tmp_path_factory.mktemp("family-sft-data")
+    sft_data.mkdir()
     for split, count, seed in (("train", 64, 1), ("test", 8, 2)):
         (sft_data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in generate_problems(count, seed)))
-    torchrun_worker(WORKER, ["--out", str(out), "--sft-data", str(sft_data),
-                             *(f"--model={family}={checkpoints / family}" for family in FAMILIES)], out, timeout=1500)
+    return [WORKER, "--out", str(out), "--sft-data", str(sft_data),
+            *(f"--model={family}={checkpoints / family}" for family in FAMILIES)]
+
+
+@pytest.fixture(scope="module")
+def family_results(shared_launch) -> dict[str, dict]:
+    """Every family's per-rank results and SFT metrics, from the worker's run in the shared launch."""
+    out = worker_output(shared_launch[__name__])
     results = {}
     for family in FAMILIES:
         ranks = {int(path.stem.removeprefix("rank")): json.loads(path.read_text())

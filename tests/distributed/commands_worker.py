@@ -4,7 +4,9 @@ ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (G
 Each command (a JSON object: `module`, `argv`, and optionally `cwd`, `env`, `world_size`, `smoke`) is first
 validated as written (at `world_size`, default this launch's), then run with its `smoke` arguments appended (the
 README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1 it logged and what the
-command logged (the lines a `torchrun -m trainer.X` launch of it alone would print).
+command logged (the lines a `torchrun -m trainer.X` launch of it alone would print). After each command what it built is
+freed with its process groups (shared_launch.release_models), as its own process's exit would, until a command has
+used Megatron-FSDP.
 """
 
 import argparse
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from config import cli
 from config.sections import GRPOConfig, SFTConfig
+from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
 from trainer import grpo, sft
 
 LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo.main)}
@@ -30,9 +33,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     commands = json.loads(Path(args.commands).read_text())
+    import_bridge()
     # The process group outlives every command (each loop keeps a group it did not create, as GRPO's default start does).
     dist.init_process_group("gloo")
-    results = []
+    results, fsdp_used = [], False
     for command in sorted(commands, key=lambda command: command["module"] != "trainer.sft"):
         os.chdir(command.get("cwd", os.getcwd()))
         os.environ.update(command.get("env", {}))
@@ -47,11 +51,14 @@ def main() -> None:
         finally:
             logging.getLogger().removeHandler(captured)
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
+        fsdp_used = fsdp_used or config.parallel.use_megatron_fsdp
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         line = command.get("line", shlex.join([command["module"], *command["argv"]]))
         results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue()})
         dist.barrier()
+        if not fsdp_used:
+            release_models()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.barrier()

@@ -9,12 +9,12 @@ rotary `inv_freq` buffer uninitialised in a model loaded after megatron's set-up
 transformers' references there.
 A worker that raises leaves its traceback in `<out>/error.rank<R>.txt` and the next worker runs.
 
-A process never frees a model it wrapped in megatron's DDP: the optimizer's parameter views reach, through autograd's
-C++ nodes, the gradient hooks that hold the wrapper, a cycle Python's garbage collector cannot see. The model's gloo
-groups stay alive with it, each with three threads that wake while idle: after the levers and model-family workers'
-two dozen trained models, each process spent 17% of a core idle and the LoRA worker's runs took 3x as long. So the
-workers that train many models (levers, families) keep launches of their own, and in conftest's `shared_launch` the
-LoRA worker, the one that trains, runs first (its module is collected first).
+After each worker, `release_models` frees what it built. Left alone, a process keeps every model it wrapped in
+megatron's DDP: the optimizer's parameter views reach, through autograd's C++ nodes, the gradient hooks that hold the
+wrapper, and the model's config holds the optimizer's loss scaling, a cycle Python's garbage collector cannot see.
+With each model its gloo groups stay alive (megatron's `destroy_model_parallel` only forgets them), three threads each
+that wake while idle: after the levers and model-family workers' two dozen trained models each process spent 17% of a
+core idle, and the LoRA worker's runs took 3x as long as in a launch of their own.
 """
 
 import importlib
@@ -24,7 +24,9 @@ import sys
 import traceback
 from pathlib import Path
 
+import gc
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -43,7 +45,43 @@ def attempt(worker: dict, step):
         return FAILED
 
 
+TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def release_models() -> None:
+    """Free every model the finished work trained, and every process group but the default one (see above); about
+    1.5 s. Run `import_bridge` first. Not after a Megatron-FSDP run: a later one in the same process reaches the old
+    groups again through the device meshes it finds ("Could not resolve the process group")."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer import TransformerConfig
+
+    for thing in gc.get_objects():
+        if isinstance(thing, DistributedDataParallel):
+            thing.grad_accs.clear()
+        elif isinstance(thing, TransformerConfig):
+            for hook in TRAINING_HOOKS:
+                setattr(thing, hook, None)
+    gc.collect()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
+
+
+def import_bridge() -> None:
+    """Import Megatron-Bridge before any work: something it imports keeps an exception raised on the way, and with it
+    every frame above the import, so a loop's model in those frames would stay in memory."""
+    from model import lora
+
+    lora.allow_import_without_te()
+    import megatron.bridge  # noqa: F401
+
+
 def main() -> None:
+    import_bridge()
     workers = json.loads(Path(sys.argv[1]).read_text())
     modules = [importlib.import_module(Path(worker["script"]).stem) for worker in workers]  # this directory is on sys.path
     parsed = [module.parse(worker["argv"]) for module, worker in zip(modules, workers)]
@@ -56,6 +94,7 @@ def main() -> None:
         if ready is not FAILED:
             attempt(worker, lambda: module.run(args, ready) if hasattr(module, "prepare") else module.run(args))
         dist.barrier()
+        release_models()
     dist.destroy_process_group()
 
 

@@ -13,10 +13,11 @@ After each worker, `release_models` frees what it built. Left alone, a process k
 megatron's DDP: the optimizer's parameter views reach, through autograd's C++ nodes, the gradient hooks that hold the
 wrapper, and the model's config holds the optimizer's loss scaling, a cycle Python's garbage collector cannot see.
 With each model its gloo groups stay alive (megatron's `destroy_model_parallel` only forgets them), three threads each
-that wake while idle: after the levers and model-family workers' two dozen trained models each process spent 17% of a
-core idle, and the LoRA worker's runs took 3x as long as in a launch of their own.
+that wake while idle, so every later worker ran slower the more models the earlier ones had trained (without this,
+the six workers' launch took longer than their six launches apart).
 """
 
+import gc
 import importlib
 import json
 import os
@@ -24,7 +25,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import gc
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
@@ -49,8 +49,8 @@ TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func"
 
 
 def release_models() -> None:
-    """Free every model the finished work trained, and every process group but the default one (see above); about
-    1.5 s. Run `import_bridge` first. Not after a Megatron-FSDP run: a later one in the same process reaches the old
+    """Free every model the finished work trained, and every process group but the default one (see above). Run
+    `import_bridge` first. Not after a Megatron-FSDP run: a later one in the same process reaches the old
     groups again through the device meshes it finds ("Could not resolve the process group")."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel

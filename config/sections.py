@@ -205,6 +205,11 @@ class GRPOSection:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts (log-probs use the same)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass of rollouts (1: off)"})
     top_k: int = field(default=0, metadata={"help": "sample rollouts from the k most likely tokens (0: off)"})
+    tools: list[str] = field(default_factory=list, metadata={"help": "tools the policy may call in its rollouts, each a typed, documented function as module:function (schema from its signature and docstring; docs/tools.md)"})
+    environment: str = field(default="", metadata={"help": "a stateful task as module:Class: one instance per episode, reset(row) first, its public methods the tools, an optional reward() added to grpo.reward's score"})
+    max_turns: int = field(default=4, metadata={"help": "with tools, at most this many assistant turns per episode (a tool call in the last is not run)"})
+    max_tool_response_tokens: int = field(default=256, metadata={"help": "with tools, a tool result longer than this many tokens is cut (its message says so)"})
+    tool_timeout: float = field(default=10.0, metadata={"help": "with tools, seconds a tool call may take; a slower one answers with a timeout error"})
 
 
 # ---------------------------------------------------------------- the two loops' configurations
@@ -444,6 +449,9 @@ class SFTConfig(TrainerConfig):
 
 # GRPO's default starting policy: the default SFT's output, trained first when missing.
 DEFAULT_GRPO_START = "outputs/sft/hf"
+# Starting policies a bundled SFT writes, each trained first when missing: model.path -> that SFT's `--config`
+# (None: the default SFT). The tool task's (`--config tools`) teaches the calculator's call format.
+BUNDLED_STARTS = {DEFAULT_GRPO_START: None, "outputs/sft-tools/hf": "sft_tools"}
 
 
 @dataclass
@@ -461,8 +469,8 @@ class GRPOConfig(TrainerConfig):
     grpo: GRPOSection = field(default_factory=GRPOSection)
 
     def starts_from_default_sft(self) -> bool:
-        """Whether this run starts from the default SFT's output and that output does not exist yet."""
-        return self.model.path == DEFAULT_GRPO_START and not (Path(DEFAULT_GRPO_START) / "config.json").is_file()
+        """Whether this run starts from a bundled SFT's output (`BUNDLED_STARTS`) and that output does not exist yet."""
+        return self.model.path in BUNDLED_STARTS and not (Path(self.model.path) / "config.json").is_file()
 
     def _model_path_exists_now(self) -> bool:
         return super()._model_path_exists_now() and not self.starts_from_default_sft()
@@ -493,6 +501,10 @@ class GRPOConfig(TrainerConfig):
             "overlong_penalty": (grpo.overlong_penalty >= 0, "0 or more"),
             "max_sampling_rounds": (grpo.max_sampling_rounds >= 1, "at least 1"),
             "entropy_coef": (grpo.entropy_coef >= 0, "0 or more (it weighs an entropy bonus)"),
+            "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
+                          "at least 2 with tools (a call is answered in the next turn)"),
+            "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
+            "tool_timeout": (grpo.tool_timeout > 0, "positive"),
         }
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")

@@ -15,28 +15,43 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Prompt:
-    """A tokenized prompt (chat template applied, generation header included) and the reference answer."""
+    """A tokenized prompt (chat template applied, generation header included), the reference answer, and its sources.
+
+    `messages` are the turns rendered; `tools` the tools offered with them (None: none), so a caller can render
+    the same prompt again with turns appended."""
 
     ids: list[int]
     reference: str
+    messages: list[dict]
+    tools: list | None
+    row: dict | None = None  # the data row it came from (an environment's `reset(row)` reads it)
 
 
-def prompts_from_conversations(conversations: list[list[dict]], tokenizer) -> list[Prompt]:
-    """Each conversation's turns before its last assistant turn as a prompt, that turn's content as the reference."""
+def prompts_from_conversations(conversations: list[list[dict]], tokenizer, tools: list | None = None) -> list[Prompt]:
+    """Each conversation's turns before its last assistant turn as a prompt, that turn's content as the reference.
+
+    A conversation's own tools are offered with its prompt; `tools` (schemas or typed, documented functions), when
+    given, are offered with every prompt instead."""
     cuts = [max(index for index, message in enumerate(turns) if message["role"] == "assistant") for turns in conversations]
-    texts = [tokenizer.apply_chat_template(turns[:cut], add_generation_prompt=True, tokenize=False)
-             for turns, cut in zip(conversations, cuts)]
+    offered = [sft.conversation_tools(turns) if tools is None else tools for turns in conversations]
+    texts = [sft.chat_text(turns[:cut], tokenizer, turn_tools, add_generation_prompt=True)
+             for turns, cut, turn_tools in zip(conversations, cuts, offered)]
     ids = sft.encode_texts(texts, tokenizer)
-    return [Prompt(prompt_ids, turns[cut]["content"]) for prompt_ids, turns, cut in zip(ids, conversations, cuts)]
+    return [Prompt(prompt_ids, turns[cut]["content"], list(turns[:cut]), turn_tools or None)
+            for prompt_ids, turns, cut, turn_tools in zip(ids, conversations, cuts, offered)]
 
 
-def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int) -> list[Prompt]:
-    """Prompts of one split of `path`; those leaving no room for `max_new_tokens` within `data.max_seq_len` are skipped and counted."""
+def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, tools: list | None = None) -> list[Prompt]:
+    """Prompts of one split of `path`; those leaving no room for `max_new_tokens` within `data.max_seq_len` are skipped and counted.
+
+    `tools`, when given, are offered with every prompt instead of each row's own (see `prompts_from_conversations`)."""
     max_tokens = data.max_seq_len - max_new_tokens
     rows = sft.load_rows(path, split=split, hub_config=data.hub_config or None)
     conversations, report = sft.to_conversations(
         rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
-    every = prompts_from_conversations(conversations, tokenizer)
+    every = prompts_from_conversations(conversations, tokenizer, tools)
+    for prompt, index in zip(every, report.kept_rows, strict=True):
+        prompt.row = rows[index]
     prompts = [prompt for prompt in every if len(prompt.ids) <= max_tokens]
     log.info("prompts %s (%s): %d used; %s; %d skipped as longer than %d tokens (data.max_seq_len - grpo.max_new_tokens)",
              path, split, len(prompts), report.summary(), len(every) - len(prompts), max_tokens)

@@ -6,12 +6,12 @@ its answer GSM8K-style (`#### N`). `grpo.reward` may also name a function of you
 """
 
 import dataclasses
-import importlib
 import math
 import re
 from collections.abc import Callable
 
 from config.errors import UserError
+from data import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 
 RewardFunction = Callable[[str, str], float]
@@ -184,15 +184,10 @@ def get_reward(name: str) -> RewardFunction:
     if name in REWARDS:
         return REWARDS[name]
     known = ", ".join(sorted(REWARDS))
-    module_name, colon, function_name = name.partition(":")
-    if not colon:
+    if ":" not in name:
         raise UserError(f"`grpo.reward={name}` is not a known reward function; known ones are {known}, or give your "
                         "own as `module:function`. Change `--grpo.reward`.")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise UserError(f"`grpo.reward={name}`: cannot load `{function_name}` from module `{module_name}` ({error}). "
-                        f"Put the module on PYTHONPATH, or use one of {known}. Change `--grpo.reward`.") from error
+    function = user_code.load(name, "grpo.reward", f"Or use one of {known}.")
     if not callable(function):
         raise UserError(f"`grpo.reward={name}` is not a function. Change `--grpo.reward`.")
     return function

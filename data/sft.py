@@ -7,6 +7,12 @@ counted. A conversation whose turn pieces tokenize differently from its whole re
 starting with a newline merges with the header's) is dropped and counted rather than masked by guess.
 Every row read is either used or counted in the `DropReport` under one reason.
 
+Tool use: a messages row may hold assistant turns with `tool_calls`, `tool` messages with their results, and a
+`tools` field with the JSON schemas of the tools offered (a list, or that list as JSON text). A row's conversation
+is a `Conversation`, a list of messages that also carries those schemas, and every rendering of it passes them to
+the chat template. Each assistant turn is learned from after its header through the eos token that closes it, its
+rendered tool calls included; tool results and the template's text around them are not.
+
 Tokenized examples are kept in a cache (`cached_examples`) keyed by everything tokenizing reads, so a restarted or
 repeated run skips the work.
 
@@ -26,6 +32,7 @@ import platform
 import torch
 
 from config.errors import UserError
+from data import calculator
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 from data.batches import Example
 
@@ -53,6 +60,8 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
             raise UserError(f"The arithmetic data set has splits {sorted(ARITHMETIC_SPLITS)}, not {split!r}.")
         plain_share = ARITHMETIC_SFT_PLAIN_SHARE if sft_targets and split == "train" else 0.0
         return generate_problems(*ARITHMETIC_SPLITS[split], plain_share=plain_share)
+    if path == "calculator":  # the bundled tool task (data/calculator.py)
+        return calculator.load_split(split, sft_targets)
     local = pathlib.Path(path).expanduser()
     looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS
     if local.exists():
@@ -99,6 +108,22 @@ def load_local(path: pathlib.Path, split: str) -> list[dict]:
 # --- conversations ----------------------------------------------------------------------------
 
 
+class Conversation(list):
+    """A conversation's messages (a list of message dicts), carrying the tool schemas its row offers in `tools`.
+
+    It indexes, slices and compares as the plain list of its messages (equality ignores `tools`); a plain list
+    of messages is read as a conversation without tools."""
+
+    def __init__(self, messages: list[dict], tools: list | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def conversation_tools(messages: list[dict]) -> list | None:
+    """Return the tool schemas a conversation offers: a `Conversation`'s `tools`, None for a plain list."""
+    return messages.tools if isinstance(messages, Conversation) else None
+
+
 @dataclasses.dataclass
 class DropReport:
     """Counts of rows read, kept and dropped (by reason), plus the first few dropped rows."""
@@ -134,8 +159,10 @@ class DropReport:
 
 
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
-                     messages_field: str | None = None) -> tuple[list[list[dict]], DropReport]:
-    """Map rows to chat messages, skipping malformed rows and counting them in a `DropReport`."""
+                     messages_field: str | None = None) -> tuple[list[Conversation], DropReport]:
+    """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`.
+
+    A messages row's `tools` field becomes its conversation's `tools`; other rows offer none."""
     if not rows:
         raise UserError("data.path holds no rows; point data.path at a non-empty data set.")
     columns = sorted({key for row in rows for key in row})
@@ -149,15 +176,17 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
     conversations = []
     for index, row in enumerate(rows):
         if messages_field:
-            messages, reason = row.get(messages_field), messages_problem(row.get(messages_field))
+            messages = row.get(messages_field)
+            tools, tools_reason = row_tools(row.get("tools"))
+            reason = messages_problem(messages) or tools_reason
         else:
             messages = [{"role": "user", "content": row.get(prompt_field)},
                         {"role": "assistant", "content": row.get(response_field)}]
-            reason = pair_problem(row.get(prompt_field), row.get(response_field))
+            tools, reason = None, pair_problem(row.get(prompt_field), row.get(response_field))
         if reason:
             report.drop(index, reason)
             continue
-        conversations.append([{"role": message["role"], "content": message["content"]} for message in messages])
+        conversations.append(Conversation([copied_message(message) for message in messages], tools))
         report.kept_rows.append(index)
     if not conversations:
         raise UserError(f"data.path gave no usable rows: {report.summary()}. Point data.path at data with "
@@ -179,21 +208,98 @@ def messages_problem(messages) -> str | None:
     if messages is None:
         return "missing field"
     if not isinstance(messages, list) or not all(
-        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
-        for message in messages
+        isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
     ):
         return "malformed messages"
-    if not any(message["role"] == "assistant" and message["content"].strip() for message in messages):
+    for message in messages:
+        reason = message_problem(message)
+        if reason:
+            return reason
+    if not any((message.get("content") or "").strip() or message.get("tool_calls")
+               for message in messages if message["role"] == "assistant"):
         return "no assistant turn"
     # The assistant header is found by rendering the turns before it, so there must be some.
     return "starts with assistant turn" if messages[0]["role"] == "assistant" else None
+
+
+def message_problem(message: dict) -> str | None:
+    """Return why one chat message (a dict with a string role) is unusable, or None when it is fine."""
+    content, tool_calls = message.get("content"), message.get("tool_calls")
+    if tool_calls is not None:
+        well_formed = isinstance(tool_calls, list) and all(map(tool_call_function, tool_calls))
+        if message["role"] != "assistant" or not well_formed:
+            return "malformed tool call"
+        if content is None and tool_calls:
+            return None  # a turn of tool calls alone
+    if message["role"] == "tool":
+        names_are_strings = all(isinstance(message.get(key), (str, type(None))) for key in ("name", "tool_call_id"))
+        return None if isinstance(content, str) and names_are_strings else "malformed tool message"
+    return None if isinstance(content, str) else "malformed messages"
+
+
+def named_function(entry) -> dict | None:
+    """Return the function of a tool call or tool schema when it has a name, otherwise None.
+
+    Both forms are read: OpenAI's `{"type": "function", "function": {"name", ...}}` and the flat `{"name", ...}`."""
+    function = entry.get("function", entry) if isinstance(entry, dict) else None
+    has_name = isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"].strip()
+    return function if has_name else None
+
+
+def tool_call_function(call) -> dict | None:
+    """Return a tool call's `{"name", "arguments"}` with the arguments as a dict, or None when it is malformed.
+
+    Arguments are a dict, or JSON text of one (as the OpenAI API writes them)."""
+    function = named_function(call)
+    if function is None:
+        return None
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return {"name": function["name"], "arguments": arguments} if isinstance(arguments, dict) else None
+
+
+def copied_message(message: dict) -> dict:
+    """Return the parts of a checked message that the chat template reads.
+
+    Those are the role, the content ("" for a turn of tool calls alone), tool calls in the OpenAI form with dict
+    arguments, and a tool message's `name` and `tool_call_id`."""
+    kept = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        kept["tool_calls"] = [{"type": "function", "function": tool_call_function(call)}
+                              for call in message["tool_calls"]]
+    if message["role"] == "tool":
+        kept |= {key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)}
+    return kept
+
+
+def row_tools(tools) -> tuple[list[dict] | None, str | None]:
+    """Return a row's tool schemas (None when it offers none) and why they are unusable (None when fine).
+
+    `tools` is a list of OpenAI function schemas (`{"type": "function", "function": {"name", "description",
+    "parameters"}}`, or the flat function), or that list as JSON text; the schemas are passed on as they are."""
+    if isinstance(tools, str) and tools.strip():
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            return None, "malformed tools"
+    if not tools:
+        return None, None
+    if not isinstance(tools, list) or not all(map(named_function, tools)):
+        return None, "malformed tools"
+    return tools, None
 
 
 # --- tokenization -----------------------------------------------------------------------------
 
 
 def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """Return `(input_ids, loss_mask)` with 1 exactly on assistant content and the end-of-turn token that closes it."""
+    """Return `(input_ids, loss_mask)` with 1 exactly on each assistant turn after its header, through its eos token.
+
+    The learned part is the turn's content, its rendered tool calls, and the end-of-turn token that closes it."""
     tokenized = tokenize_conversations([messages], tokenizer)[0]
     if tokenized is None:
         raise template_error(tokenizer, "tokenizing the turns one by one differs from tokenizing the whole text")
@@ -229,28 +335,43 @@ def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def chat_text(messages: list[dict], tokenizer, tools: list | None, *, add_generation_prompt: bool = False) -> str:
+    """Return the chat template's text of `messages`, offering `tools` (schemas or functions; None: no tools)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
 def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]], str]:
     """Return the rendered conversation as `(text, loss flag)` pieces, and the whole rendering they concatenate to."""
+    tools = conversation_tools(messages)
     pieces = []
     rendered = ""
     for index, message in enumerate(messages):
-        text = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        if message["role"] != "assistant":
+            continue
+        # The turns since the last assistant turn are one unlearned piece, rendered together: a template may
+        # join them (consecutive tool results share one user turn), so one of them alone is no prefix.
+        context = chat_text(messages[:index], tokenizer, tools)
+        prompted = chat_text(messages[:index], tokenizer, tools, add_generation_prompt=True)
+        text = chat_text(messages[: index + 1], tokenizer, tools)
+        if not (context.startswith(rendered) and prompted.startswith(context) and text.startswith(context)):
+            raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
+        header, turn = prompted[len(context) :], text[len(context) :]
+        after_header, content = turn[len(header) :], message["content"]
+        if not (turn.startswith(header) and after_header.startswith(content)
+                and tokenizer.eos_token and tokenizer.eos_token in after_header[len(content) :]):
+            raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
+                                            "end-of-turn token")
+        # Learn the content, the rendered tool calls, and the token that ends the turn, so generation knows when
+        # to stop; the search starts after the content, so content quoting the eos text does not end it early.
+        learned = after_header.index(tokenizer.eos_token, len(content)) + len(tokenizer.eos_token)
+        pieces += [(context[len(rendered) :], 0), (header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
+        rendered = text
+    if messages[-1]["role"] != "assistant":
+        text = chat_text(messages, tokenizer, tools)
         if not text.startswith(rendered):
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
-        turn = text[len(rendered) :]
-        if message["role"] != "assistant":
-            pieces.append((turn, 0))
-        else:
-            prompted = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            header = prompted[len(rendered) :]
-            after_header, closing = turn[len(header) :], turn[len(header) + len(message["content"]) :]
-            if not (prompted.startswith(rendered) and turn.startswith(header)
-                    and after_header.startswith(message["content"])
-                    and tokenizer.eos_token and tokenizer.eos_token in closing):
-                raise template_error(tokenizer, "an assistant turn is not header + content + end-of-turn token")
-            # Learn the content and the token that ends the turn, so generation knows when to stop.
-            learned = len(message["content"]) + closing.index(tokenizer.eos_token) + len(tokenizer.eos_token)
-            pieces += [(header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
+        pieces.append((text[len(rendered) :], 0))
         rendered = text
     return pieces, rendered
 
@@ -301,17 +422,19 @@ CACHE_FOLDER = "sft-examples"
 def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
     """A digest of everything `build_examples` reads, or None for a slow tokenizer (which has no one text of its state).
 
-    The conversations and the report's row numbering so far, `max_seq_len`, the whole fast tokenizer (vocabulary,
-    merges, normalisation, added tokens), its chat template and special tokens, the first conversation as that template
-    renders it now (a template that prints today's date renders differently tomorrow), and the source of this module and
-    of `data.batches` (a change to the tokenization code is a new key)."""
+    The conversations and their tools, the report's row numbering so far, `max_seq_len`, the whole fast tokenizer
+    (vocabulary, merges, normalisation, added tokens), its chat template and special tokens, the first conversation as
+    that template renders it now (a template that prints today's date renders differently tomorrow), and the source of
+    this module and of `data.batches` (a change to the tokenization code is a new key)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
-    state = {"conversations": conversations, "max_seq_len": max_seq_len, "rows_read": report.rows_read,
+    state = {"conversations": conversations, "tools": [conversation_tools(messages) for messages in conversations],
+             "max_seq_len": max_seq_len, "rows_read": report.rows_read,
              "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
              "first_drops": report.first_drops, "truncated": report.truncated,
              "chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
-             "first_rendering": tokenizer.apply_chat_template(conversations[0], tokenize=False) if conversations else ""}
+             "first_rendering": chat_text(conversations[0], tokenizer, conversation_tools(conversations[0]))
+             if conversations else ""}
     digest = hashlib.sha256()
     for part in (json.dumps(state, sort_keys=True, default=str), tokenizer.backend_tokenizer.to_str(),
                  pathlib.Path(__file__).read_text(), pathlib.Path(__file__).with_name("batches.py").read_text()):

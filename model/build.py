@@ -270,13 +270,6 @@ def attach_training_hooks(transformer_config, chunks: list, optimizer, ddp_confi
         transformer_config.param_sync_func = per_chunk("start_param_sync")
 
 
-def unwrap(chunk):
-    """The bare megatron-core model inside DDP/FSDP and Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
     bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from model import parallel
-from model.build import unwrap
+from model.parallel import unwrap
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> torch.Tensor:
@@ -148,11 +148,13 @@ class Generator:
         self.chunks, self.vocab_size, self.end_ids, self.group = chunks, vocab_size, tuple(end_ids), group
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, samples: int = 1,
-                 sampling: Sampling = Sampling()) -> list[list[int]]:
-        """Completions (token ids, up to and including the first end id): `samples` per prompt, a prompt's consecutively."""
+                 sampling: Sampling = Sampling(), continue_rows=None) -> list[list[int]]:
+        """Completions (token ids, up to and including the end id that ends each): `samples` per prompt, a prompt's
+        consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's."""
         return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
                         vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group=self.group)
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group=self.group,
+                        continue_rows=continue_rows)
 
     def truncated(self, completion: list[int], max_new_tokens: int) -> bool:
         """Whether a completion was cut at `max_new_tokens` rather than ended by an end id."""
@@ -167,8 +169,15 @@ def _agree(value: int, group, op) -> int:
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end_ids, vocab_size: int,
              samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, group=None) -> list[list[int]]:
+             seed: int = 0, group=None, continue_rows=None) -> list[list[int]]:
     """Completions (token ids, up to and including the first of `end_ids`): `samples` per prompt, a prompt's consecutively.
+
+    `continue_rows` makes completions multi-turn without knowing why: when rows sample an end id, it is called with
+    `[(row, completion so far, columns left)]` (row: the completion's index in the result) and returns for each
+    either None (the row ends there) or token ids to append (fewer than the columns left). Appended tokens are
+    fed like a prompt's rest, one column per step beside the other rows' sampling, into the same KV cache: the
+    history is never prefilled again, and every row's positions stay contiguous, so a continued completion is
+    the sequence a single forward over it would see. All of a completion's tokens count in `max_new_tokens`.
 
     Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
     (they sample identically, and so finish and compact identically). With `group` (the data-parallel group)
@@ -195,6 +204,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     # Row r's prompt occupies columns [pads[r], ends[r]); left of it are pads (zero of them without masks).
     pads = width - lengths if padded else torch.zeros_like(lengths)  # [prompts]
     ends = pads + lengths  # [rows]: one per prompt until the prefill is copied to the samples
+    forced_end = ends.clone()  # [rows]: columns before it hold given tokens (the prompt, then continuations)
     first_position = int(ends.min()) if padded else _agree(int(ends.min()), group, torch.distributed.ReduceOp.MIN)
     total = width + max_new_tokens
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)  # [rows, total]
@@ -208,6 +218,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     # The output: finished rows are moved here when the batch is compacted, the rest at the end.
     output = torch.zeros(len(prompts) * samples, total, dtype=torch.long, device=device)  # [prompts * samples, total]
     output_rows = torch.arange(len(prompts) * samples, device=device)  # [rows]: each live row's output row
+    output_forced_end = torch.zeros(len(prompts) * samples, dtype=torch.long, device=device)  # [prompts * samples]
     done = torch.zeros(len(prompts) * samples, dtype=torch.bool, device=device)  # [rows]
     previous, last_position = 0, total - 1
     was_training = model.training
@@ -233,30 +244,56 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
                 copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
                 tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
+                forced_end = forced_end[copies]
                 _keep_cache_rows(context, copies)
             previous = position
             next_tokens = sample_next(last, temperature, top_p, top_k, generator)
-            in_prompt = position < ends  # [rows]
-            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(done, filler, next_tokens))
-            done |= ~in_prompt & torch.isin(tokens[:, position], end_ids)
+            forced = position < forced_end  # [rows]
+            tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
+            ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
+            if continue_rows is not None and bool(ended.any()):
+                ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, total)
+            done |= ended
             finished = int(done.sum())
             if _agree(int(finished == len(done)), group, torch.distributed.ReduceOp.MIN):  # every row of every rank
                 last_position = position
                 break
             if finished > 0 and len(done) > 1 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
                 output[output_rows[done]] = tokens[done]
+                output_forced_end[output_rows[done]] = forced_end[done]
                 live = (~done).nonzero().squeeze(1)  # [live rows]
                 if len(live) == 0:  # other ranks still generate: keep one ended row going, its output already kept
                     live = torch.zeros(1, dtype=torch.long, device=device)
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
+                forced_end = forced_end[live]
                 _keep_cache_rows(context, live)
     model.train(was_training)
     output[output_rows] = tokens
+    output_forced_end[output_rows] = forced_end
     prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()
     stop = set(end_ids.tolist())
     completions = []
-    for row, end in enumerate(prompt_ends):
+    for row, (end, given) in enumerate(zip(prompt_ends, output_forced_end.tolist())):
         completion = output[row, end : min(last_position + 1, end + max_new_tokens)].tolist()
-        ended = [index for index, token in enumerate(completion) if token in stop]
+        # The completion ends at the first end id it sampled after its last given token.
+        ended = [index for index, token in enumerate(completion) if token in stop and index >= given - end]
         completions.append(completion[: ended[0] + 1] if ended else completion)
     return completions
+
+
+def _continue(continue_rows, ended: torch.Tensor, tokens: torch.Tensor, ends: torch.Tensor, forced_end: torch.Tensor,
+              output_rows: torch.Tensor, position: int, total: int) -> torch.Tensor:
+    """Ask `continue_rows` about the rows that just sampled an end id; write the tokens it gives after the end id
+    (into `tokens` and `forced_end`, in place) and return the rows that end for good."""
+    rows = ended.nonzero().squeeze(1).tolist()
+    left = total - position - 1
+    requests = [(int(output_rows[row]), tokens[row, int(ends[row]) : position + 1].tolist(), left) for row in rows]
+    for row, appended in zip(rows, continue_rows(requests)):
+        if appended is None:
+            continue
+        if not 0 < len(appended) < left:
+            raise ValueError(f"continue_rows gave {len(appended)} tokens for a row with {left} columns left")
+        tokens[row, position + 1 : position + 1 + len(appended)] = torch.tensor(appended, device=tokens.device)
+        forced_end[row] = position + 1 + len(appended)
+        ended[row] = False
+    return ended

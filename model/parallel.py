@@ -139,6 +139,13 @@ def shutdown(runtime: Runtime) -> None:
         dist.destroy_process_group()
 
 
+def unwrap(chunk):
+    """The bare megatron-core model inside DDP/FSDP and Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 # ---------------------------------------------------------------- small collectives
 
 
@@ -169,6 +176,22 @@ def data_parallel_sum(values: list[float]) -> list[float]:
 def all_reduce_int(value: int, op, group=None) -> int:
     """One integer reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
     return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())
+
+
+def tensor_parallel_shared(compute, *args):
+    """`compute(*args)` run on the first rank of this rank's tensor-parallel group only, its (picklable) result sent
+    to the others: user code that may differ between calls (a tool, a reward: a clock, a network call) then gives
+    every shard of one model replica the same value. Without tensor parallelism it is just the call. Collective over
+    the tensor-parallel group."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return compute(*args)
+    source = parallel_state.get_tensor_model_parallel_src_rank()
+    box = [compute(*args) if dist.get_rank() == source else None]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    dist.broadcast_object_list(box, src=source, group=parallel_state.get_tensor_model_parallel_group(), device=device)
+    return box[0]
 
 
 def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:

@@ -30,9 +30,31 @@ COMPLETE_MARKER = ".complete"
 WEIGHT_SEED = 0
 
 PAD_TOKEN, TURN_START, TURN_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen2.5's chat template, shortened for a 512-token vocabulary: with `tools=` a one-line system turn names each
+# tool and its parameters; assistant tool calls render as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
+# and tool results as `<tool_response>` blocks in one user turn, both as Qwen2.5 writes them. Without tools a
+# conversation renders exactly as the plain template did (the default runs' token ids are unchanged).
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\nTools:' }}"
+    "{%- for tool in tools %}{%- set function = tool.function if tool.function is defined else tool %}"
+    "{{ ' ' + function.name + '(' + (function.parameters.properties.keys() | join(', ')) + ')' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{%- set call = call.function if call.function is defined else call %}"
+    "{{ ('\\n' if message.content or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + call.name"
+    " + '\", \"arguments\": ' + (call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -1,4 +1,5 @@
-"""GRPO's embedded default starts from the default SFT's output; when it is missing, that SFT runs first.
+"""GRPO's embedded default starts from the default SFT's output; when it is missing, that SFT runs first. The
+same holds for every bundled start (`config.sections.BUNDLED_STARTS`: the tool task's SFT, `--config sft_tools`).
 
 It runs in the same processes and the same process group (`model.parallel.init_distributed` keeps the group
 and lays out the model-parallel groups anew), so there is no second rendezvous that could fail. Extra
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from config import cli
 from config.errors import UserError
-from config.sections import DEFAULT_GRPO_START, SFTConfig
+from config.sections import BUNDLED_STARTS, SFTConfig
 from model import parallel
 from trainer import sft
 from trainer.metrics import log
@@ -20,24 +21,25 @@ from trainer.metrics import log
 ARGS_VARIABLE = "TRAINER_DEFAULT_SFT_ARGS"
 
 
-def sft_arguments() -> list[str]:
-    """The default SFT's command line: none, or what `$TRAINER_DEFAULT_SFT_ARGS` holds."""
-    return shlex.split(os.environ.get(ARGS_VARIABLE, ""))
+def sft_arguments(start: str) -> list[str]:
+    """The command line of the SFT that writes `start`: its recipe, then what `$TRAINER_DEFAULT_SFT_ARGS` holds."""
+    recipe = BUNDLED_STARTS[start]
+    return (["--config", recipe] if recipe else []) + shlex.split(os.environ.get(ARGS_VARIABLE, ""))
 
 
-def validate(world_size: int) -> None:
+def validate(world_size: int, start: str) -> None:
     """Every check of the default SFT that needs no model, before GRPO (or that SFT) does any work."""
     try:
-        config, _ = cli.parse_args(SFTConfig, sft_arguments(), "trainer.sft")
+        config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")
         config.validate(world_size)
     except UserError as error:
-        raise UserError(f"GRPO starts from the default SFT's output `{DEFAULT_GRPO_START}`, which does not exist yet, and "
+        raise UserError(f"GRPO starts from the default SFT's output `{start}`, which does not exist yet, and "
                         f"the default SFT cannot run as set up here ({world_size} processes, ${ARGS_VARIABLE}="
                         f"{os.environ.get(ARGS_VARIABLE, '')!r}): {error} Run `torchrun -m trainer.sft` with working "
                         "settings first, or set `--model.path`.") from None
-    if Path(config.train.out_dir) / "hf" != Path(DEFAULT_GRPO_START):
+    if Path(config.train.out_dir) / "hf" != Path(start):
         raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but GRPO's default "
-                        f"start reads `{DEFAULT_GRPO_START}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
+                        f"start reads `{start}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
                         "`--model.path` for GRPO.")
 
 
@@ -49,10 +51,12 @@ def train_default_sft(grpo_config) -> bool:
     starts fresh otherwise. GRPO has joined the process group already; afterwards the model-parallel groups and
     seeds are GRPO's again.
     """
-    log.info("%s does not exist yet: running the default SFT first (as `torchrun -m trainer.sft "
-             "--resume-from-checkpoint latest` would)", DEFAULT_GRPO_START)
-    sft.main([*sft_arguments(), "--resume-from-checkpoint", "latest"])
-    if not (Path(DEFAULT_GRPO_START) / "config.json").is_file():
+    start = grpo_config.model.path
+    arguments = sft_arguments(start)
+    log.info("%s does not exist yet: running the SFT that writes it first (as `torchrun -m trainer.sft %s"
+             "--resume-from-checkpoint latest` would)", start, " ".join(arguments[:2]) + " " if arguments[:2] else "")
+    sft.main([*arguments, "--resume-from-checkpoint", "latest"])
+    if not (Path(start) / "config.json").is_file():
         log.info("the default SFT stopped before its last step; rerun GRPO to continue it")
         return False
     parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)

@@ -53,9 +53,9 @@ import torch
 from ckpt import checkpoint
 from config import cli, process
 from config.sections import GRPOConfig
-from data import batches, prompts as prompt_data, rewards
+from data import batches, prompts as prompt_data, rewards, tools as tool_data
 from model import build, generate, parallel
-from trainer import default_start, evaluation, grpo_math, metrics
+from trainer import default_start, evaluation, grpo_math, metrics, rollout as rollout_data
 from trainer.metrics import log
 
 
@@ -92,17 +92,16 @@ def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, rou
 
 @dataclasses.dataclass
 class Round:
-    """One generation round on this rank: groups of `grpo.n_samples` consecutive completions, scored."""
+    """One generation round on this rank: groups of `grpo.n_samples` consecutive episodes, scored."""
 
-    prompts: list[prompt_data.Prompt]  # one per completion
-    completions: list[list[int]]
-    texts: list[str]  # decoded
+    episodes: list[rollout_data.Episode]
     truncated: list[bool]  # cut at grpo.max_new_tokens (no end id)
     scores: rewards.Scores
     penalty: float  # the overlong penalties' sum (0 without grpo.overlong_buffer)
     advantages: torch.Tensor  # [groups, samples]
     equal: torch.Tensor  # [groups]: all rewards of the group alike (zero advantage, no signal)
-    seconds: float  # generating
+    seconds: float  # generating (tools included)
+    tool_seconds: float
 
 
 @dataclasses.dataclass
@@ -124,13 +123,21 @@ class Rollouts:
 SAMPLES_PER_LOG = 4
 
 
-def samples(rollouts: Rollouts, tokenizer, n_samples: int) -> list[dict]:
-    """A few of this rank's first-round completions for samples.jsonl: the first of each prompt, then the second, ..."""
+def samples(rollouts: Rollouts, tokenizer, n_samples: int, with_tools: bool) -> list[dict]:
+    """A few of this rank's first-round episodes for samples.jsonl: the first of each prompt, then the second, ...;
+    with tools each also as its trajectory, in runs of what the policy sampled and what was appended."""
     first = rollouts.rounds[0]
-    order = sorted(range(len(first.texts)), key=lambda index: (index % n_samples, index // n_samples))
-    return [{"prompt": tokenizer.decode(first.prompts[index].ids, skip_special_tokens=True).strip(),
-             "completion": first.texts[index], "reward": first.scores.rewards[index],
-             "reference": first.prompts[index].reference} for index in order[:SAMPLES_PER_LOG]]
+    order = sorted(range(len(first.episodes)), key=lambda index: (index % n_samples, index // n_samples))
+    shown = []
+    for index in order[:SAMPLES_PER_LOG]:
+        episode = first.episodes[index]
+        shown.append({"prompt": tokenizer.decode(episode.prompt_ids, skip_special_tokens=True).strip(),
+                      "completion": episode.answer, "reward": first.scores.rewards[index],
+                      "reference": episode.prompt.reference})
+        if with_tools:
+            shown[-1].update(turns=episode.counts["turns"], tool_calls=episode.counts["tool_calls"],
+                             trajectory=rollout_data.trajectory(tokenizer, episode))
+    return shown
 
 
 def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list[prompt_data.Prompt]:
@@ -143,27 +150,26 @@ def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list
     return [prompts[index] for index in indices[runtime.dp_rank * per_rank : (runtime.dp_rank + 1) * per_rank]]
 
 
-def sample_round(policy, distinct: list[prompt_data.Prompt], config, step: int, round_index: int, runtime, reward) -> Round:
-    """Sample `grpo.n_samples` completions of each prompt, score them (reward, overlong penalty) and compute group advantages."""
+def sample_round(policy, rollout, distinct: list[prompt_data.Prompt], config, step: int, round_index: int, runtime,
+                 reward) -> Round:
+    """Sample `grpo.n_samples` episodes of each prompt, score them (reward, overlong penalty) and compute group advantages."""
     grpo = config.grpo
     sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
     start = time.perf_counter()
-    completions = policy.generator.generate([prompt.ids for prompt in distinct], samples=grpo.n_samples,
-                                            max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+    episodes, tool_seconds = rollout.run(policy.generator, distinct, samples=grpo.n_samples,
+                                         max_new_tokens=grpo.max_new_tokens, sampling=sampling)
     seconds = time.perf_counter() - start
-    mine = [prompt for prompt in distinct for _ in range(grpo.n_samples)]  # one row per completion
-    texts = policy.tokenizer.batch_decode(completions, skip_special_tokens=True)
-    scores = rewards.score(reward, texts, [prompt.reference for prompt in mine], grpo.format_bonus)
-    shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [completions]
+    scores = rollout_data.score(reward, episodes, grpo.format_bonus)
+    shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
     penalty = 0.0
-    if grpo.overlong_buffer:
-        penalties = grpo_math.overlong_penalty(torch.tensor([len(completion) for completion in completions]),
+    if grpo.overlong_buffer:  # the budget bounds the whole episode, so its length counts every token after the prompt
+        penalties = grpo_math.overlong_penalty(torch.tensor([len(episode.ids) for episode in episodes]),
                                                grpo.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
         shaped, penalty = shaped + penalties, float(penalties.sum())
     advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
-    truncated = [policy.generator.truncated(completion, grpo.max_new_tokens) for completion in completions]
-    return Round(mine, completions, texts, truncated, scores, penalty, advantages, equal, seconds)
+    truncated = [policy.generator.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
+    return Round(episodes, truncated, scores, penalty, advantages, equal, seconds, tool_seconds)
 
 
 def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
@@ -175,7 +181,7 @@ def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
     return sorted(with_signal[:wanted] + without[: max(0, wanted - len(with_signal))])
 
 
-def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts:
+def collect_rollouts(policy, rollout, prompts, config, step, runtime, reward) -> Rollouts:
     """This rank's batch of the step: one round of rollouts, or with `grpo.dynamic_sampling` as many rounds (at most
     `grpo.max_sampling_rounds`) as the data-parallel ranks need to fill their batches with groups that carry signal.
 
@@ -183,23 +189,26 @@ def collect_rollouts(policy, prompts, config, step, runtime, reward) -> Rollouts
     collectives under Megatron-FSDP stay matched."""
     grpo = config.grpo
     wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
-    rounds = [sample_round(policy, round_prompts(prompts, config, step, 0, runtime), config, step, 0, runtime, reward)]
+    rounds = [sample_round(policy, rollout, round_prompts(prompts, config, step, 0, runtime), config, step, 0, runtime, reward)]
     while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
         short = max(0, wanted - sum(int((~sampled.equal).sum()) for sampled in rounds))
         if parallel.data_parallel_sum([short])[0] == 0:
             break
         number = len(rounds)
-        rounds.append(sample_round(policy, round_prompts(prompts, config, step, number, runtime), config, step, number,
-                                   runtime, reward))
+        rounds.append(sample_round(policy, rollout, round_prompts(prompts, config, step, number, runtime), config, step,
+                                   number, runtime, reward))
     examples, advantages, zero_groups = [], [], 0
     for number, group in select_groups(rounds, wanted):
         sampled = rounds[number]
         zero_groups += int(sampled.equal[group])
         advantages.append(sampled.advantages[group])
         for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
-            prompt, completion = sampled.prompts[row].ids, sampled.completions[row]
+            episode = sampled.episodes[row]
             trained = 0 if grpo.mask_truncated and sampled.truncated[row] else 1
-            examples.append(batches.Example(prompt + completion, [0] * len(prompt) + [trained] * len(completion)))
+            # Only sampled tokens are trained: appended ones (tool messages) have mask 0, so no term of the loss
+            # sees them and every normaliser that counts tokens counts sampled ones.
+            examples.append(batches.Example(episode.prompt_ids + episode.ids,
+                                            [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
     return Rollouts(examples, torch.cat(advantages), zero_groups, rounds)
 
 
@@ -207,15 +216,18 @@ def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
     """Global (all data-parallel ranks) reward, accuracy, answer-form and length figures of every completion sampled
     for the step, and the batch's zero-advantage groups (with dynamic sampling, its rounds and kept share too)."""
     sampled = {"count": 0, "reward": 0.0, "correct": 0, "errors": 0, "in_format": 0, "right_answer": 0,
-               "truncated": 0, "completion_tokens": 0, "penalty": 0.0, "groups": 0}
+               "truncated": 0, "completion_tokens": 0, "sampled_tokens": 0, "penalty": 0.0, "groups": 0,
+               "tool_seconds": 0.0, **dict.fromkeys(rollout_data.totals([]), 0.0)}
     for sampled_round in rollouts.rounds:
-        for key, value in sampled_round.scores.totals().items():
+        for key, value in (*sampled_round.scores.totals().items(), *rollout_data.totals(sampled_round.episodes).items()):
             sampled[key] += value
-        sampled["count"] += len(sampled_round.completions)
+        sampled["count"] += len(sampled_round.episodes)
         sampled["truncated"] += sum(sampled_round.truncated)
-        sampled["completion_tokens"] += sum(len(completion) for completion in sampled_round.completions)
+        sampled["completion_tokens"] += sum(len(episode.ids) for episode in sampled_round.episodes)
+        sampled["sampled_tokens"] += sum(sum(episode.sampled) for episode in sampled_round.episodes)
         sampled["penalty"] += sampled_round.penalty
         sampled["groups"] += len(sampled_round.equal)
+        sampled["tool_seconds"] += sampled_round.tool_seconds
     local = {**sampled, "zero_groups": rollouts.zero_advantage_groups, "seconds": rollouts.seconds,
              "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
     total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
@@ -227,6 +239,8 @@ def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
            "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
            "zero_advantage_groups": int(total["zero_groups"]),
            "truncated_rate": total["truncated"] / count, "sequence_tokens": total["all_tokens"]}
+    if config.grpo.tools or config.grpo.environment:
+        row.update(tool_metrics(total, count, runtime))
     if config.grpo.overlong_buffer:
         row["overlong_penalty"] = total["penalty"] / count
     if config.grpo.dynamic_sampling:
@@ -234,6 +248,18 @@ def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
         row["sampling_rounds"] = len(rollouts.rounds)
         row["kept_group_rate"] = (batch_groups - total["zero_groups"]) / total["groups"]
     return row
+
+
+def tool_metrics(total: dict, count: float, runtime) -> dict:
+    """With tools: per-episode turns and calls, the share of episodes that called a tool, the failures' counts, the
+    sampled share of the episodes' tokens and the seconds spent in tools (per rank, like rollout_time_s)."""
+    return {"turns_per_episode": total["turns"] / count, "tool_calls_per_episode": total["tool_calls"] / count,
+            "tool_call_rate": total["episodes_with_calls"] / count, "tool_errors": int(total["tool_errors"]),
+            "tool_parse_errors": int(total["parse_errors"]), "tool_timeouts": int(total["tool_timeouts"]),
+            "unknown_tools": int(total["unknown_tools"]), "max_turns_reached": int(total["max_turns_reached"]),
+            "out_of_room": int(total["out_of_room"]), "truncated_tool_responses": int(total["truncated_tool_responses"]),
+            "sampled_token_share": total["sampled_tokens"] / max(total["completion_tokens"], 1),
+            "tool_time_s": total["tool_seconds"] / runtime.dp_size}
 
 
 # ---------------------------------------------------------------- log-probs and loss
@@ -386,10 +412,11 @@ def main(argv: list[str]) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     if config.starts_from_default_sft():
-        default_start.validate(world_size)
+        default_start.validate(world_size, config.model.path)
     metrics.setup_logging(process.is_global_rank_zero())
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward = rewards.get_reward(config.grpo.reward)
+    toolset = tool_data.Toolset.from_config(config.grpo)  # the user's tool modules imported before any model is built
     startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     startup.mark("process group")
@@ -403,11 +430,15 @@ def main(argv: list[str]) -> None:
     if checkpointer.finished():
         return
     tokenizer = build.load_tokenizer(model_path)
-    train_prompts = prompt_data.load_prompts(config.data, tokenizer, config.data.path, "train", config.grpo.max_new_tokens)
-    eval_prompts = prompt_data.trim_for_data_parallel(
-        prompt_data.held_out_split(config.data, functools.partial(prompt_data.load_prompts, config.data, tokenizer,
-                                                                  max_new_tokens=config.grpo.max_new_tokens)) or [],
-        config.train.eval_samples, config.parallel.data_parallel_size(world_size))
+    end_ids = generate.end_token_ids(model_path, tokenizer)
+    if toolset is not None:
+        tool_data.check_template(tokenizer, toolset.schemas, tool_data.end_texts(tokenizer, end_ids))
+    rollout = rollout_data.Rollout.from_config(config.grpo, tokenizer, toolset, end_ids)
+    load = functools.partial(prompt_data.load_prompts, config.data, tokenizer, max_new_tokens=config.grpo.max_new_tokens,
+                             tools=rollout.schemas or None)
+    train_prompts = load(config.data.path, "train")
+    eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],
+                                                      config.train.eval_samples, config.parallel.data_parallel_size(world_size))
     startup.mark("tokenizer and data")
 
     # ---- build
@@ -423,7 +454,7 @@ def main(argv: list[str]) -> None:
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
     evaluate = functools.partial(evaluation.held_out_metrics, policy, eval_prompts, reward, runtime, config,
-                                 max_new_tokens=config.grpo.max_new_tokens)
+                                 max_new_tokens=config.grpo.max_new_tokens, rollout=rollout)
     with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
         startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate()):
@@ -432,7 +463,7 @@ def main(argv: list[str]) -> None:
         startup.report()
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
-                rollouts = collect_rollouts(policy, train_prompts, config, step, runtime, reward)
+                rollouts = collect_rollouts(policy, rollout, train_prompts, config, step, runtime, reward)
                 microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
                 update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
@@ -444,7 +475,7 @@ def main(argv: list[str]) -> None:
                 row.update(evaluate())
             writer.write(row)
             if config.train.logs_at(step):
-                writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples))
+                writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples, toolset is not None))
             if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     parallel.shutdown(runtime)

@@ -114,7 +114,7 @@ def greedy_with_sequence_parallel(model_path: Path, tokenizer, prompts: list, ex
     policy = build.build_policy(config, model_path, tokenizer, trainable=False)
     completions = generate.generate(policy.chunks, prompts, max_new_tokens=NEW_TOKENS, end_ids=tokenizer.eos_token_id,
                                     vocab_size=policy.vocab_size)
-    bare = build.unwrap(policy.chunks[0])
+    bare = parallel.unwrap(policy.chunks[0])
     return {"greedy_equal": completions == expected, "generated_tokens": sum(map(len, completions)),
             "sequence_parallel_during_training": bool(policy.provider.sequence_parallel),
             "sequence_parallel_restored": bool(bare.config.sequence_parallel and bare.output_layer.sequence_parallel)}

@@ -37,7 +37,7 @@ def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
 
 def base_tensors(chunks: list) -> dict[str, torch.Tensor]:
     """Every non-adapter parameter under its base name (LoRA's wrapper adds `.to_wrap`)."""
-    return {name.replace(".to_wrap", ""): param.detach().clone() for name, param in build.unwrap(chunks[0]).named_parameters()
+    return {name.replace(".to_wrap", ""): param.detach().clone() for name, param in parallel.unwrap(chunks[0]).named_parameters()
             if ".adapter." not in name}
 
 

@@ -60,7 +60,7 @@ def compare_specs(tp: int, bridge) -> dict:
     models = {}
     for spec in SPECS:
         provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec)
-        models[spec] = build.unwrap(build.build_chunks(provider)[0])
+        models[spec] = parallel.unwrap(build.build_chunks(provider)[0])
     result = {"tp": tp, "core_attention": {
         spec: type(model.decoder.layers[0].self_attention.core_attention).__name__ for spec, model in models.items()}}
 
@@ -132,7 +132,7 @@ def compare_specs(tp: int, bridge) -> dict:
 
     # ---- a sliding window (4 tokens): megatron's local softmax then builds its own window mask and drops ours, so
     # that spec generates unpadded; SDPA applies both. Either way, batched prompts give what each gives alone.
-    windowed = {spec: build.unwrap(build.build_chunks(build.configure_provider(
+    windowed = {spec: parallel.unwrap(build.build_chunks(build.configure_provider(
         bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec,
         transformer_overrides={"window_size": (4, 0)}))[0]) for spec in SPECS}
     result["windowed_masks_pads"] = {spec: generate.masks_pads(model) for spec, model in windowed.items()}

@@ -1,0 +1,252 @@
+"""Tools for multi-turn GRPO, fast tier: the user's side (loading, schemas, bad modules), reading a turn's calls, running
+them (errors, timeouts, unknown names), the chat template's check, and the rollout's bookkeeping: which ids are
+appended (never trained), what each bad input counts, the limits. The real generation under torchrun is in
+test_tools_e2e.py."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from config.cli import parse_args
+from config.errors import UserError
+from config.sections import GRPOConfig
+from data import tools
+from data.prompts import prompts_from_conversations
+from model import tiny
+from tests import tool_fixtures
+from trainer import rollout as rollout_data
+
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer()
+
+
+def toolset(*specs, environment=""):
+    return tools.Toolset.from_config(SimpleNamespace(tools=list(specs), environment=environment))
+
+
+CALL = '<tool_call>\n{"name": "digits", "arguments": {"number": "%s"}}\n</tool_call>'
+
+
+# ---------------------------------------------------------------- the user's side
+
+
+def test_a_tools_schema_comes_from_its_signature_and_docstring():
+    loaded = toolset("tests.tool_fixtures:digits", environment="tests.tool_fixtures:Counter")
+    assert [schema["function"]["name"] for schema in loaded.schemas] == ["digits", "add"]
+    assert loaded.schemas[0]["function"]["parameters"]["properties"]["number"] == {"type": "string", "description": "a whole number, as text"}
+    episode, extra = loaded.episode({"question": "q"})
+    assert extra == "Count with the tool." and sorted(episode.tools) == ["add", "digits"]
+    assert episode.tools["add"]("1") == "1" and episode.reward() == 0.5  # the episode's own instance
+
+
+@pytest.mark.parametrize("key, spec, expected", [
+    ("tools", "no_such_module:digits", "`grpo.tools=no_such_module:digits`: cannot load `digits` from module `no_such_module`"),
+    ("tools", "tests.tool_fixtures", "is not of the form `module:name`"),
+    ("tools", "tests.tool_fixtures:undocumented", "the tool tests.tool_fixtures:undocumented has no schema transformers can read"),
+    ("tools", "tests.tool_fixtures:DIGITS_SCHEMA", "is not a function"),
+    ("environment", "tests.tool_fixtures:digits", "is not a class"),
+])
+def test_bad_tool_modules_are_one_paragraph_before_any_model(key, spec, expected):
+    with pytest.raises(UserError) as error:
+        toolset(spec) if key == "tools" else toolset(environment=spec)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_tool_keys_are_checked_at_start_up():
+    for argv, expected in [(["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.max_turns=1"], "`grpo.max_turns` must be at least 2 with tools"),
+                           (["--grpo.tool_timeout=0"], "`grpo.tool_timeout` must be positive"),
+                           (["--grpo.max_tool_response_tokens=0"], "`grpo.max_tool_response_tokens` must be at least 1")]:
+        config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
+        with pytest.raises(UserError, match=expected):
+            config.validate(world_size=2)
+
+
+# ---------------------------------------------------------------- reading and running calls
+
+
+def test_turns_parse_into_calls_or_an_error(tokenizer):
+    assert tools.parse_turn(tokenizer, "12 + 5 = 17\n#### 17") == ("12 + 5 = 17\n#### 17", [], None)
+    content, calls, error = tools.parse_turn(tokenizer, "Let me see.\n" + CALL % "12" + "\n" + CALL % "7")
+    assert (content, [(call.name, call.arguments) for call in calls], error) == (
+        "Let me see.", [("digits", {"number": "12"}), ("digits", {"number": "7"})], None)
+    assert "could not be parsed" in tools.parse_turn(tokenizer, '<tool_call>\n{"name": "digits", "arguments": {"number": }\n</tool_call>')[2]
+    assert "without a closing tag" in tools.parse_turn(tokenizer, '<tool_call>\n{"name": "digits"')[2]
+    assert "no name" in tools.parse_turn(tokenizer, '<tool_call>\n{"arguments": {}}\n</tool_call>')[2]
+
+
+def test_a_tokenizers_own_response_schema_is_used(tokenizer):
+    own = tiny.build_tokenizer()
+    own.response_schema = tool_fixtures.DIGITS_SCHEMA
+    _, calls, error = tools.parse_turn(own, "3 + 4 = 7")
+    assert error is None and [call.arguments for call in calls] == [{"number": "3"}, {"number": "4"}, {"number": "7"}]
+
+
+def test_calls_run_in_parallel_within_the_timeout_and_failures_become_the_tools_answer():
+    episode = tools.Episode({name: getattr(tool_fixtures, name) for name in ("digits", "raises", "sleeps")}, None)
+    calls = [tools.Call("digits", {"number": "123"}), tools.Call("raises", {"number": "9"}), tools.Call("nope", {}),
+             tools.Call("digits", {"bad": 1}), tools.Call("sleeps", {"number": "1"}), tools.Call("sleeps", {"number": "2"})]
+    started = time.monotonic()
+    outcomes = tools.run_calls([(episode, call) for call in calls], timeout=0.3)
+    assert time.monotonic() - started < 0.9  # the two sleepers waited on together, and not for their whole second
+    assert [outcome.kind for outcome in outcomes] == ["ok", "error", "unknown_tool", "error", "timeout", "timeout"]
+    assert outcomes[0].text == "6"
+    assert outcomes[1].text == "Error: RuntimeError: no luck with 9"
+    assert outcomes[2].text == "Error: unknown tool 'nope'; the tools are digits, raises, sleeps."
+    assert outcomes[4].text == "Error: the tool did not answer within 0.3 s (grpo.tool_timeout)."
+
+
+# ---------------------------------------------------------------- the chat template
+
+
+def test_the_tiny_template_appends_turns_and_its_calls_parse_back(tokenizer):
+    schemas = toolset("tests.tool_fixtures:digits").schemas
+    tools.check_template(tokenizer, schemas, [END])
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "digits", "arguments": {"number": "12"}}}]}]
+    # The glue after the end id (its newline: verl #3720's lost byte), the tool messages in one user turn, the next header.
+    assert tools.appended_text(tokenizer, conversation, [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}],
+                               schemas, [END]) == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n"
+                                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_with_two_end_ids_closes_turns_with_either():
+    """A template that closes assistant turns with `<|endoftext|>` (the model's second end id) and others with
+    `<|im_end|>`: the glue is taken after whichever end id closed the turn."""
+    two = tiny.build_tokenizer()
+    two.chat_template = tiny.CHAT_TEMPLATE.replace(
+        "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}", "{%- endfor %}{{ ('<|endoftext|>' if message is defined and message.role == 'assistant' else '<|im_end|>') + '\\n' }}{%- endif %}")
+    assert two.chat_template != tiny.CHAT_TEMPLATE
+    ends = tools.end_texts(two, [2, 0])
+    assert ends == ["<|im_end|>", "<|endoftext|>"]
+    schemas = toolset("tests.tool_fixtures:digits").schemas
+    tools.check_template(two, schemas, ends)
+    with pytest.raises(UserError, match="not closed by an end id"):
+        tools.check_template(two, schemas, ["<|im_end|>"])
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "digits", "arguments": {"number": "12"}}}]}]
+    assert tools.appended_text(two, conversation, [{"role": "tool", "content": "3"}], schemas, ends).startswith(
+        "\n<|im_start|>user\n<tool_response>\n3\n")
+
+
+@pytest.mark.parametrize("template, problem", [
+    # Keeps only the last three messages: rendering more turns rewrites the earlier ones.
+    (tiny.CHAT_TEMPLATE.replace("{%- for message in messages %}", "{%- for message in messages[-3:] %}"), "rewrites"),
+    # A template that knows no tool calls: the call never renders, so it cannot parse back.
+    ("{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}", "does not parse back"),
+])
+def test_templates_that_cannot_continue_are_refused_naming_the_template(template, problem):
+    refused = tiny.build_tokenizer()
+    refused.chat_template, refused.name_or_path = template, "my-org/my-model"
+    with pytest.raises(UserError) as error:
+        tools.check_template(refused, toolset("tests.tool_fixtures:digits").schemas, [END])
+    message = str(error.value)
+    assert "'my-org/my-model'" in message and problem in message and "\n" not in message
+
+
+# ---------------------------------------------------------------- the rollout's bookkeeping
+
+
+class ScriptedGenerator:
+    """Stands in for `model.generate.Generator` where only the rollout's bookkeeping is under test: each row "samples"
+    its scripted turns in order (each closed by the end id) and, as the real one does, asks `continue_rows` after each."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.requests = tokenizer, turns, []
+
+    def generate(self, prompts, *, samples, max_new_tokens, sampling, continue_rows):
+        end = self.tokenizer.convert_tokens_to_ids(END)
+        completions = []
+        for row in range(len(prompts) * samples):
+            completion = []
+            for turn in self.turns[row]:
+                room = max_new_tokens - len(completion)
+                completion += (self.tokenizer(turn, add_special_tokens=False)["input_ids"] + [end])[:room]
+                if len(completion) == max_new_tokens:
+                    break  # cut at the budget: no end id, no call
+                self.requests.append((row, list(completion), max_new_tokens - len(completion)))
+                appended = continue_rows([self.requests[-1]])[0]
+                if appended is None:
+                    break
+                completion += appended
+            completions.append(completion)
+        return completions
+
+
+def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environment="", max_turns=3,
+                max_new_tokens=400, max_tool_response_tokens=8):
+    loaded = toolset(*specs, environment=environment)
+    prompts = prompts_from_conversations([[{"role": "user", "content": "What is 12 + 5?"},
+                                           {"role": "assistant", "content": "#### 17"}]], tokenizer, loaded.schemas)
+    prompts[0].row = {"question": "What is 12 + 5?"}
+    rollout = rollout_data.Rollout(tokenizer, loaded, [2], max_turns=max_turns,
+                                   max_tool_response_tokens=max_tool_response_tokens, tool_timeout=0.3)
+    generator = ScriptedGenerator(tokenizer, turns)
+    episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens, sampling=None)
+    return episodes, generator
+
+
+def test_only_sampled_ids_are_trained_and_the_appended_ones_are_the_tool_messages(tokenizer):
+    episodes, _ = run_rollout(tokenizer, [[CALL % "12", "12 + 5 = 17\n#### 17"], ["#### 17"]])
+    called, direct = episodes
+    assert called.answer == "12 + 5 = 17\n#### 17" and direct.answer == "#### 17"
+    runs = rollout_data.trajectory(tokenizer, called)
+    assert runs == [{"policy": CALL % "12" + END},
+                    {"appended": "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"},
+                    {"policy": "12 + 5 = 17\n#### 17" + END}]
+    assert sum(called.sampled) == len(called.ids) - len(tokenizer(runs[1]["appended"], add_special_tokens=False)["input_ids"])
+    assert dict(called.counts) == {"turns": 2, "tool_calls": 1} and dict(direct.counts) == {"turns": 1}
+    assert direct.sampled == [1] * len(direct.ids)
+
+
+def test_every_bad_input_is_counted_and_the_episode_goes_on_or_ends_as_documented(tokenizer):
+    bad_json = '<tool_call>\n{"name": "digits", "arguments": {"number": }\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    episodes, _ = run_rollout(tokenizer, [
+        [bad_json, "#### 17"],  # the parse error is the next message; the episode goes on
+        [unknown, "#### 17"],
+        [CALL % "1", CALL % "2", CALL % "3"],  # the third turn's call is not run: max_turns
+        [CALL % "12345678"],  # cut to max_tool_response_tokens (the digit sum 0 is short: raises instead)
+    ], specs=("tests.tool_fixtures:digits", "tests.tool_fixtures:raises", "tests.tool_fixtures:sleeps"))
+    parse, unknown_episode, capped, _ = episodes
+    assert parse.counts["parse_errors"] == 1 and parse.counts["turns"] == 2 and parse.answer == "#### 17"
+    assert "Error: the tool call could not be parsed" in rollout_data.trajectory(tokenizer, parse)[1]["appended"]
+    assert unknown_episode.counts["unknown_tools"] == 1 and unknown_episode.counts["tool_calls"] == 1
+    assert capped.counts["max_turns_reached"] == 1 and capped.counts["tool_calls"] == 2 and capped.counts["turns"] == 3
+    raising, _ = run_rollout(tokenizer, [[CALL.replace("digits", "raises") % "9", "#### 1"],
+                                         [CALL.replace("digits", "sleeps") % "9", "#### 1"]],
+                             specs=("tests.tool_fixtures:raises", "tests.tool_fixtures:sleeps"), max_tool_response_tokens=64)
+    assert raising[0].counts["tool_errors"] == 1 and raising[1].counts["tool_timeouts"] == 1
+    assert "no luck with 9" in rollout_data.trajectory(tokenizer, raising[0])[1]["appended"]
+
+
+def test_a_long_tool_answer_is_cut_and_says_so_and_an_episode_out_of_room_ends(tokenizer):
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "7" * 1, "#### 1"]],
+                              specs=(), environment="tests.tool_fixtures:Counter", max_tool_response_tokens=1)
+    assert episodes[0].counts["truncated_tool_responses"] == 0  # "1" is one token
+    long_answer, _ = run_rollout(tokenizer, [[CALL % "99999", "#### 1"]], specs=("tests.tool_fixtures:clock",),
+                                 max_tool_response_tokens=2)
+    assert long_answer[0].counts["unknown_tools"] == 1  # `digits` is not offered here
+    cut, _ = run_rollout(tokenizer, [[CALL.replace("digits", "clock") % "1", "#### 1"]], specs=("tests.tool_fixtures:clock",),
+                         max_tool_response_tokens=1)
+    assert cut[0].counts["truncated_tool_responses"] == 1
+    assert "[cut: " in rollout_data.trajectory(tokenizer, cut[0])[1]["appended"]
+    full, generator = run_rollout(tokenizer, [[CALL % "12", "#### 17"]], max_new_tokens=len(tokenizer(CALL % "12")["input_ids"]) + 10)
+    assert full[0].counts["out_of_room"] == 1 and full[0].counts["turns"] == 1 and len(generator.requests) == 1
+
+
+def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "1", "#### 17"], ["#### 17"]], specs=(),
+                              environment="tests.tool_fixtures:Counter")
+    assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount with the tool.<|im_end|>\n<|im_start|>assistant\n")
+    assert [episode.environment_reward for episode in episodes] == [0.5, 0.0]
+    scores = rollout_data.score(lambda completion, reference: float(completion == reference), episodes)
+    assert scores.rewards == [1.5, 1.0] and scores.correct == [True, True]
+    assert json.dumps(rollout_data.totals(episodes)) == json.dumps(
+        {**dict.fromkeys(rollout_data.COUNTERS, 0.0), "turns": 3.0, "tool_calls": 1.0, "episodes_with_calls": 1.0})

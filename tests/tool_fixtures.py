@@ -1,0 +1,85 @@
+"""Tools and an environment for the tool tests, as a user's module would hold them (`--grpo.tools=tests.tool_fixtures:digits`).
+
+`DIGITS_SCHEMA` is a tokenizer `response_schema` that reads every number of a turn as a call `digits(number=N)`, so the
+default SFT model (which writes `a op b = c` and `#### c`) calls a tool in every turn: the e2e tests exercise
+multi-turn rollouts without a model trained on a tool format.
+"""
+
+import itertools
+import time
+
+DIGITS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "role": {"const": "assistant"},
+        "content": {"const": ""},
+        "tool_calls": {"type": "array", "x-regex-iterator": r"(\d+)", "items": {
+            "type": "object",
+            "properties": {"name": {"const": "digits"},
+                           "arguments": {"type": "object", "properties": {"number": {"type": "string", "x-regex": r"(\d+)"}}}}}},
+    },
+}
+_calls = itertools.count()
+
+
+def digits(number: str) -> str:
+    """The digit sum of a number, deterministic.
+
+    Args:
+        number: a whole number, as text
+    """
+    return str(sum(int(digit) for digit in number) if len(number) < 4 else 0)
+
+
+def clock(number: str) -> str:
+    """A different answer at every call (a clock and a counter), as a network tool's may be.
+
+    Args:
+        number: ignored
+    """
+    return f"{time.time_ns() % 1000}{next(_calls) % 7}"
+
+
+def raises(number: str) -> str:
+    """Always fails.
+
+    Args:
+        number: ignored
+    """
+    raise RuntimeError(f"no luck with {number}")
+
+
+def sleeps(number: str) -> str:
+    """Answers after a second.
+
+    Args:
+        number: ignored
+    """
+    time.sleep(1.0)
+    return number
+
+
+def undocumented(number):
+    return number
+
+
+class Counter:
+    """A stateful environment: counts the calls of its episode; its reward is 0.5 for exactly one call."""
+
+    def reset(self, row: dict) -> str:
+        """Starts an episode."""
+        self.calls = 0
+        return "Count with the tool."
+
+    def add(self, number: str) -> str:
+        """Counts a call.
+
+        Args:
+            number: ignored
+        """
+        self.calls += 1
+        return str(self.calls)
+
+    def reward(self) -> float:
+        """0.5 for exactly one call."""
+        return 0.5 if self.calls == 1 else 0.0

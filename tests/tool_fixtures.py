@@ -1,8 +1,8 @@
 """Tools and an environment for the tool tests, as a user's module would hold them (`--grpo.tools=tests.tool_fixtures:digits`).
 
-`DIGITS_SCHEMA` is a tokenizer `response_schema` that reads every number of a turn as a call `digits(number=N)`, so the
-default SFT model (which writes `a op b = c` and `#### c`) calls a tool in every turn: the e2e tests exercise
-multi-turn rollouts without a model trained on a tool format.
+`DIGITS_SCHEMA` is a tokenizer `response_schema` that reads a turn's first number as a call `digits(number=N)`, so the
+default SFT model (which writes `a op b = c` and `#### c`) calls a tool in most turns: the e2e tests exercise multi-turn
+rollouts without a model trained on a tool format.
 """
 
 import itertools
@@ -13,7 +13,7 @@ DIGITS_SCHEMA = {
     "properties": {
         "role": {"const": "assistant"},
         "content": {"const": ""},
-        "tool_calls": {"type": "array", "x-regex-iterator": r"(\d+)", "items": {
+        "tool_calls": {"type": "array", "x-regex-iterator": r"^\D*?(\d+)", "items": {
             "type": "object",
             "properties": {"name": {"const": "digits"},
                            "arguments": {"type": "object", "properties": {"number": {"type": "string", "x-regex": r"(\d+)"}}}}}},
@@ -29,6 +29,18 @@ def digits(number: str) -> str:
         number: a whole number, as text
     """
     return str(sum(int(digit) for digit in number) if len(number) < 4 else 0)
+
+
+class Clock:
+    """An environment whose tool `digits` answers differently at every call (a clock and a counter)."""
+
+    def digits(self, number: str) -> str:
+        """A new answer at every call.
+
+        Args:
+            number: ignored
+        """
+        return clock(number)
 
 
 def clock(number: str) -> str:

@@ -467,10 +467,10 @@ def main(argv: list[str]) -> None:
                 microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
                 update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
-            rollout = rollout_metrics(rollouts, config, runtime)
+            sampled = rollout_metrics(rollouts, config, runtime)
             row = {"step": step, "loss": update.pop("loss"), "lr": policy.optimizer.param_groups[0]["lr"],
-                   "grad_norm": update.pop("grad_norm"), "tokens_per_s": rollout.pop("sequence_tokens") / timer.seconds,
-                   "step_time_s": timer.seconds, **rollout, **update}
+                   "grad_norm": update.pop("grad_norm"), "tokens_per_s": sampled.pop("sequence_tokens") / timer.seconds,
+                   "step_time_s": timer.seconds, **sampled, **update}
             if config.train.evaluates_at(step):
                 row.update(evaluate())
             writer.write(row)

@@ -21,10 +21,18 @@ PANELS = (
     ("KL to the reference", ("kl",)),
     ("entropy", ("entropy",)),
     ("response length (tokens)", ("response_len",)),
+    ("tool use per episode", ("tool_call_rate", "turns_per_episode", "tool_calls_per_episode", "eval_tool_call_rate")),
+    ("tool failures per step", ("tool_errors", "tool_parse_errors", "tool_timeouts", "unknown_tools", "max_turns_reached",
+                                "out_of_room")),
+    ("tool time (s)", ("tool_time_s",)),
 )
 # How a key is named in a panel that holds several.
 KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answer", "eval_format_rate": "#### N form",
-              "accuracy": "full marks", "answer_accuracy": "right answer", "format_rate": "#### N form"}
+              "accuracy": "full marks", "answer_accuracy": "right answer", "format_rate": "#### N form",
+              "tool_call_rate": "call rate", "turns_per_episode": "turns", "tool_calls_per_episode": "calls",
+              "eval_tool_call_rate": "held-out call rate", "tool_errors": "tool errors", "tool_parse_errors": "parse errors",
+              "tool_timeouts": "timeouts", "unknown_tools": "unknown tools", "max_turns_reached": "max turns",
+              "out_of_room": "out of room"}
 LINE_STYLES = ("-", "--", ":")
 # Per-step series longer than this also get a smoothed line (centred moving average) over the raw one; the
 # learning rate is a schedule, not a noisy measurement, and is drawn as it is.

@@ -1,0 +1,103 @@
+"""`torchrun -m trainer.grpo` with tools, end to end on CPU: multi-turn rollouts under DDP, Megatron-FSDP (the ranks run
+different numbers of turns), TP=2 with a tool that answers differently at every call, LoRA, and 2 + resume + 2 steps
+against 4 straight.
+
+The policy is the default SFT's export with `tests.tool_fixtures.DIGITS_SCHEMA` as its tokenizer's `response_schema`:
+every number it writes is read as a call `digits(number=N)`, so every episode is multi-turn without a model trained on
+a tool format (the bundled calculator task, whose figures are in docs/tools.md, takes minutes to train)."""
+
+import json
+import shutil
+
+import pytest
+
+from tests import tool_fixtures
+from tests.conftest import REPO, torchrun_commands
+
+pytestmark = pytest.mark.distributed
+
+FIELDS = ("step", "reward_mean", "loss", "grad_norm", "turns_per_episode", "tool_calls_per_episode", "tool_call_rate",
+          "tool_errors", "out_of_room", "max_turns_reached", "truncated_tool_responses", "eval_accuracy", "eval_tool_call_rate")
+SAMPLED = ("reward_mean", "turns_per_episode", "tool_calls_per_episode", "tool_call_rate", "out_of_room",
+           "max_turns_reached", "eval_accuracy", "eval_tool_call_rate")
+
+
+def metrics(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(default_sft, tmp_path_factory) -> dict:
+    """Two launches: DDP straight and split at step 2, TP=2 with the clock tool, LoRA, then Megatron-FSDP straight (last:
+    a process cannot free FSDP's groups for the next run); the split run resumed in fresh processes."""
+    root = tmp_path_factory.mktemp("tool-runs")
+    model = root / "model"
+    shutil.copytree(default_sft / "hf", model)
+    config_file = model / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "response_schema": tool_fixtures.DIGITS_SCHEMA}))
+    common = [f"--model.path={model}", "--train.global_batch_size=16", "--train.micro_batch_size=8", "--grpo.n_samples=4",
+              "--train.eval_samples=8", "--grpo.max_new_tokens=96", "--data.max_seq_len=160", "--grpo.max_turns=3",
+              "--grpo.max_tool_response_tokens=4", "--train.log_interval=1"]
+    digits = ["--grpo.tools=[tests.tool_fixtures:digits]"]
+
+    def command(name: str, *extra: str) -> dict:
+        return {"module": "trainer.grpo", "argv": [*common, f"--train.out_dir={root / name}", *extra]}
+
+    torchrun_commands([command("ddp", *digits, "--train.steps=4"),
+                       command("split", *digits, "--train.steps=4", "--train.exit_interval=2"),
+                       command("tp2", "--grpo.environment=tests.tool_fixtures:Clock", "--parallel.tp=2", "--train.steps=2",
+                               "--grpo.n_samples=2", "--train.global_batch_size=8", "--train.micro_batch_size=4"),
+                       command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2"),
+                       command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")], root, env={"PYTHONPATH": str(REPO)})
+    torchrun_commands([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest")], root,
+                      env={"PYTHONPATH": str(REPO)})
+    return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "fsdp")} | {"root": root}
+
+
+def table(rows: list[dict], fields=FIELDS) -> list[tuple]:
+    return [tuple(row.get(key) for key in fields) for row in rows]
+
+
+def test_multi_turn_rollouts_train_and_resume_exactly(runs):
+    """Every episode calls the tool, over several turns; 2 + resume + 2 steps repeat 4 straight ones bit for bit
+    (rollouts, tool results, losses, held-out figures with tools)."""
+    ddp = runs["ddp"]
+    print("tools, DDP:", table(ddp))
+    assert [row["step"] for row in ddp] == [0, 1, 2, 3, 4]
+    steps = ddp[1:]
+    assert all(row["tool_call_rate"] > 0.5 and row["turns_per_episode"] > 1.5 for row in steps)
+    assert sum(row["max_turns_reached"] + row["out_of_room"] for row in steps) > 0  # the limits act
+    assert ddp[0]["eval_tool_call_rate"] > 0.5 and ddp[-1]["eval_tool_call_rate"] is not None
+    assert len({row["loss"] for row in steps}) == 4 and all(row["grad_norm"] > 0 for row in steps)
+    assert table(runs["split"]) == table(ddp)
+    samples = [json.loads(line) for line in (runs["root"] / "ddp" / "samples.jsonl").read_text().splitlines()]
+    trajectory = samples[0]["trajectory"]
+    assert list(trajectory[0]) == ["policy"] and list(trajectory[1]) == ["appended"]
+    assert "<tool_response>" in trajectory[1]["appended"] and samples[0]["tool_calls"] >= 1
+
+
+def test_megatron_fsdp_runs_the_same_episodes_as_ddp(runs):
+    """Under Megatron-FSDP every forward gathers parameters, so the data-parallel ranks must run the same forwards
+    while their episodes take different numbers of turns: the run completes and samples what DDP samples."""
+    fsdp, ddp = runs["fsdp"], runs["ddp"]
+    print("tools, FSDP:", table(fsdp))
+    assert table(fsdp[:2], SAMPLED) == table(ddp[:2], SAMPLED)
+    assert [row["step"] for row in fsdp] == [0, 1, 2, 3, 4]
+    assert fsdp[1]["loss"] == pytest.approx(ddp[1]["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_a_tool_that_answers_differently_each_call_never_splits_tensor_parallel_peers(runs):
+    """TP=2 with `Clock.digits` (a new answer at every call): it runs once per tensor-parallel group and its answer is sent
+    to the peer; were it run on each, the two shards' rollouts would differ and the run could not finish."""
+    tp2 = runs["tp2"]
+    print("tools, TP=2:", table(tp2))
+    assert [row["step"] for row in tp2] == [0, 1, 2]
+    assert all(row["tool_call_rate"] > 0.5 and row["tool_errors"] == 0 for row in tp2[1:])
+
+
+def test_lora_trains_with_tools(runs):
+    lora = runs["lora"]
+    print("tools, LoRA:", table(lora))
+    assert [row["step"] for row in lora] == [0, 1, 2]
+    assert all(row["tool_call_rate"] > 0.5 and row["grad_norm"] > 0 for row in lora[1:])
+    assert (runs["root"] / "lora" / "hf_adapter" / "adapter_config.json").is_file()

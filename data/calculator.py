@@ -20,17 +20,20 @@ from data import arithmetic
 TRAIN_SEED = 4321
 EVAL_SEED = 8765
 
-# Operand ranges a ~1M parameter model cannot add or multiply in its head, per operator of arithmetic's stories.
-OPERAND_RANGES = {"+": ((1000, 9999), (1000, 9999)), "*": ((100, 999), (11, 99))}
+# Products a ~1M parameter model cannot work out in its head (3-4 digit results) but whose 2-digit operands it can copy
+# into a call, as it copies arithmetic's operands into its working; with 3-4 digit operands (tried first) the SFT model
+# called the tool on 90% of held-out problems and got none right, miscopying the operands (docs/tools.md).
+OPERAND_RANGES = {"*": ((11, 99), (11, 99))}
 TEMPLATES = [
     (symbol, *OPERAND_RANGES[symbol], text) for symbol, _, _, text in arithmetic.TEMPLATES if symbol in OPERAND_RANGES
 ]
 
 SPLITS = {"train": (4000, TRAIN_SEED), "test": (500, EVAL_SEED)}
-# SFT's targets on the train split: this share calls the calculator, the rest answers in its head. The SFT model
-# then does both, so a GRPO group holds tool-using rollouts (right) beside direct ones (mostly wrong) and the
-# reward has a difference to teach; an even share makes that mix, and so the group's reward spread, the largest.
-SFT_TOOL_SHARE = 0.5
+# SFT's targets on the train split: this share calls the calculator, the rest answers in its head. The SFT model then
+# knows the call's form but greedily answers in its head (the majority), while sampling calls now and then: a GRPO group
+# holds tool-using rollouts (right) beside direct ones (wrong), and the reward teaches it to call. With half the rows
+# calling, the SFT model already called on 90% of held-out problems greedily, leaving GRPO nothing to teach.
+SFT_TOOL_SHARE = 0.25
 
 MAX_EXPRESSION_LENGTH = 200
 # Plain decimal literals only: Python's exponent form (`1e99999999`) would build a huge number from a few characters.

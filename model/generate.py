@@ -179,6 +179,8 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     history is never prefilled again, and every row's positions stay contiguous, so a continued completion is
     the sequence a single forward over it would see. All of a completion's tokens count in `max_new_tokens`.
 
+    Where the layers mask pads (`masks_pads`), columns that every live row was given are fed in one forward.
+
     Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
     (they sample identically, and so finish and compact identically). With `group` (the data-parallel group)
     the ranks of the group agree on when every row has ended (and, unpadded, on the widths), so each runs the same
@@ -226,11 +228,12 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     # megatron-core's inference mode: the output layer sees only each row's last position (in the prefill too),
     # and gathers the tensor-parallel vocab shards itself.
     with InferenceMode.active(), sequence_parallel_off(model):
-        for position in range(first_position, total):
+        position = first_position
+        while position < total:
             window = tokens[:, previous:position]  # [rows, new tokens]
             positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
             mask = None  # megatron's convention: True = may not attend
-            if any_pads:
+            if any_pads or (previous > 0 and window.size(1) > 1):  # a multi-token window past the prefill: causal
                 queries, keys = columns[previous:position], columns[:position]
                 future = keys[None, :] > queries[:, None]  # [new tokens, keys]
                 # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
@@ -267,6 +270,12 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
                 forced_end = forced_end[live]
                 _keep_cache_rows(context, live)
+            position += 1
+            if padded and continue_rows is not None and position < total:
+                # Columns every live row has been given (tool messages appended at once) go into the next forward
+                # together, like a prefill; the data-parallel ranks agree on the jump, so their forwards stay equal.
+                given = int((forced_end - position).clamp(min=0).masked_fill(done, total).min())
+                position += _agree(min(given, total - 1 - position), group, torch.distributed.ReduceOp.MIN)
     model.train(was_training)
     output[output_rows] = tokens
     output_forced_end[output_rows] = forced_end

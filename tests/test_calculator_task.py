@@ -92,7 +92,7 @@ def test_answers_are_correct_and_conversations_well_formed():
         left, symbol, right, result = re.fullmatch(r"(\d+) ([+*]) (\d+) = (\d+)", reasoning).groups()
         a, b = int(left), int(right)
         assert int(result) == (a + b if symbol == "+" else a * b)
-        assert (1000 <= a <= 9999 and 1000 <= b <= 9999) if symbol == "+" else (100 <= a <= 999 and 11 <= b <= 99)
+        assert symbol == "*" and 11 <= a <= 99 and 11 <= b <= 99
         assert final_line == f"#### {result}"
         assert re.findall(r"\d+", row["question"]) == [left, right]
         assert row["tools"] == [schema]
@@ -103,7 +103,7 @@ def test_answers_are_correct_and_conversations_well_formed():
             call, response = middle
             assert call["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": f"{a} {symbol} {b}"}}
             assert response == {"role": "tool", "name": "calculator", "content": result}
-    assert {symbol for symbol, *_ in task.TEMPLATES} == {"+", "*"}
+    assert {symbol for symbol, *_ in task.TEMPLATES} == {"*"}
 
 
 def test_load_split_applies_the_tool_share_to_sft_train_targets_only(monkeypatch):

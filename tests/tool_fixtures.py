@@ -22,6 +22,12 @@ DIGITS_SCHEMA = {
 _calls = itertools.count()
 
 
+def parity(completion: str, reference: str) -> float:
+    """A reward with signal whatever the model writes: 1.0 for an answer of even length (the default SFT model, asked
+    with a tool line it never saw, rarely gets the arithmetic right)."""
+    return float(len(completion) % 2 == 0)
+
+
 def digits(number: str) -> str:
     """The digit sum of a number, deterministic.
 

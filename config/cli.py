@@ -51,6 +51,8 @@ def _coerce(key: str, value, annotation):
             pass
     if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
+    if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one
+        value = [value]
     if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:

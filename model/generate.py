@@ -174,7 +174,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
 
     `continue_rows` makes completions multi-turn without knowing why: when rows sample an end id, it is called with
     `[(row, completion so far, columns left)]` (row: the completion's index in the result) and returns for each
-    either None (the row ends there) or token ids to append (fewer than the columns left). Appended tokens are
+    either None (the row ends there) or token ids to append (fewer than the columns left; none: the row samples on). Appended tokens are
     fed like a prompt's rest, one column per step beside the other rows' sampling, into the same KV cache: the
     history is never prefilled again, and every row's positions stay contiguous, so a continued completion is
     the sequence a single forward over it would see. All of a completion's tokens count in `max_new_tokens`.
@@ -220,7 +220,8 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     # The output: finished rows are moved here when the batch is compacted, the rest at the end.
     output = torch.zeros(len(prompts) * samples, total, dtype=torch.long, device=device)  # [prompts * samples, total]
     output_rows = torch.arange(len(prompts) * samples, device=device)  # [rows]: each live row's output row
-    output_forced_end = torch.zeros(len(prompts) * samples, dtype=torch.long, device=device)  # [prompts * samples]
+    stop = torch.full((len(prompts),), total - 1, dtype=torch.long, device=device)  # [rows]: the column a row ended at
+    output_stop = torch.zeros(len(prompts) * samples, dtype=torch.long, device=device)  # [prompts * samples]
     done = torch.zeros(len(prompts) * samples, dtype=torch.bool, device=device)  # [rows]
     previous, last_position = 0, total - 1
     was_training = model.training
@@ -247,7 +248,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
                 copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
                 tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
-                forced_end = forced_end[copies]
+                forced_end, stop = forced_end[copies], stop[copies]
                 _keep_cache_rows(context, copies)
             previous = position
             next_tokens = sample_next(last, temperature, top_p, top_k, generator)
@@ -255,20 +256,21 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
             ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
             if continue_rows is not None and bool(ended.any()):
-                ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, total)
+                ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, max_new_tokens)
             done |= ended
+            stop[ended] = position
             finished = int(done.sum())
             if _agree(int(finished == len(done)), group, torch.distributed.ReduceOp.MIN):  # every row of every rank
                 last_position = position
                 break
             if finished > 0 and len(done) > 1 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
                 output[output_rows[done]] = tokens[done]
-                output_forced_end[output_rows[done]] = forced_end[done]
+                output_stop[output_rows[done]] = stop[done]
                 live = (~done).nonzero().squeeze(1)  # [live rows]
                 if len(live) == 0:  # other ranks still generate: keep one ended row going, its output already kept
                     live = torch.zeros(1, dtype=torch.long, device=device)
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
-                forced_end = forced_end[live]
+                forced_end, stop = forced_end[live], stop[live]
                 _keep_cache_rows(context, live)
             position += 1
             if padded and continue_rows is not None and position < total:
@@ -278,31 +280,31 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 position += _agree(min(given, total - 1 - position), group, torch.distributed.ReduceOp.MIN)
     model.train(was_training)
     output[output_rows] = tokens
-    output_forced_end[output_rows] = forced_end
+    output_stop[output_rows] = stop
     prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()
-    stop = set(end_ids.tolist())
-    completions = []
-    for row, (end, given) in enumerate(zip(prompt_ends, output_forced_end.tolist())):
-        completion = output[row, end : min(last_position + 1, end + max_new_tokens)].tolist()
-        # The completion ends at the first end id it sampled after its last given token.
-        ended = [index for index, token in enumerate(completion) if token in stop and index >= given - end]
-        completions.append(completion[: ended[0] + 1] if ended else completion)
-    return completions
+    # Each completion runs to the column it ended at (its end id included), or to the last one generated.
+    return [output[row, end : min(last_position, ended, end + max_new_tokens - 1) + 1].tolist()
+            for row, (end, ended) in enumerate(zip(prompt_ends, output_stop.tolist()))]
 
 
 def _continue(continue_rows, ended: torch.Tensor, tokens: torch.Tensor, ends: torch.Tensor, forced_end: torch.Tensor,
-              output_rows: torch.Tensor, position: int, total: int) -> torch.Tensor:
+              output_rows: torch.Tensor, position: int, max_new_tokens: int) -> torch.Tensor:
     """Ask `continue_rows` about the rows that just sampled an end id; write the tokens it gives after the end id
     (into `tokens` and `forced_end`, in place) and return the rows that end for good."""
-    rows = ended.nonzero().squeeze(1).tolist()
-    left = total - position - 1
-    requests = [(int(output_rows[row]), tokens[row, int(ends[row]) : position + 1].tolist(), left) for row in rows]
-    for row, appended in zip(rows, continue_rows(requests)):
+    # Columns left of each row's budget (rows whose prompts are shorter than the batch's, unpadded, start earlier and
+    # run past it: those have ended).
+    rows = [row for row in ended.nonzero().squeeze(1).tolist() if int(ends[row]) + max_new_tokens - position - 1 > 0]
+    lefts = [int(ends[row]) + max_new_tokens - position - 1 for row in rows]
+    requests = [(int(output_rows[row]), tokens[row, int(ends[row]) : position + 1].tolist(), left)
+                for row, left in zip(rows, lefts)]
+    for row, left, appended in zip(rows, lefts, continue_rows(requests)):
         if appended is None:
             continue
-        if not 0 < len(appended) < left:
+        ended[row] = False
+        if not appended:
+            continue
+        if not len(appended) < left:
             raise ValueError(f"continue_rows gave {len(appended)} tokens for a row with {left} columns left")
         tokens[row, position + 1 : position + 1 + len(appended)] = torch.tensor(appended, device=tokens.device)
         forced_end[row] = position + 1 + len(appended)
-        ended[row] = False
     return ended

@@ -58,6 +58,11 @@ def test_bad_tool_modules_are_one_paragraph_before_any_model(key, spec, expected
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+def test_one_tool_needs_no_brackets():
+    config, _ = parse_args(GRPOConfig, ["--grpo.tools=tests.tool_fixtures:digits"], "trainer.grpo")
+    assert config.grpo.tools == ["tests.tool_fixtures:digits"]
+
+
 def test_tool_keys_are_checked_at_start_up():
     for argv, expected in [(["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.max_turns=1"], "`grpo.max_turns` must be at least 2 with tools"),
                            (["--grpo.tool_timeout=0"], "`grpo.tool_timeout` must be positive"),

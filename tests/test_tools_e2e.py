@@ -16,7 +16,7 @@ from tests.conftest import REPO, torchrun_commands
 
 pytestmark = pytest.mark.distributed
 
-FIELDS = ("step", "reward_mean", "loss", "grad_norm", "turns_per_episode", "tool_calls_per_episode", "tool_call_rate",
+FIELDS = ("step", "reward_mean", "loss", "grad_norm", "sampling_rounds", "turns_per_episode", "tool_calls_per_episode", "tool_call_rate",
           "tool_errors", "out_of_room", "max_turns_reached", "truncated_tool_responses", "eval_accuracy", "eval_tool_call_rate")
 SAMPLED = ("reward_mean", "turns_per_episode", "tool_calls_per_episode", "tool_call_rate", "out_of_room",
            "max_turns_reached", "eval_accuracy", "eval_tool_call_rate")
@@ -38,7 +38,8 @@ def runs(default_sft, tmp_path_factory) -> dict:
     common = [f"--model.path={model}", "--train.global_batch_size=16", "--train.micro_batch_size=8", "--grpo.n_samples=4",
               "--train.eval_samples=8", "--grpo.max_new_tokens=96", "--data.max_seq_len=160", "--grpo.max_turns=3",
               "--grpo.max_tool_response_tokens=4", "--train.log_interval=1", "--grpo.reward=tests.tool_fixtures:parity"]
-    digits = ["--grpo.tools=[tests.tool_fixtures:digits]"]
+    # DAPO's dynamic sampling too: the parity reward leaves some groups all-equal, so extra rounds run.
+    digits = ["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2"]
 
     def command(name: str, *extra: str) -> dict:
         return {"module": "trainer.grpo", "argv": [*common, f"--train.out_dir={root / name}", *extra]}
@@ -70,6 +71,7 @@ def test_multi_turn_rollouts_train_and_resume_exactly(runs):
     assert sum(row["max_turns_reached"] + row["out_of_room"] for row in steps) > 0  # the limits act
     assert ddp[0]["eval_tool_call_rate"] > 0.5 and ddp[-1]["eval_tool_call_rate"] is not None
     assert len({row["loss"] for row in steps}) == 4 and all(row["grad_norm"] > 0 for row in steps)
+    assert all(row["sampling_rounds"] in (1, 2) for row in steps)
     assert table(runs["split"]) == table(ddp)
     samples = [json.loads(line) for line in (runs["root"] / "ddp" / "samples.jsonl").read_text().splitlines()]
     trajectory = samples[0]["trajectory"]

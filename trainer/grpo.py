@@ -7,8 +7,12 @@ The variant, exactly (defaults in brackets):
   any end id the model declares: the tokenizer's EOS and generation_config's) with megatron-core's KV cache.
   The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from
   (train.seed, s), so a run, and a resume, is reproducible.
+- Tools (`grpo.tools`, `grpo.environment`): an episode is then several turns, the tool messages between them appended
+  as token ids into the same KV cache and left out of the loss (mask 0); the reward scores the last turn, plus the
+  environment's own reward. `trainer/rollout.py` states the rules; `max_new_tokens` bounds the whole episode.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
-  answer; a reward function that raises scores 0 and is counted (`reward_errors`). With `grpo.overlong_buffer`
+  answer, computed on the first rank of each tensor-parallel group and sent to the others; a reward function that
+  raises scores 0 and is counted (`reward_errors`). With `grpo.overlong_buffer`
   N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
   budget.
 - Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose rewards are all equal are dropped and another

@@ -32,7 +32,6 @@ import platform
 import torch
 
 from config.errors import UserError
-from data import calculator
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 from data.batches import Example
 
@@ -60,7 +59,9 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
             raise UserError(f"The arithmetic data set has splits {sorted(ARITHMETIC_SPLITS)}, not {split!r}.")
         plain_share = ARITHMETIC_SFT_PLAIN_SHARE if sft_targets and split == "train" else 0.0
         return generate_problems(*ARITHMETIC_SPLITS[split], plain_share=plain_share)
-    if path == "calculator":  # the bundled tool task (data/calculator.py)
+    if path == "calculator":  # the bundled tool task
+        from data import calculator  # imported where used: it needs transformers (1.7 s) for its tool's schema
+
         return calculator.load_split(split, sft_targets)
     local = pathlib.Path(path).expanduser()
     looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS

@@ -99,9 +99,8 @@ def test_recipes_set_what_their_papers_name():
 def make_round(equal: list[bool], n_samples: int = 2) -> grpo.Round:
     """A hand-made round whose groups are all-equal (no signal) where `equal` says."""
     count = len(equal) * n_samples
-    return grpo.Round(prompts=[None] * count, completions=[[1]] * count, texts=[""] * count, truncated=[False] * count,
-                      scores=None, penalty=0.0, advantages=torch.zeros(len(equal), n_samples),
-                      equal=torch.tensor(equal), seconds=0.0)
+    return grpo.Round(episodes=[None] * count, truncated=[False] * count, scores=None, penalty=0.0,
+                      advantages=torch.zeros(len(equal), n_samples), equal=torch.tensor(equal), seconds=0.0, tool_seconds=0.0)
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():

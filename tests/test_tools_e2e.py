@@ -74,9 +74,9 @@ def test_multi_turn_rollouts_train_and_resume_exactly(runs):
     assert all(row["sampling_rounds"] in (1, 2) for row in steps)
     assert table(runs["split"]) == table(ddp)
     samples = [json.loads(line) for line in (runs["root"] / "ddp" / "samples.jsonl").read_text().splitlines()]
-    trajectory = samples[0]["trajectory"]
+    trajectory = next(sample for sample in samples if sample["tool_calls"])["trajectory"]
     assert list(trajectory[0]) == ["policy"] and list(trajectory[1]) == ["appended"]
-    assert "<tool_response>" in trajectory[1]["appended"] and samples[0]["tool_calls"] >= 1
+    assert "<tool_response>" in trajectory[1]["appended"]
 
 
 def test_megatron_fsdp_runs_the_same_episodes_as_ddp(runs):

@@ -44,7 +44,7 @@ def validate(world_size: int, start: str) -> None:
 
 
 def train_default_sft(grpo_config) -> bool:
-    """Run `trainer.sft` (checked by `validate` already), writing `outputs/sft/hf`; False when it stopped on a signal
+    """Run `trainer.sft` (checked by `validate` already), writing `model.path`; False when it stopped on a signal
     (saved, not finished: GRPO must not start).
 
     It resumes from its own latest checkpoint when it has one (a job requeued while it ran continues it) and
@@ -53,11 +53,12 @@ def train_default_sft(grpo_config) -> bool:
     """
     start = grpo_config.model.path
     arguments = sft_arguments(start)
-    log.info("%s does not exist yet: running the SFT that writes it first (as `torchrun -m trainer.sft %s"
-             "--resume-from-checkpoint latest` would)", start, " ".join(arguments[:2]) + " " if arguments[:2] else "")
+    recipe = BUNDLED_STARTS[start]
+    log.info("%s does not exist yet: running the %s first (as `torchrun -m trainer.sft %s--resume-from-checkpoint latest` "
+             "would)", start, f"SFT of `--config {recipe}`" if recipe else "default SFT", f"--config {recipe} " if recipe else "")
     sft.main([*arguments, "--resume-from-checkpoint", "latest"])
     if not (Path(start) / "config.json").is_file():
-        log.info("the default SFT stopped before its last step; rerun GRPO to continue it")
+        log.info("the %s stopped before its last step; rerun GRPO to continue it", "SFT" if recipe else "default SFT")
         return False
     parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)
     return True

@@ -21,12 +21,16 @@ template that rewrites earlier turns when more are added cannot be continued thi
 import dataclasses
 import inspect
 import json
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 
 from config.errors import UserError
 from data import user_code
+
+log = logging.getLogger(__name__)
 
 # `tokenizer.parse_response`'s schema for the common form: free text, then each call as JSON in <tool_call> tags.
 TOOL_CALL_SCHEMA = {
@@ -103,8 +107,13 @@ class Toolset:
         """A new episode's tools (its own environment instance, reset with the data row) and the text reset returned."""
         if self.environment is None:
             return Episode(dict(self.functions), None), None
-        environment = self.environment()
-        extra = environment.reset(row) if hasattr(environment, "reset") else None
+        try:
+            environment = self.environment()
+            extra = environment.reset(row) if hasattr(environment, "reset") else None
+        except Exception as error:  # a user's environment may fail in any way; no episode can start without it
+            raise UserError(f"`grpo.environment`: {self.environment.__name__}() or its reset(row) raised "
+                            f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
+                            "`--grpo.environment`.") from None
         tools = {**self.functions, **dict(environment_methods(environment))}
         return Episode(tools, environment), None if extra is None else str(extra)
 
@@ -169,7 +178,15 @@ class Episode:
         """The environment's own reward for the episode (0 without an environment or a `reward` method)."""
         if self.environment is None or not hasattr(self.environment, "reward"):
             return 0.0
-        return float(self.environment.reward())
+        try:
+            value = float(self.environment.reward())
+            if not math.isfinite(value):
+                raise ValueError(f"reward {value}")
+            return value
+        except Exception as error:  # as a failing reward function: scores 0, is said, and the run goes on
+            log.warning("the environment's reward() raised %s: %s; the episode's environment reward is 0",
+                        type(error).__name__, error)
+            return 0.0
 
 
 def run_calls(calls: list[tuple[Episode, Call]], timeout: float) -> list[Outcome]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config.errors import UserError
 from config.process import is_global_rank_zero
 from model import cpu_compat, rules
 
@@ -182,15 +183,23 @@ def tensor_parallel_shared(compute, *args):
     """`compute(*args)` run on the first rank of this rank's tensor-parallel group only, its (picklable) result sent
     to the others: user code that may differ between calls (a tool, a reward: a clock, a network call) then gives
     every shard of one model replica the same value. Without tensor parallelism it is just the call. Collective over
-    the tensor-parallel group."""
+    the tensor-parallel group. A UserError it raises is raised on every rank of the group (the others would otherwise
+    wait for its result)."""
     from megatron.core import parallel_state
 
     if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
         return compute(*args)
     source = parallel_state.get_tensor_model_parallel_src_rank()
-    box = [compute(*args) if dist.get_rank() == source else None]
+    box = [None]
+    if dist.get_rank() == source:
+        try:
+            box = [compute(*args)]
+        except UserError as error:
+            box = [error]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     dist.broadcast_object_list(box, src=source, group=parallel_state.get_tensor_model_parallel_group(), device=device)
+    if isinstance(box[0], UserError):
+        raise box[0]
     return box[0]
 
 

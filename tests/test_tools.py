@@ -232,18 +232,30 @@ def test_every_bad_input_is_counted_and_the_episode_goes_on_or_ends_as_documente
 
 
 def test_a_long_tool_answer_is_cut_and_says_so_and_an_episode_out_of_room_ends(tokenizer):
-    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "7" * 1, "#### 1"]],
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "7", "#### 1"]],
                               specs=(), environment="tests.tool_fixtures:Counter", max_tool_response_tokens=1)
-    assert episodes[0].counts["truncated_tool_responses"] == 0  # "1" is one token
-    long_answer, _ = run_rollout(tokenizer, [[CALL % "99999", "#### 1"]], specs=("tests.tool_fixtures:clock",),
-                                 max_tool_response_tokens=2)
-    assert long_answer[0].counts["unknown_tools"] == 1  # `digits` is not offered here
+    assert episodes[0].counts["truncated_tool_responses"] == 0  # its answer "1" is one token: within the limit
     cut, _ = run_rollout(tokenizer, [[CALL.replace("digits", "clock") % "1", "#### 1"]], specs=("tests.tool_fixtures:clock",),
                          max_tool_response_tokens=1)
     assert cut[0].counts["truncated_tool_responses"] == 1
     assert "[cut: " in rollout_data.trajectory(tokenizer, cut[0])[1]["appended"]
     full, generator = run_rollout(tokenizer, [[CALL % "12", "#### 17"]], max_new_tokens=len(tokenizer(CALL % "12")["input_ids"]) + 10)
     assert full[0].counts["out_of_room"] == 1 and full[0].counts["turns"] == 1 and len(generator.requests) == 1
+
+
+def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
+    class Broken(tool_fixtures.Counter):
+        def reset(self, row):
+            raise KeyError("answer")
+
+        def reward(self):
+            raise ZeroDivisionError("no calls")
+
+    loaded = toolset(environment="tests.tool_fixtures:Counter")
+    loaded.environment = Broken
+    with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
+        loaded.episode({"question": "q"})
+    assert tools.Episode({}, Broken()).reward() == 0.0
 
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):

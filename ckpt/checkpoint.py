@@ -15,7 +15,12 @@ checkpoint at every instant, whenever the process dies (`_publish`). What a kill
 at the next start-up.
 
 A fresh run (no `--resume-from-checkpoint`) refuses a `train.out_dir` that holds an earlier run's checkpoints
-or metrics, unless `train.overwrite_output_dir=true` (`check_output_dir`), so no run destroys another.
+or metrics, unless `train.overwrite_output_dir=true` (`check_output_dir`), so no run destroys another; no run
+deletes or overwrites its own inputs (`model.path`, `data.path`).
+
+After the last step the run's exports (`config.outputs.EXPORTS`: `hf/`, with LoRA `hf_adapter/`) are written into
+`.partial-NAME/` and renamed when complete, so a directory named `hf` is whole; a resumed run that finds every step
+done but an export missing builds the model and writes it.
 """
 
 import json
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config import outputs
 from config.cli import to_dict
 from config.errors import UserError
 from config.process import is_global_rank_zero
@@ -133,19 +139,48 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
     return path, state["step"]
 
 
-# What a run writes into `train.out_dir` besides its checkpoints (metrics.jsonl and the rest, the HF export).
-RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "metrics.png", "tb", "hf")
+def _earlier_run(config) -> list[Path]:
+    """What an earlier run left in `train.out_dir` and `ckpt.dir` that this run would write over or delete: its
+    checkpoints (complete, partial, replaced, the pointer) and every run output (`config.outputs.RUN_OUTPUTS`, and
+    exports being written)."""
+    out_dir, directory = Path(config.train.out_dir), checkpoint_dir(config)
+    saves = [*directory.glob(f"{PREFIX}*"), *directory.glob(f"{PARTIAL}*"), *directory.glob(f"{REPLACED}*"),
+             directory / LATEST]
+    run_outputs = [out_dir / name for name in outputs.RUN_OUTPUTS] + [out_dir / f"{outputs.PARTIAL}{name}"
+                                                                      for name in outputs.EXPORTS]
+    return sorted(path for path in saves + run_outputs if path.exists())
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies under it (both resolved, so links and `..` do not hide it)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
+    """Refuse a run that would delete or overwrite its own inputs: `model.path` and a `data.path` on disk."""
+    for key, value in (("model.path", config.model.path), ("data.path", config.data.path)):
+        if not value or not Path(value).exists():  # `tiny`, a bundled task or a hub dataset name
+            continue
+        hit = next((path for path in replaced if _inside(Path(value), path)), None)
+        if hit is not None:
+            raise UserError(f"`{key}={value}` lies inside `{hit}`, which this run {action}, so it would destroy its "
+                            f"own input. Copy the input elsewhere and point `--{key}` at the copy, or write this run to "
+                            "another `--train.out_dir`.")
 
 
 def check_output_dir(config, resume: str, is_main: bool) -> None:
     """Refuse a fresh run whose `train.out_dir` holds an earlier run's checkpoints or metrics (before any work), or
-    with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them."""
+    with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them. Any run
+    is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
+    out_dir = Path(config.train.out_dir)
+    _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
+                          "writes after its last step (its Hugging Face export)")
     if resume:
         return
-    out_dir, directory = Path(config.train.out_dir), checkpoint_dir(config)
-    earlier = sorted(directory.glob(f"{PREFIX}*")) + [path for path in (directory / LATEST, out_dir / "metrics.jsonl")
-                                                       if path.exists()]
-    if not earlier:
+    earlier = _earlier_run(config)
+    if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
+               for path in earlier):
         return
     if not config.train.overwrite_output_dir:
         raise UserError(
@@ -153,10 +188,10 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
             f"{', ...' if len(earlier) > 3 else ''}), and this run would overwrite its checkpoints and metrics. Continue "
             "it with `--resume-from-checkpoint latest`, write this run elsewhere with a new `--train.out_dir`, or "
             "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
+    _check_inputs_survive(config, earlier, "deletes first (`train.overwrite_output_dir=true`)")
     if is_main:
-        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and metrics in %s", out_dir)
-        for path in [*directory.glob(f"{PREFIX}*"), *directory.glob(f"{PARTIAL}*"), *directory.glob(f"{REPLACED}*"),
-                     directory / LATEST, *(out_dir / name for name in RUN_OUTPUTS)]:
+        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and outputs in %s", out_dir)
+        for path in earlier:
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
@@ -548,7 +583,12 @@ def load(path: Path, chunks: list, optimizer) -> dict:
 
 
 class Preemption:
-    """SIGTERM/SIGINT (torchrun forwards them) ask the loop to finish its step, save and exit 0."""
+    """SIGTERM/SIGINT (torchrun forwards them) ask the loop to finish its step, save and exit 0.
+
+    One per process, caught from the moment the command line is parsed (`catch_stop_signals`): a signal during
+    start-up, the model build, or between GRPO's default SFT and GRPO is kept and honoured at the first step's end."""
+
+    _installed = None
 
     def __init__(self):
         self.requested = self.requested_anywhere = False
@@ -568,6 +608,46 @@ class Preemption:
         return self.requested_anywhere
 
 
+def catch_stop_signals() -> Preemption:
+    """This process's stop-signal catcher, installed on the first call (the loops call it right after parsing)."""
+    if Preemption._installed is None:
+        Preemption._installed = Preemption()
+    return Preemption._installed
+
+
+def check_shared_directories(config) -> None:
+    """Every rank sees the directories global rank 0 sees (`train.out_dir`, `ckpt.dir`): rank 0 writes a token into
+    each, every rank reads it back. A node with a node-local directory is named now, not at the first save hours
+    in. Collective; nothing to do on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    import socket
+
+    directories = list(dict.fromkeys([Path(config.train.out_dir), checkpoint_dir(config)]))
+    token = f"{os.getpid()}-{time.time_ns()}" if is_global_rank_zero() else None
+    box = [token]
+    dist.broadcast_object_list(box, src=0)
+    probes = [directory / f".rank0-sees-this-{box[0]}" for directory in directories]
+    if is_global_rank_zero():
+        for probe in probes:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text(box[0])
+    _barrier()
+    unseen = [str(probe.parent) for probe in probes if not (probe.is_file() and probe.read_text() == box[0])]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), socket.gethostname(), unseen))
+    if is_global_rank_zero():
+        for probe in probes:
+            probe.unlink(missing_ok=True)
+    blind = [(rank, host, missing) for rank, host, missing in everyone if missing]
+    if blind:
+        where = "; ".join(f"rank {rank} on {host} cannot see {', '.join(f'`{path}`' for path in missing)}"
+                          for rank, host, missing in blind[:4])
+        raise UserError(f"Every process must see the run's directories as global rank 0 does, to write its part of "
+                        f"each checkpoint there, but {where}{'; ...' if len(blind) > 4 else ''}. Put `train.out_dir` "
+                        "(and `ckpt.dir`) on a file system every node mounts at the same path (docs/nodes.md).")
+
+
 # ---------------------------------------------------------------- the run's checkpointer
 
 
@@ -583,23 +663,34 @@ class Checkpointer:
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
                                              model_path)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
-        self.policy, self.parts, self.preemption = None, {}, None
+        self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
         if is_global_rank_zero():
             clean_stale_saves(self.directory)
 
+    def _missing_exports(self) -> list[str]:
+        """The exports a finished run has not written (completely) yet."""
+        names = outputs.EXPORTS if self.config.peft.method == "lora" else (outputs.HF,)
+        return [name for name in names if not (Path(self.config.train.out_dir) / name).is_dir()]
+
     def finished(self) -> bool:
-        """Whether the checkpoint resumed from has already run every step (said once, then there is nothing to do)."""
+        """Whether the checkpoint resumed from has already run every step and the run's exports are written (said
+        once, then there is nothing to do). A finished run whose export is missing goes on to write it."""
         if self.resume_step < self.config.train.steps:
+            return False
+        missing = self._missing_exports()
+        if missing:
+            log.info("this run finished all %d steps (checkpoint %s) but its export %s was not written (completely): "
+                     "building the model to write it", self.config.train.steps, self.resume_path,
+                     ", ".join(f"{name}/" for name in missing))
             return False
         log.info("this run already finished all %d steps (checkpoint %s); nothing to do", self.config.train.steps,
                  self.resume_path)
         return True
 
     def track(self, policy, **parts) -> None:
-        """Name what a checkpoint holds; from now on SIGTERM/SIGINT ask the loop to save and stop."""
+        """Name what a checkpoint holds (stop signals are caught since start-up: see `catch_stop_signals`)."""
         self.policy, self.parts = policy, parts
-        self.preemption = Preemption()
 
     def resume(self) -> int:
         """Load every tracked part from the resume target; returns the step to continue after (0: fresh start)."""
@@ -634,7 +725,7 @@ class Checkpointer:
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)
         if step == train.steps:
-            self.policy.export(Path(train.out_dir), is_global_rank_zero())
+            self.export()
         if stop and self.preemption.requested_anywhere:
             log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
                      "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
@@ -644,6 +735,38 @@ class Checkpointer:
         elif stop:
             log.info("stopping at step %d (train.exit_interval); resume with --resume-from-checkpoint latest", step)
         return stop
+
+
+    def export(self) -> None:
+        """Write the run's exports (`hf/`, with LoRA `hf_adapter/`) into `.partial-NAME/`, fsync them and rename them
+        (replacing an earlier export of the same name), so a directory named `hf` is always complete. Collective."""
+        out_dir, is_main = Path(self.config.train.out_dir), is_global_rank_zero()
+        staged = {name: out_dir / f"{outputs.PARTIAL}{name}" for name in self.policy.exports()}
+        if is_main:
+            for path in staged.values():
+                shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed
+                path.mkdir(parents=True)
+        _barrier()
+        self.policy.export(staged, is_main)
+        _barrier()
+        if is_main:
+            for name, path in staged.items():
+                _fsync_tree(path)
+                final, replaced = out_dir / name, out_dir / f"{REPLACED}{name}"
+                if final.exists():  # the export of an earlier finish, replaced whole
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    os.replace(final, replaced)
+                os.replace(path, final)
+                shutil.rmtree(replaced, ignore_errors=True)
+            _fsync_directory(out_dir)
+            log.info("saved the model as a Hugging Face checkpoint in %s%s", out_dir / outputs.HF,
+                     f", its LoRA adapter in PEFT format in {out_dir / outputs.HF_ADAPTER}" if len(staged) > 1 else "")
+        _barrier()
+
+    def export_if_already_finished(self, start_step: int) -> None:
+        """After a loop that had no step left to run (a resume of a finished run whose export was missing): export."""
+        if start_step >= self.config.train.steps:
+            self.export()
 
 
 # A scheduler script names this file; a run stopped by a signal writes it after its checkpoint is saved, so the

@@ -24,6 +24,7 @@ BASELINES = ("mean", "leave_one_out")
 KL_ESTIMATORS = ("k1", "k3")
 IMPORTANCE_RATIOS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+FILTER_METRICS = ("accuracy", "reward")  # what dynamic sampling's groups must vary in (trainer/grpo.py)
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 RECOMPUTE_NAMES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -187,7 +188,9 @@ class GRPOSection:
     baseline: str = field(default="mean", metadata={"help": f"advantage baseline within a group: {' | '.join(BASELINES)} (the group mean, GRPO; the mean of the others, RLOO)"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
     dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch is full"})
-    max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step; a batch still short after them is filled with dropped groups"})
+    max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step (at least 2); a batch still short after them is filled with dropped groups"})
+    filter_metric: str = field(default="accuracy", metadata={"help": f"with dynamic_sampling, what a group must vary in to be kept: {' | '.join(FILTER_METRICS)} (the reward function's full marks, as DAPO and verl's filter_groups.metric=acc; the shaped reward, overlong penalty and format bonus included)"})
+    tolerate_reward_errors: bool = field(default=False, metadata={"help": "go on when the reward function fails on every completion of a step (scored 0) instead of stopping with its error"})
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
     # reference forward did not shorten a CPU step measurably (docs/grpo.md).
     kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
@@ -253,6 +256,7 @@ class TrainerConfig:
     def validate_model_shape(self, model_path: Path) -> None:
         """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
         hf = read_hf_config(model_path, "model.path")
+        read_hf_config(model_path, "model.path", "generation_config.json")  # its end ids are read later
         parallel = self.parallel
         heads = hf.get("num_attention_heads", 1)
         kv_heads = hf.get("num_key_value_heads") or heads
@@ -484,7 +488,7 @@ class GRPOConfig(TrainerConfig):
         _require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
         _require(grpo.n_samples >= 2,
                  f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
-        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS),
+        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS), ("filter_metric", FILTER_METRICS),
                              ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
             _require(getattr(grpo, key) in allowed,
                      f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
@@ -499,7 +503,9 @@ class GRPOConfig(TrainerConfig):
             "overlong_buffer": (0 <= grpo.overlong_buffer <= grpo.max_new_tokens,
                                 f"between 0 (off) and `grpo.max_new_tokens={grpo.max_new_tokens}`"),
             "overlong_penalty": (grpo.overlong_penalty >= 0, "0 or more"),
-            "max_sampling_rounds": (grpo.max_sampling_rounds >= 1, "at least 1"),
+            "max_sampling_rounds": (grpo.max_sampling_rounds >= 2 or not grpo.dynamic_sampling,
+                                    "at least 2 with `grpo.dynamic_sampling=true` (one round samples no replacement for a "
+                                    "dropped group, so dynamic sampling would do nothing)"),
             "entropy_coef": (grpo.entropy_coef >= 0, "0 or more (it weighs an entropy bonus)"),
             "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
                           "at least 2 with tools (a call is answered in the next turn)"),
@@ -508,6 +514,13 @@ class GRPOConfig(TrainerConfig):
         }
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
+        # GSPO's objective is the mean over completions of one clipped sequence ratio each; any other aggregation
+        # weighs a completion's single ratio by its length (token_mean) or by the budget, which is not GSPO.
+        _require(grpo.importance_ratio != "sequence" or grpo.loss_aggregation == "seq_mean_token_mean",
+                 f"`grpo.importance_ratio=sequence` (GSPO's one ratio per completion) needs `grpo.loss_aggregation="
+                 f"seq_mean_token_mean`, the mean over completions GSPO optimises; `{grpo.loss_aggregation}` would weigh "
+                 "each completion's ratio by its length instead. Use `--config gspo`, set `--grpo.loss_aggregation="
+                 "seq_mean_token_mean`, or use `--grpo.importance_ratio=token`.")
         super().validate(world_size)
 
     def _validate_batch(self, world_size: int) -> None:
@@ -526,10 +539,13 @@ class GRPOConfig(TrainerConfig):
 # ---------------------------------------------------------------- helpers
 
 
-def read_hf_config(path: Path, key: str) -> dict:
-    """config.json of an HF checkpoint directory, or a UserError naming `key`."""
-    config_file = Path(path) / "config.json"
+def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
+    """config.json (or another JSON file `name`, such as generation_config.json, when present: else {}) of an HF
+    checkpoint directory, or a UserError naming the file and `key`."""
+    config_file = Path(path) / name
     if not config_file.is_file():
+        if name != "config.json":
+            return {}
         raise UserError(f"`{key}={path}` is not a Hugging Face checkpoint directory (no config.json there). "
                         f"Point `--{key}` at a directory saved with `save_pretrained`, or use `tiny`.")
     try:

@@ -209,6 +209,7 @@ class Scores:
     errors: int
     in_format: list[bool]
     right_answer: list[bool]
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)  # the first failure of each kind, described
 
     def totals(self) -> dict[str, float]:
         """Sums that add up over data-parallel ranks (rates are these over the number of completions)."""
@@ -216,18 +217,36 @@ class Scores:
                 "in_format": sum(self.in_format), "right_answer": sum(self.right_answer)}
 
 
+def _as_reward(value) -> float:
+    """A reward function's return value as a finite float; TypeError or ValueError saying what it returned instead."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"it returned {type(value).__name__} {repr(value)[:40]}, not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"it returned {number}, not a finite number")
+    return number
+
+
+def describe_failure(reward: RewardFunction, error: Exception, completion: str) -> str:
+    """One line naming the reward function, its exception and the completion (cut) it failed on."""
+    name = f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', repr(reward))}"
+    text = " ".join(str(error).split())[:200]
+    shown = completion if len(completion) <= 120 else completion[:117] + "..."
+    return f"`{name}` raised {type(error).__name__}: {text} (on the completion {shown!r})"
+
+
 def score(reward: RewardFunction, completions: list[str], references: list[str], format_bonus: float = 0.0) -> Scores:
-    """Score each completion; one the reward function raises on scores 0 and is counted, never stopping the run."""
-    rewards, correct, errors = [], [], 0
+    """Score each completion; one the reward function raises on (or returns no finite number for) scores 0 and is
+    counted, and the first failure of each exception type is kept, described (the loop decides what to say)."""
+    rewards, correct, errors, failures = [], [], 0, {}
     in_format = [has_answer_format(completion) for completion in completions]
     for completion, reference, formatted in zip(completions, references, in_format, strict=True):
         try:
-            value = float(reward(completion, reference))
-            if not math.isfinite(value):
-                raise ValueError(f"reward {value}")
-        except Exception:  # a user's reward function may fail in any way on odd model output
+            value = _as_reward(reward(completion, reference))
+        except Exception as error:  # a user's reward function may fail in any way on odd model output
             value, errors = 0.0, errors + 1
+            failures.setdefault(type(error).__name__, describe_failure(reward, error, completion))
         correct.append(value >= 1.0)
         rewards.append(value + (format_bonus if formatted else 0.0))
     right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
-    return Scores(rewards, correct, errors, in_format, right_answer)
+    return Scores(rewards, correct, errors, in_format, right_answer, failures)

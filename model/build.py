@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from config.errors import UserError
+from config import outputs
 from config.sections import have_transformer_engine
 from model import lora, parallel, rules
 
@@ -270,6 +271,17 @@ def attach_training_hooks(transformer_config, chunks: list, optimizer, ddp_confi
         transformer_config.param_sync_func = per_chunk("start_param_sync")
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode inside the block (dropout off), in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
     bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
@@ -360,17 +372,23 @@ class Policy:
             chunk.requires_grad_(False).eval()
         return chunks
 
-    def export(self, out_dir: Path, is_main: bool) -> None:
-        """Write the model and its tokenizer to `<out_dir>/hf` as a Hugging Face checkpoint. Collective."""
+    def export(self, directories: dict, is_main: bool) -> None:
+        """Write the model and its tokenizer as a Hugging Face checkpoint into `directories[outputs.HF]`, and with LoRA
+        the adapter in PEFT format into `directories[outputs.HF_ADAPTER]` (`ckpt.checkpoint` stages and publishes
+        them). Collective."""
         self.sync_parameters()
-        export_hf(self.bridge, self.chunks, out_dir / "hf")  # with LoRA: the adapters merged into the weights
+        export_hf(self.bridge, self.chunks, directories[outputs.HF])  # with LoRA: the adapters merged into the weights
         if self.lora is not None:
-            self.bridge.save_hf_adapter(self.chunks, str(out_dir / "hf_adapter"), peft_config=self.lora,
-                                        base_model_name_or_path=str(self.bridge.hf_pretrained.model_name_or_path))
+            # The base as an absolute path, so the adapter loads from wherever it is read.
+            base = Path(self.bridge.hf_pretrained.model_name_or_path).resolve()
+            self.bridge.save_hf_adapter(self.chunks, str(directories[outputs.HF_ADAPTER]), peft_config=self.lora,
+                                        base_model_name_or_path=str(base))
         if is_main:
-            self.tokenizer.save_pretrained(out_dir / "hf")
-            log.info("saved the model as a Hugging Face checkpoint in %s%s", out_dir / "hf",
-                     f", its LoRA adapter in PEFT format in {out_dir / 'hf_adapter'}" if self.lora is not None else "")
+            self.tokenizer.save_pretrained(directories[outputs.HF])
+
+    def exports(self) -> tuple[str, ...]:
+        """The names of what `export` writes into `train.out_dir`."""
+        return outputs.EXPORTS if self.lora is not None else (outputs.HF,)
 
 
 def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,

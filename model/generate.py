@@ -25,11 +25,10 @@ the output layer's last-position slice assumes the whole sequence. Weights and r
 
 import contextlib
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 
+from config.sections import read_hf_config
 from model import parallel
 from model.parallel import unwrap
 
@@ -118,10 +117,8 @@ def end_token_ids(model_path, tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion: the tokenizer's EOS and each `eos_token_id` of the checkpoint's
     `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two)."""
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    config_file = Path(model_path) / "generation_config.json"
-    if config_file.is_file():
-        declared = json.loads(config_file.read_text()).get("eos_token_id")
-        ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
+    declared = read_hf_config(model_path, "model.path", "generation_config.json").get("eos_token_id")
+    ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
     return tuple(dict.fromkeys(int(token) for token in ids))
 
 

@@ -174,6 +174,16 @@ def data_parallel_sum(values: list[float]) -> list[float]:
     return all_reduce_sum(values, parallel_state.get_data_parallel_group())
 
 
+def data_parallel_gather(value) -> list:
+    """A picklable value from every rank of this rank's data-parallel group, in rank order (rare, small messages)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)  # NCCL: through the current CUDA device, which init set
+    return gathered
+
+
 def all_reduce_int(value: int, op, group=None) -> int:
     """One integer reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
     return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())

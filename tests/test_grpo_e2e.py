@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
     "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.ppo_epochs",
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
-    "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.overlong_buffer",
+    "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.filter_metric",
+    "grpo.tolerate_reward_errors", "grpo.overlong_buffer",
     "grpo.overlong_penalty", "grpo.mask_truncated", "grpo.entropy_coef",
     "grpo.tools", "grpo.environment", "grpo.max_turns", "grpo.max_tool_response_tokens", "grpo.tool_timeout",
 }
@@ -51,7 +53,11 @@ def test_key_set_is_frozen():
      "`grpo.loss_aggregation=sum` is not one of token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
     (["--grpo.importance_ratio=segment"], "`grpo.importance_ratio=segment` is not one of token, sequence"),
     (["--grpo.overlong_buffer=33"], "`grpo.overlong_buffer` must be between 0 (off) and `grpo.max_new_tokens=32`"),
-    (["--grpo.max_sampling_rounds=0"], "`grpo.max_sampling_rounds` must be at least 1"),
+    (["--config", "dapo", "--grpo.max_sampling_rounds=1"],
+     "`grpo.max_sampling_rounds` must be at least 2 with `grpo.dynamic_sampling=true`"),
+    (["--grpo.filter_metric=acc"], "`grpo.filter_metric=acc` is not one of accuracy, reward"),
+    (["--config", "gspo", "--grpo.loss_aggregation=token_mean"],
+     "`grpo.importance_ratio=sequence` (GSPO's one ratio per completion) needs `grpo.loss_aggregation=seq_mean_token_mean`"),
     (["--grpo.entropy_coef=-0.1"], "`grpo.entropy_coef` must be 0 or more"),
     (["--config", "dapo", "--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8`"),
     (["--grpo.dual_clip=0.5"], "`grpo.dual_clip` must be 0 (off) or above 1"),
@@ -84,8 +90,11 @@ def test_every_recipe_is_valid_and_cites_its_sources(recipe):
 def test_recipes_set_what_their_papers_name():
     dapo = parse_args(GRPOConfig, ["--config", "dapo"], "trainer.grpo")[0].grpo
     assert (dapo.dynamic_sampling, dapo.overlong_buffer, dapo.clip_high, dapo.kl_coef) == (True, 6, 0.28, 0.0)
+    # Several updates a step, so pi_old lags and the clip can act; the filter counts accuracy, as the paper's does.
+    assert (dapo.mini_batches, dapo.filter_metric) == (4, "accuracy")
     gspo = parse_args(GRPOConfig, ["--config", "gspo"], "trainer.grpo")[0].grpo
     assert (gspo.importance_ratio, gspo.clip_low, gspo.clip_high, gspo.loss_aggregation) == ("sequence", 3e-4, 4e-4, "seq_mean_token_mean")
+    assert gspo.mini_batches == 4  # the paper's four minibatches per batch
     dr_grpo = parse_args(GRPOConfig, ["--config", "dr_grpo"], "trainer.grpo")[0].grpo
     assert (dr_grpo.scale_rewards, dr_grpo.loss_aggregation) == (False, "seq_mean_token_sum_norm")
     rloo = parse_args(GRPOConfig, ["--config", "rloo"], "trainer.grpo")[0].grpo
@@ -100,7 +109,8 @@ def make_round(equal: list[bool], n_samples: int = 2) -> grpo.Round:
     """A hand-made round whose groups are all-equal (no signal) where `equal` says."""
     count = len(equal) * n_samples
     return grpo.Round(episodes=[None] * count, truncated=[False] * count, scores=None, penalty=0.0,
-                      advantages=torch.zeros(len(equal), n_samples), equal=torch.tensor(equal), seconds=0.0, tool_seconds=0.0)
+                      advantages=torch.zeros(len(equal), n_samples), equal=torch.tensor(equal),
+                      kept=~torch.tensor(equal), seconds=0.0, tool_seconds=0.0)
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():
@@ -114,8 +124,8 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():
     assert grpo.select_groups(rounds, 4) == [(0, 0), (0, 1), (0, 2), (1, 1)]
     # Round 0 of each step is what it always was (the seed of a run without dynamic sampling does not change).
     assert grpo.rollout_seed(1234, 3, 1) == grpo.rollout_seed(1234, 3, 1, 0) != grpo.rollout_seed(1234, 3, 1, 1)
-    draws = [grpo.extra_prompt_indices(100, 8, 1234, 3, number) for number in (1, 2)]
-    assert draws[0] != draws[1] and draws[0] == grpo.extra_prompt_indices(100, 8, 1234, 3, 1) and len(set(draws[0])) == 8
+    draws = [grpo.extra_prompt_indices(100, 8, 1234, 3, number, []) for number in (1, 2)]
+    assert draws[0] != draws[1] and draws[0] == grpo.extra_prompt_indices(100, 8, 1234, 3, 1, []) and len(set(draws[0])) == 8
 
 
 def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, caplog):
@@ -212,10 +222,13 @@ RESUME_LAYOUTS = {"ddp": [], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
 def lora_command(sft_checkpoint, out_dir) -> dict:
     """LoRA GRPO from the default SFT at LoRA's learning rate (docs/lora.md), 10 steps of the default batch.
 
-    No warmup: with it, the first step would run at learning rate 0 and the adapters could not move at once."""
-    return {"module": "trainer.grpo", "argv": [f"--model.path={sft_checkpoint}", "--peft.method=lora", "--optim.lr=1e-3",
-                                               "--optim.warmup_steps=0", "--train.steps=10", "--train.eval_interval=10",
-                                               "--train.eval_samples=200", f"--train.out_dir={out_dir}"]}
+    No warmup: with it, the first step would run at learning rate 0 and the adapters could not move at once. The base is
+    given as a path relative to the working directory, as a user types it (the adapter must name it absolutely)."""
+    base = os.path.relpath(sft_checkpoint, out_dir.parent)
+    return {"module": "trainer.grpo", "cwd": str(out_dir.parent),
+            "argv": [f"--model.path={base}", "--peft.method=lora", "--optim.lr=1e-3", "--optim.warmup_steps=0",
+                     "--train.steps=10", "--train.eval_interval=10", "--train.eval_samples=200",
+                     f"--train.out_dir={out_dir}"]}
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +383,6 @@ def test_grpo_with_lora_learns_with_the_policy_without_adapters_as_its_kl_refere
     assert after["eval_accuracy"] - before["eval_accuracy"] >= 0.7
     assert after["eval_answer_accuracy"] >= 0.85
     assert (tmp_path / "hf_adapter" / "adapter_model.safetensors").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+    # The adapter names its base by absolute path, so it loads from any working directory.
+    base = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(base).is_absolute() and (Path(base) / "config.json").is_file()

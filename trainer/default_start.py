@@ -11,7 +11,7 @@ import os
 import shlex
 from pathlib import Path
 
-from config import cli
+from config import cli, outputs
 from config.errors import UserError
 from config.sections import BUNDLED_STARTS, SFTConfig
 from model import parallel
@@ -37,7 +37,7 @@ def validate(world_size: int, start: str) -> None:
                         f"the default SFT cannot run as set up here ({world_size} processes, ${ARGS_VARIABLE}="
                         f"{os.environ.get(ARGS_VARIABLE, '')!r}): {error} Run `torchrun -m trainer.sft` with working "
                         "settings first, or set `--model.path`.") from None
-    if Path(config.train.out_dir) / "hf" != Path(start):
+    if Path(config.train.out_dir) / outputs.HF != Path(start):
         raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but GRPO's default "
                         f"start reads `{start}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
                         "`--model.path` for GRPO.")

@@ -12,13 +12,16 @@ The variant, exactly (defaults in brackets):
   environment's own reward. `trainer/rollout.py` states the rules; `max_new_tokens` bounds the whole episode.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
   answer, computed on the first rank of each tensor-parallel group and sent to the others; a reward function that
-  raises scores 0 and is counted (`reward_errors`). With `grpo.overlong_buffer`
+  raises (or returns no finite number) scores 0 and is counted (`reward_errors`), its first failure of each kind
+  logged with the completion; failing on every completion of a step stops the run with a paragraph, unless
+  `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer`
   N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
   budget.
-- Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose rewards are all equal are dropped and another
-  round of prompts is sampled, at most `grpo.max_sampling_rounds` [4] rounds a step, until each rank's share of
-  the batch is groups with signal (a batch still short is filled with dropped groups). Extra rounds draw their
-  prompts and seeds from (train.seed, step, round, DP rank); every rank runs every round.
+- Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose accuracy (the reward function's full marks;
+  `grpo.filter_metric=reward`: the shaped reward) is all equal are dropped and another round of prompts is sampled,
+  at most `grpo.max_sampling_rounds` [4] rounds a step, until each rank's share of the batch is groups kept (a batch
+  still short is filled with dropped groups). Extra rounds draw their prompts and seeds from (train.seed, step,
+  round, DP rank), prompts the step has not used first, wrapping around a small set; every rank runs every round.
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
@@ -27,17 +30,19 @@ The variant, exactly (defaults in brackets):
   exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by
   -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) (estimator k3 [or k1]; pi_ref the
   starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with its adapters
-  switched off), minus `grpo.entropy_coef` [0] x the token's entropy. pi_old is the policy's
-  own log-prob, recomputed forward-only after the rollout when the rollouts serve several updates
-  (ppo_epochs x mini_batches > 1); with one update per step it is the policy's log-prob detached (r = 1 in
-  value, the same numbers without the extra pass). `grpo.mask_truncated` leaves completions cut at the
+  switched off), minus `grpo.entropy_coef` [0] x the token's entropy (at 0 it is only logged, computed a few rows
+  at a time without gradient). pi_old is the policy's own log-prob, recomputed forward-only in eval mode (no
+  dropout, as the rollouts were sampled) when the rollouts serve several updates (ppo_epochs x mini_batches > 1);
+  with one update per step it is the policy's log-prob detached (r = 1 in value, the same numbers without the
+  extra pass). `grpo.mask_truncated` leaves completions cut at the
   budget out of the loss. Log-probs and entropy use the vocab-parallel logits / temperature, never gathering
   the vocabulary.
 - Aggregation: the token mean over the whole global batch [token_mean, as DAPO], the mean over completions of
   each one's token mean (`seq_mean_token_mean`, the original GRPO paper), or each completion's token sum over
   the budget max_new_tokens, averaged over completions (`seq_mean_token_sum_norm`, Dr. GRPO).
 - Update: `grpo.ppo_epochs` [1] passes over the rollouts, each split into `grpo.mini_batches` [1] optimizer
-  steps; the learning-rate schedule advances once per GRPO step.
+  steps; the learning-rate schedule advances once per GRPO step. `grad_norm` is the mean over the step's updates
+  (`grad_norm_max` the largest, with several).
 - Named recipes (`--config grpo|dapo|dr_grpo|gspo|rloo`) set these keys as the papers do: `recipes/`.
 
 parse -> validate -> build -> resume -> loop -> save. With no arguments it starts from the default SFT's
@@ -56,6 +61,7 @@ import torch
 
 from ckpt import checkpoint
 from config import cli, process
+from config.errors import UserError
 from config.sections import GRPOConfig
 from data import batches, prompts as prompt_data, rewards, tools as tool_data
 from model import build, generate, parallel
@@ -85,10 +91,16 @@ def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> in
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, round_index: int) -> list[int]:
-    """Dynamic sampling's prompts for an extra round of a step: a seeded draw, a pure function of (seed, step, round)."""
+def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, round_index: int,
+                         used: list[int]) -> list[int]:
+    """Dynamic sampling's `count` prompts for an extra round of a step: a seeded order, a pure function of (seed, step,
+    round), with the prompts `used` by the step's earlier rounds last, so none trains twice in a step while the set
+    has others; a set smaller than `count` wraps, as round 0 does across epochs, so every rank gets its share."""
     generator = torch.Generator().manual_seed(rollout_seed(seed, step, -1, round_index))
-    return torch.randperm(num_prompts, generator=generator)[:count].tolist()
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    taken = set(used)
+    order = [index for index in order if index not in taken] + [index for index in order if index in taken]
+    return [order[position % num_prompts] for position in range(count)]
 
 
 # ---------------------------------------------------------------- rollouts
@@ -103,7 +115,8 @@ class Round:
     scores: rewards.Scores
     penalty: float  # the overlong penalties' sum (0 without grpo.overlong_buffer)
     advantages: torch.Tensor  # [groups, samples]
-    equal: torch.Tensor  # [groups]: all rewards of the group alike (zero advantage, no signal)
+    equal: torch.Tensor  # [groups]: all rewards of the group alike (zero advantage)
+    kept: torch.Tensor  # [groups]: dynamic sampling keeps the group (it varies in grpo.filter_metric)
     seconds: float  # generating (tools included)
     tool_seconds: float
 
@@ -116,6 +129,7 @@ class Rollouts:
     examples: list[batches.Example]  # prompt + completion ids; the loss mask covers the trained completion tokens
     advantages: torch.Tensor  # [completions]
     zero_advantage_groups: int  # in the batch
+    kept_groups: int  # in the batch, groups dynamic sampling keeps (all of them but the fill-ins)
     rounds: list[Round]
 
     @property
@@ -149,8 +163,11 @@ def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list
     draw (dynamic sampling's extra rounds); pure functions of (train.seed, step, round), so resume is exact."""
     per_rank = config.train.global_batch_size // config.grpo.n_samples // runtime.dp_size
     count, seed = per_rank * runtime.dp_size, config.train.seed
-    indices = (step_prompt_indices(len(prompts), count, step, seed) if round_index == 0
-               else extra_prompt_indices(len(prompts), count, seed, step, round_index))
+    indices = step_prompt_indices(len(prompts), count, step, seed)
+    used = list(indices)
+    for number in range(1, round_index + 1):  # the step's earlier rounds on every rank: pure functions, recomputed
+        indices = extra_prompt_indices(len(prompts), count, seed, step, number, used)
+        used += indices
     return [prompts[index] for index in indices[runtime.dp_rank * per_rank : (runtime.dp_rank + 1) * per_rank]]
 
 
@@ -172,17 +189,28 @@ def sample_round(policy, rollout, distinct: list[prompt_data.Prompt], config, st
                                                grpo.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
         shaped, penalty = shaped + penalties, float(penalties.sum())
     advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
+    kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
     truncated = [policy.generator.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
-    return Round(episodes, truncated, scores, penalty, advantages, equal, seconds, tool_seconds)
+    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds)
+
+
+def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, metric: str) -> torch.Tensor:
+    """Which groups dynamic sampling keeps: those whose accuracy varies (DAPO: all right or all wrong teaches
+    nothing), not those that differ only in the shaping (overlong penalty, format bonus); `metric=reward` keeps those
+    whose shaped reward varies. A group of equal rewards (zero advantage) is never kept."""
+    # shaped: [episodes]; equal: [groups]
+    values = shaped if metric == "reward" else torch.tensor(correct, dtype=torch.float32)
+    grouped = values.view(equal.numel(), -1)  # [groups, samples]
+    return (grouped.amax(dim=1) != grouped.amin(dim=1)) & ~equal  # [groups]
 
 
 def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
-    """(round, group) of this rank's batch, in sampling order: the first `wanted` groups with signal, then, only if
-    the rounds ran out, the first groups without. With one round of `wanted` groups that is every group, in order."""
-    groups = [(number, group) for number, sampled in enumerate(rounds) for group in range(len(sampled.equal))]
-    with_signal = [(number, group) for number, group in groups if not rounds[number].equal[group]]
-    without = [(number, group) for number, group in groups if rounds[number].equal[group]]
-    return sorted(with_signal[:wanted] + without[: max(0, wanted - len(with_signal))])
+    """(round, group) of this rank's batch, in sampling order: the first `wanted` groups kept, then, only if the
+    rounds ran out, the first groups dropped. With one round of `wanted` groups that is every group, in order."""
+    groups = [(number, group) for number, sampled in enumerate(rounds) for group in range(len(sampled.kept))]
+    kept = [(number, group) for number, group in groups if rounds[number].kept[group]]
+    dropped = [(number, group) for number, group in groups if not rounds[number].kept[group]]
+    return sorted(kept[:wanted] + dropped[: max(0, wanted - len(kept))])
 
 
 def collect_rollouts(policy, rollout, prompts, config, step, runtime, reward) -> Rollouts:
@@ -195,16 +223,17 @@ def collect_rollouts(policy, rollout, prompts, config, step, runtime, reward) ->
     wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
     rounds = [sample_round(policy, rollout, round_prompts(prompts, config, step, 0, runtime), config, step, 0, runtime, reward)]
     while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
-        short = max(0, wanted - sum(int((~sampled.equal).sum()) for sampled in rounds))
+        short = max(0, wanted - sum(int(sampled.kept.sum()) for sampled in rounds))
         if parallel.data_parallel_sum([short])[0] == 0:
             break
         number = len(rounds)
         rounds.append(sample_round(policy, rollout, round_prompts(prompts, config, step, number, runtime), config, step,
                                    number, runtime, reward))
-    examples, advantages, zero_groups = [], [], 0
+    examples, advantages, zero_groups, kept_groups = [], [], 0, 0
     for number, group in select_groups(rounds, wanted):
         sampled = rounds[number]
         zero_groups += int(sampled.equal[group])
+        kept_groups += int(sampled.kept[group])
         advantages.append(sampled.advantages[group])
         for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
             episode = sampled.episodes[row]
@@ -213,7 +242,7 @@ def collect_rollouts(policy, rollout, prompts, config, step, runtime, reward) ->
             # sees them and every normaliser that counts tokens counts sampled ones.
             examples.append(batches.Example(episode.prompt_ids + episode.ids,
                                             [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
-    return Rollouts(examples, torch.cat(advantages), zero_groups, rounds)
+    return Rollouts(examples, torch.cat(advantages), zero_groups, kept_groups, rounds)
 
 
 def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
@@ -230,9 +259,10 @@ def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
         sampled["completion_tokens"] += sum(len(episode.ids) for episode in sampled_round.episodes)
         sampled["sampled_tokens"] += sum(sum(episode.sampled) for episode in sampled_round.episodes)
         sampled["penalty"] += sampled_round.penalty
-        sampled["groups"] += len(sampled_round.equal)
+        sampled["groups"] += len(sampled_round.kept)
         sampled["tool_seconds"] += sampled_round.tool_seconds
-    local = {**sampled, "zero_groups": rollouts.zero_advantage_groups, "seconds": rollouts.seconds,
+    local = {**sampled, "zero_groups": rollouts.zero_advantage_groups, "kept_groups": rollouts.kept_groups,
+             "seconds": rollouts.seconds,
              "all_tokens": sum(len(example.input_ids) for example in rollouts.examples)}
     total = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))
     count = total["count"]
@@ -248,9 +278,8 @@ def rollout_metrics(rollouts: Rollouts, config, runtime) -> dict:
     if config.grpo.overlong_buffer:
         row["overlong_penalty"] = total["penalty"] / count
     if config.grpo.dynamic_sampling:
-        batch_groups = config.train.global_batch_size // config.grpo.n_samples
         row["sampling_rounds"] = len(rollouts.rounds)
-        row["kept_group_rate"] = (batch_groups - total["zero_groups"]) / total["groups"]
+        row["kept_group_rate"] = total["kept_groups"] / total["groups"]
     return row
 
 
@@ -264,6 +293,40 @@ def tool_metrics(total: dict, count: float, runtime) -> dict:
             "out_of_room": int(total["out_of_room"]), "truncated_tool_responses": int(total["truncated_tool_responses"]),
             "sampled_token_share": total["sampled_tokens"] / max(total["completion_tokens"], 1),
             "tool_time_s": total["tool_seconds"] / runtime.dp_size}
+
+
+class RewardFailures:
+    """What the reward function failed on, said: the first failure of each kind (exception type) once, with the
+    function, the exception and the completion; and a step on which it failed on every completion stops the run with
+    a paragraph (every reward would be 0: a flat curve, nothing learned), unless `grpo.tolerate_reward_errors`."""
+
+    def __init__(self, config, runtime):
+        self.config, self.runtime, self.reported = config, runtime, set()
+
+    def check(self, rollouts: Rollouts, step: int) -> None:
+        """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed)."""
+        local_errors = sum(sampled.scores.errors for sampled in rollouts.rounds)
+        local_count = sum(len(sampled.episodes) for sampled in rollouts.rounds)
+        errors, count = parallel.data_parallel_sum([local_errors, local_count])
+        if errors == 0:
+            return
+        failures = {}
+        for rank_failures in parallel.data_parallel_gather(
+                {kind: text for sampled in rollouts.rounds for kind, text in sampled.scores.failures.items()}):
+            for kind, text in rank_failures.items():
+                failures.setdefault(kind, text)
+        if errors == count and not self.config.grpo.tolerate_reward_errors:
+            raise UserError(
+                f"The reward function `grpo.reward={self.config.grpo.reward}` failed on every one of the {int(count)} "
+                f"completions of step {step}, so every reward would be 0 and the run would learn nothing: "
+                f"{'; '.join(failures.values())}. A reward function takes (completion, reference) strings and returns "
+                "a number (1.0: full marks); fix it, or set `--grpo.tolerate_reward_errors=true` to train on anyway.")
+        for kind in sorted(set(failures) - self.reported):
+            if self.runtime.is_main:
+                log.warning("step %d: the reward function failed on %d of %d completions, each scored 0; the first "
+                            "%s failure: %s (said once per kind of failure; `reward_errors` counts them every step)",
+                            step, int(errors), int(count), kind, failures[kind])
+            self.reported.add(kind)
 
 
 # ---------------------------------------------------------------- log-probs and loss
@@ -303,9 +366,11 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 @torch.no_grad()
 def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor:
-    """Per-token log-probs of a collated batch's labels under a model, forward only."""
-    logits = chunks[0](input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
-    return token_logprobs(logits, batch["labels"], temperature)  # [batch, seq]
+    """Per-token log-probs of a collated batch's labels under a model, forward only and in eval mode: pi_old and pi_ref
+    are the policy that sampled (dropout off, as in generation), not a random dropout draw of it."""
+    with build.eval_mode(chunks[0]) as model:
+        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
+        return token_logprobs(logits, batch["labels"], temperature)  # [batch, seq]
 
 
 def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
@@ -317,9 +382,8 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     group = parallel_state.get_tensor_model_parallel_group()
     if settings.entropy_coef > 0:
         entropy = grpo_math.vocab_parallel_entropy(logits / settings.temperature, group)  # [batch, seq]
-    else:
-        with torch.no_grad():  # logged, not optimised
-            entropy = grpo_math.vocab_parallel_entropy(logits.detach() / settings.temperature, group)  # [batch, seq]
+    else:  # logged, not optimised: a few rows at a time, no full-vocabulary temporaries
+        entropy = grpo_math.logged_entropy(logits, settings.temperature, group)  # [batch, seq]
     logprobs = token_logprobs(logits, batch["labels"], settings.temperature)  # [batch, seq]
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).
@@ -387,6 +451,7 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
 
     per_update = len(microbatches) // config.grpo.mini_batches
     totals = torch.zeros(6, dtype=torch.float64)  # loss sum, loss count, kl, entropy, clipped, tokens
+    grad_norms = []
     for _ in range(config.grpo.ppo_epochs):
         for start in range(0, len(microbatches), per_update):
             for chunk in policy.chunks:
@@ -397,10 +462,13 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
                 model=policy.chunks, num_microbatches=per_update, seq_length=seq_len,
                 micro_batch_size=config.train.micro_batch_size, forward_only=False)
             _, grad_norm, _ = policy.optimizer.step()
+            grad_norms.append(float(grad_norm or 0.0))
             for output in outputs:
                 totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
     loss_sum, count, kl, entropy, clipped, tokens = parallel.data_parallel_sum(totals.tolist())
-    return {"loss": loss_sum / max(count, 1), "grad_norm": float(grad_norm or 0.0),
+    # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
+    return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
+            **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),
             "kl": kl / max(tokens, 1) if settings.kl_coef > 0 else None,
             "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1)}
 
@@ -408,11 +476,12 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str]) -> None:
-    """Parse -> validate -> build -> resume -> loop -> save."""
+def main(argv: list[str]):
+    """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model (the default SFT's too, before it runs)
     startup = metrics.StartupTimes()
     config, resume = cli.parse_args(GRPOConfig, argv, "trainer.grpo")
+    checkpoint.catch_stop_signals()  # a stop signal from here on (the default SFT included) is honoured at a step's end
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     if config.starts_from_default_sft():
@@ -423,16 +492,17 @@ def main(argv: list[str]) -> None:
     toolset = tool_data.Toolset.from_config(config.grpo)  # the user's tool modules imported before any model is built
     startup.mark("config")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    checkpoint.check_shared_directories(config)
     startup.mark("process group")
     if config.starts_from_default_sft():
         if not default_start.train_default_sft(config):  # that SFT stopped on a signal and saved: a rerun resumes it
             parallel.shutdown(runtime)
-            return
+            return None
         startup.mark("the default SFT run")
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
-        return
+        return None
     tokenizer = build.load_tokenizer(model_path)
     end_ids = generate.end_token_ids(model_path, tokenizer)
     if toolset is not None:
@@ -449,6 +519,7 @@ def main(argv: list[str]) -> None:
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
     reference = KLReference(policy) if config.grpo.kl_coef > 0 else None
     settings = LossSettings.from_config(config.grpo)
+    reward_failures = RewardFailures(config, runtime)
     startup.mark("reference model")
 
     # ---- resume
@@ -468,6 +539,7 @@ def main(argv: list[str]) -> None:
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
                 rollouts = collect_rollouts(policy, rollout, train_prompts, config, step, runtime, reward)
+                reward_failures.check(rollouts, step)
                 microbatches, seq_len = build_microbatches(rollouts, policy, reference, config, runtime.device)
                 update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
@@ -482,7 +554,9 @@ def main(argv: list[str]) -> None:
                 writer.write_samples(step, samples(rollouts, policy.tokenizer, config.grpo.n_samples, toolset is not None))
             if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
+    checkpointer.export_if_already_finished(start_step)
     parallel.shutdown(runtime)
+    return policy
 
 
 if __name__ == "__main__":

@@ -163,3 +163,23 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
         sums = reduce_from_tensor_model_parallel_region(sums, group)
     partition, weighted = sums[0], sums[1]
     return partition.log() - weighted / partition  # [...]
+
+
+# Rows of logits per piece of `logged_entropy`: about 64 MiB of fp32 temporaries at a 152k vocabulary shard.
+ENTROPY_CHUNK_ELEMENTS = 1 << 24
+
+
+@torch.no_grad()
+def logged_entropy(logits: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
+    """`vocab_parallel_entropy(logits / temperature)` for logging only (no gradient), a few rows at a time, so its
+    temporaries (the scaled copy, the exponentials, their product) stay a chunk's size, not the logits' 3-4x.
+
+    Every tensor-parallel rank holds the same rows, so they run the same pieces (two small all-reduces each)."""
+    # logits: [..., vocab shard]
+    rows = logits.reshape(-1, logits.size(-1))  # [positions, vocab shard], a view
+    per_chunk = max(1, ENTROPY_CHUNK_ELEMENTS // rows.size(1))
+    entropy = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)  # [positions]
+    for start in range(0, rows.size(0), per_chunk):
+        piece = rows[start : start + per_chunk].float() / temperature  # [chunk, vocab shard]: a chunk-sized copy
+        entropy[start : start + per_chunk] = vocab_parallel_entropy(piece, group)
+    return entropy.view(logits.shape[:-1])  # [...]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from config import outputs
+
 log = logging.getLogger("trainer")
 
 # bf16 dense peak FLOP/s by GPU name, for the MFU estimate.
@@ -66,11 +68,11 @@ class MetricsWriter:
             from tqdm import tqdm
 
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.file = _continue_file(self.out_dir / "metrics.jsonl", start_step)
+            self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:
-                self.loggers.append(TensorBoardLogger(self.out_dir / "tb", start_step))
+                self.loggers.append(TensorBoardLogger(self.out_dir / outputs.TENSORBOARD, start_step))
             if config.log.wandb:
                 self.loggers.append(WandbLogger(config, self.out_dir, start_step))
 
@@ -96,7 +98,7 @@ class MetricsWriter:
         if not self.is_main or not samples:
             return
         if self.samples_file is None:  # opened on first use: only GRPO writes samples
-            self.samples_file = _continue_file(self.out_dir / "samples.jsonl", self.start_step)
+            self.samples_file = _continue_file(self.out_dir / outputs.SAMPLES, self.start_step)
         self.samples_file.write("".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
         self.samples_file.flush()
         for logger in self.loggers:
@@ -114,7 +116,7 @@ class MetricsWriter:
 
             # A picture is a by-product: a failure to draw is reported and never fails the finished run.
             try:
-                plots.draw_runs([self.out_dir], self.out_dir / "metrics.png")
+                plots.draw_runs([self.out_dir], self.out_dir / outputs.PLOT)
             except Exception as error:  # noqa: BLE001
                 log.warning("metrics.png was not written: %s: %s", type(error).__name__, error)
 

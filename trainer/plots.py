@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from config import outputs
+
 # (panel title, metrics.jsonl keys drawn in it). A panel appears when any run has any of its keys; the
 # panels of a loop the runs did not use (GRPO's for an SFT run) are left out.
 PANELS = (
@@ -42,7 +44,7 @@ NOT_SMOOTHED = ("lr",)
 
 def read_rows(run_dir: Path) -> list[dict]:
     """The rows of `<run_dir>/metrics.jsonl`."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in (Path(run_dir) / outputs.METRICS).read_text().splitlines() if line.strip()]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -164,6 +164,7 @@ def main(argv: list[str]):
     # ---- parse, and every check that needs no model
     startup = metrics.StartupTimes()
     config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
+    checkpoint.catch_stop_signals()  # a stop signal from here on is honoured at the first step's end
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     metrics.setup_logging(process.is_global_rank_zero())
@@ -179,6 +180,7 @@ def main(argv: list[str]):
 
     # ---- build
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    checkpoint.check_shared_directories(config)
     startup.mark("process group")
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
                                       runtime.dp_rank, runtime.dp_size, config.train.seed)
@@ -208,6 +210,7 @@ def main(argv: list[str]):
             writer.write(row)
             if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
+    checkpointer.export_if_already_finished(start_step)
     parallel.shutdown(runtime)
     return policy
 

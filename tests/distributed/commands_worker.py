@@ -1,10 +1,12 @@
 """Runs several `trainer.sft|grpo ARGS` commands one after another in one process group, as `torchrun -m trainer.X
 ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (GRPO's may read their output).
 
-Each command (a JSON object: `module`, `argv`, and optionally `cwd`, `env`, `world_size`, `smoke`) is first
-validated as written (at `world_size`, default this launch's), then run with its `smoke` arguments appended (the
-README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1 it logged and what the
-command logged (the lines a `torchrun -m trainer.X` launch of it alone would print). After each command what it built is
+Each command (a JSON object: `module`, `argv`, and optionally `cwd` or `cwd_per_rank`, `env`, `world_size`, `smoke`,
+`expect_error`, `checksums`) is first validated as written (at `world_size`, default this launch's), then run with its `smoke`
+arguments appended (the README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1
+it logged, what the command logged (the lines a `torchrun -m trainer.X` launch of it alone would print), with
+`expect_error` the one-paragraph error it stopped with (as `run_cli` prints it), and with `checksums` every rank's
+checksum of the parameters tensor parallelism replicates (norms, biases: each TP rank holds them whole). After each command what it built is
 freed with its process groups (shared_launch.release_models), as its own process's exit would, until a command has
 used Megatron-FSDP.
 """
@@ -17,14 +19,27 @@ import os
 import shlex
 from pathlib import Path
 
+import hashlib
+
 import torch.distributed as dist
 
 from config import cli
+from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
 from trainer import grpo, sft
 
 LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo.main)}
+
+
+def replicated_checksum(policy) -> str:
+    """SHA-256 of this rank's parameters that tensor parallelism does not split (each TP peer holds them whole)."""
+    digest = hashlib.sha256()
+    for name, param in policy.chunks[0].named_parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main() -> None:
@@ -38,7 +53,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     results, fsdp_used = [], False
     for command in sorted(commands, key=lambda command: command["module"] != "trainer.sft"):
-        os.chdir(command.get("cwd", os.getcwd()))
+        # `cwd_per_rank`: each rank starts elsewhere, so a relative path names another directory on each (as a
+        # node-local directory does on each node).
+        os.chdir(command["cwd_per_rank"][dist.get_rank()] if "cwd_per_rank" in command else command.get("cwd", os.getcwd()))
         os.environ.update(command.get("env", {}))
         smoke = command.get("smoke", [])
         config_class, loop = LOOPS[command["module"]]
@@ -46,8 +63,13 @@ def main() -> None:
         config.validate(command.get("world_size", dist.get_world_size()))  # as written: e.g. the README's own process count
         captured = logging.StreamHandler(io.StringIO())  # beside the console's: the loops' loggers propagate to the root
         logging.getLogger().addHandler(captured)
+        error, policy = None, None
         try:
-            loop(command["argv"] + smoke)
+            policy = loop(command["argv"] + smoke)
+        except UserError as raised:
+            if not command.get("expect_error"):
+                raise
+            error = " ".join(str(raised).split())
         finally:
             logging.getLogger().removeHandler(captured)
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
@@ -55,7 +77,13 @@ def main() -> None:
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         line = command.get("line", shlex.join([command["module"], *command["argv"]]))
-        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue()})
+        checksums = None
+        if command.get("checksums"):
+            checksums = [None] * dist.get_world_size()
+            dist.all_gather_object(checksums, replicated_checksum(policy))
+        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None),
+                        "log": captured.stream.getvalue(), "error": error, "checksums": checksums})
+        del policy
         dist.barrier()
         if not fsdp_used:
             release_models()

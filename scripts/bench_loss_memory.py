@@ -24,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class PeakMemory(TorchDispatchMode):
-    """Live bytes of the storages created inside the block, and their peak."""
+    """Live bytes of the storages created inside the block, and their peak; the storages of `existing` tensors (made
+    before it: the logits, the batch) are not counted when an op returns a view of them."""
 
-    def __init__(self):
+    def __init__(self, existing=()):
         super().__init__()
         self.live = self.peak = 0
-        self.alive = set()
+        self.alive = {id(tensor.untyped_storage()) for tensor in existing}
 
     def _freed(self, key: int, size: int) -> None:
         self.alive.discard(key)
@@ -56,7 +57,7 @@ def measure(batch: dict, logits_shape: tuple, chunk_elements: int, device) -> di
     grpo_math.ENTROPY_CHUNK_ELEMENTS = chunk_elements
     settings = grpo.LossSettings.from_config(GRPOSection())
     logits = torch.randn(logits_shape, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
-    with PeakMemory() as memory:
+    with PeakMemory([logits, *(value for value in batch.values() if value is not None)]) as memory:
         loss_sum, count, report = grpo.policy_loss(batch, settings, logits)
         (loss_sum / count).backward()
         loss, entropy = float(loss_sum.detach()), float(report["stats"][1])

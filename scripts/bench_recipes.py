@@ -1,4 +1,4 @@
-"""The GRPO recipes side by side on the embedded default: sampled reward gain, held-out accuracy, wall time, 3 seeds.
+"""The GRPO recipes side by side on the embedded default: sampled reward gain, held-out accuracy, time per step, clip_frac, wall time, 3 seeds.
 
     .venv/bin/python scripts/bench_recipes.py                        # every recipe, seeds 1234 1 2, from outputs/sft/hf
     .venv/bin/python scripts/bench_recipes.py --recipes dapo grpo --seeds 1234 --extra --train.eval_interval=5
@@ -36,7 +36,8 @@ def run(recipe: str, seed: int, out: Path, model: str, extra: list[str]) -> floa
 
 
 def figures(out: Path, seconds: float) -> dict:
-    """Sampled reward, first 10 steps -> last 10, and held-out accuracy / answer accuracy, first row -> last."""
+    """Sampled reward, first 10 steps -> last 10, held-out accuracy / answer accuracy, first row -> last, and the
+    median step time and clip_frac over the steps."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "reward_mean" in row]
     evals = [row for row in rows if "eval_accuracy" in row]
@@ -44,7 +45,9 @@ def figures(out: Path, seconds: float) -> dict:
     return {"gain": mean([row["reward_mean"] for row in steps[-10:]]) - mean([row["reward_mean"] for row in steps[:10]]),
             "held_out": (evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]),
             "answers": (evals[0]["eval_answer_accuracy"], evals[-1]["eval_answer_accuracy"]),
-            "curve": [(row["step"], row["eval_accuracy"]) for row in evals], "minutes": seconds / 60}
+            "curve": [(row["step"], row["eval_accuracy"]) for row in evals], "minutes": seconds / 60,
+            "step_s": statistics.median(row["step_time_s"] for row in steps),
+            "clip_frac": statistics.median(row["clip_frac"] for row in steps)}
 
 
 def main() -> None:
@@ -58,7 +61,8 @@ def main() -> None:
     if not (Path(args.model) / "config.json").is_file():
         sys.exit(f"error: {args.model} is not an HF checkpoint; run `torchrun --nproc-per-node 2 -m trainer.sft` first.")
     print("| recipe | sampled reward gain (seeds " + " / ".join(map(str, args.seeds)) + ") | held-out accuracy | "
-          "held-out answer accuracy | wall time, min (median) |\n|---|---|---|---|---|")
+          "held-out answer accuracy | median step, s | median clip_frac | wall time, min (median) |\n"
+          "|---|---|---|---|---|---|---|")
     for recipe in args.recipes:
         results = []
         for seed in args.seeds:
@@ -72,8 +76,10 @@ def main() -> None:
         answers = join(f"{result['answers'][1]:.3f}" for result in results)
         minutes = join(f"{result['minutes']:.1f}" for result in results)
         median = statistics.median(result["minutes"] for result in results)
+        step_s = join(f"{result['step_s']:.2f}" for result in results)
+        clip = join(f"{result['clip_frac']:.3f}" for result in results)
         print(f"| {recipe} | {gains} | {results[0]['held_out'][0]:.3f} -> {held_out} "
-              f"| {results[0]['answers'][0]:.3f} -> {answers} | {minutes} ({median:.1f}) |", flush=True)
+              f"| {results[0]['answers'][0]:.3f} -> {answers} | {step_s} | {clip} | {minutes} ({median:.1f}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ prompts, a finished run whose export was lost, an output directory holding the r
 with a reward that varies between calls, a reward function that fails, a node that cannot see rank 0's directory,
 a stop signal during start-up.
 
-The torchrun runs share two launches (2 processes, then 1), from the session's default SFT (conftest.default_sft).
+The torchrun runs share one 2-process launch, from the session's default SFT (conftest.default_sft).
 """
 
 import json
@@ -167,8 +167,8 @@ def test_a_stop_signal_is_caught_from_the_moment_the_command_line_is_parsed():
 
 @pytest.fixture(scope="module")
 def runs(default_sft, tmp_path_factory) -> dict:
-    """One 2-process launch (the export redo, DAPO and GSPO on 10 prompts, the failing rewards, TP=2 with a noisy
-    reward, a node-local output directory), one 1-process launch (DAPO on 10 prompts at DP=1)."""
+    """One 2-process launch: the export redo, DAPO at DP=2 and at DP=1 (TP=2) and GSPO on 10 prompts, the failing
+    rewards, TP=2 with a noisy reward, a node-local output directory."""
     root = tmp_path_factory.mktemp("fidelity")
     (root / "fidelity_rewards.py").write_text(REWARDS)
     env = {"PYTHONPATH": f"{root}:{REPO}"}
@@ -195,7 +195,8 @@ def runs(default_sft, tmp_path_factory) -> dict:
     results = torchrun_commands([
         {"module": "trainer.sft", "argv": [f"--train.out_dir={exported}", "--resume-from-checkpoint", "latest"]},
         grpo_command("dapo2", "--config", "dapo", *ten),
-        grpo_command("gspo2", "--config", "gspo", *ten),
+        grpo_command("dapo1", "--config", "dapo", *ten, "--parallel.tp=2"),
+        grpo_command("gspo2", "--config", "gspo", *ten, "--train.steps=1"),
         grpo_command("text", *brief, "--grpo.reward=fidelity_rewards:text", expect_error=True),
         grpo_command("third", *brief, "--grpo.reward=fidelity_rewards:third"),
         grpo_command("tp2", *brief, "--grpo.reward=fidelity_rewards:noisy", "--parallel.tp=2",
@@ -203,7 +204,6 @@ def runs(default_sft, tmp_path_factory) -> dict:
         {"module": "trainer.grpo", "argv": [*brief, "--train.out_dir=node-local"], "cwd_per_rank": [str(node) for node in nodes],
          "expect_error": True},
     ], root, env=env)
-    torchrun_commands([grpo_command("dapo1", "--config", "dapo", *ten)], root, nproc=1, env=env)
     return {"root": root, "default_sft": default_sft, "results": results}
 
 
@@ -215,14 +215,14 @@ def result(runs, name: str) -> dict:
 
 @pytest.mark.distributed
 def test_dapo_and_gspo_clip_with_several_updates_a_step_on_a_set_smaller_than_a_step(runs):
-    """10 prompts for 16 places a step, at DP=2 and DP=1: extra rounds wrap like round 0, every rank samples its share,
-    and the several updates a step (DAPO 4, GSPO 4) make pi_old lag, so the clip acts."""
+    """10 prompts for 16 places a step, at DP=2 and at DP=1 (TP=2 on the 2 processes): extra rounds wrap like round 0,
+    every rank samples its share, and the several updates a step (DAPO 4, GSPO 4) make pi_old lag, so the clip acts."""
     root = runs["root"]
-    for name in ("dapo2", "dapo1", "gspo2"):
+    for name, steps in (("dapo2", [1, 2]), ("dapo1", [1, 2]), ("gspo2", [1])):
         rows = [row for row in metrics(root / name) if "loss" in row]
         print(name, [(row["step"], row.get("sampling_rounds"), row["clip_frac"], row["grad_norm"], row["grad_norm_max"])
                      for row in rows])
-        assert [row["step"] for row in rows] == [1, 2]
+        assert [row["step"] for row in rows] == steps
         assert all(row["clip_frac"] > 0 for row in rows)
         assert all(row["grad_norm_max"] >= row["grad_norm"] > 0 for row in rows)  # the mean over the step's updates
     assert all(row["sampling_rounds"] >= 1 for row in metrics(root / "dapo2") if "loss" in row)

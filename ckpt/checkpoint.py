@@ -23,6 +23,7 @@ After the last step the run's exports (`config.outputs.EXPORTS`: `hf/`, with LoR
 done but an export missing builds the model and writes it.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -396,26 +397,145 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, keep_last: int, is_main: bool) -> Path:
-    """Write a complete checkpoint atomically, point `latest` at it, prune old ones. Collective."""
+def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, keep_last: int, is_main: bool,
+         save_bytes: tuple[int, str] = (0, "")) -> Path:
+    """Write a complete checkpoint atomically, point `latest` at it, prune old ones. Collective.
+
+    Each phase ends with every rank learning whether any rank's part failed (a full disk, a quota, permissions);
+    then every rank raises the same one-paragraph UserError (`_save_failed`, with `save_bytes`: the bytes one save
+    needs and how that is known), so no rank waits for a peer that stopped and none prints a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     final = checkpoint_dir / checkpoint_name(step)
     partial = checkpoint_dir / f"{PARTIAL}{checkpoint_name(step)}"
-    if is_main:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-        (partial / SHARDED_DIR).mkdir(parents=True)
-        (partial / "rng").mkdir()
-    _barrier()
-    _save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR)
-    _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
-    _barrier()
-    if is_main:
-        _write_durably(partial / STATE_FILE, state)
-        _fsync_tree(partial)
-        _publish(checkpoint_dir, partial, final)
-        _prune(checkpoint_dir, keep_last, keep=final)
-        log.info("saved checkpoint %s", final)
-    _barrier()
+
+    def prepare():
+        if is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+            (partial / SHARDED_DIR).mkdir(parents=True)
+            (partial / "rng").mkdir()
+
+    def write():  # torch.distributed.checkpoint raises a rank's write failure on every rank alike
+        with _writer_errors() as logged:
+            try:
+                _save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR)
+            except (Exception, CheckpointException):
+                # The writer's summary names no cause (`error: <class 'OSError'>`); its log has the OSError's text.
+                cause = next((text for text in logged if "[Errno" in text), logged[0] if logged else None)
+                if cause is None:
+                    raise
+                text = cause.rpartition("an error: ")[2]
+                raise (OSError if "[Errno" in text else RuntimeError)(text) from None
+        _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
+
+    def publish():
+        if is_main:
+            _write_durably(partial / STATE_FILE, state)
+            _fsync_tree(partial)
+            _publish(checkpoint_dir, partial, final)
+            _prune(checkpoint_dir, keep_last, keep=final)
+            log.info("saved checkpoint %s", final)
+
+    for phase in (prepare, write, publish):
+        failures = _failures_everywhere(phase)
+        if failures:
+            raise UserError(_save_failed(checkpoint_dir, step, failures, save_bytes, keep_last))
     return final
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes of the files under `root`."""
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
+def _estimated_save_bytes(policy, adapters_only: bool) -> int:
+    """Bytes of one checkpoint: the saved weights in their dtype (with LoRA the adapters only) plus 12 bytes per
+    trained parameter (the optimizer's fp32 main copy and Adam's two moments; measured: 16.3 bytes per parameter of
+    the fp32 tiny model). Collective: this rank's model shard, summed over every rank, over the data-parallel copies."""
+    from megatron.core import parallel_state
+
+    parameters = [param for chunk in policy.chunks for param in chunk.parameters()]
+    trained = [param for param in parameters if param.requires_grad]
+    saved = trained if adapters_only else parameters
+    local = sum(param.numel() * param.element_size() for param in saved) + 12 * sum(param.numel() for param in trained)
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    if dist.is_initialized():
+        total = total.cuda() if torch.cuda.is_available() else total
+        dist.all_reduce(total)
+    return int(total.item() / parallel_state.get_data_parallel_world_size())
+
+
+# megatron-core's checkpoint writer logs each writer thread's exception here (an OSError's text among them) and then
+# raises a summary without it.
+WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+@contextlib.contextmanager
+def _writer_errors():
+    """The error messages megatron-core's checkpoint writer logs inside the block, kept for the failure paragraph
+    instead of printed (one paragraph, no lines of the writer's own)."""
+    messages = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    writer_log = logging.getLogger(WRITER_LOGGER)
+    propagate = writer_log.propagate
+    writer_log.addHandler(handler)
+    writer_log.propagate = False
+    try:
+        yield messages
+    finally:
+        writer_log.removeHandler(handler)
+        writer_log.propagate = propagate
+
+
+def _failures_everywhere(phase) -> list[tuple[int, str]]:
+    """Run `phase` on this rank; return every rank's failure as (rank, `Type: message`), [] when all succeeded.
+    Collective (in place of a barrier)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failure = None
+    try:
+        phase()
+    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+        failure = _underlying_error(error)
+    outcomes = [(0, failure)]
+    if dist.is_initialized():
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (dist.get_rank(), failure))
+    return [(rank, text) for rank, text in outcomes if text]
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in words: `13.1 MB`, `2.4 GB`."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
+
+
+def _save_failed(checkpoint_dir: Path, step: int, failures: list, save_bytes: tuple[int, str], keep_last: int) -> str:
+    """The paragraph a failed save ends the run with: where, why, what one save needs, and what `latest` still holds."""
+    rank, text = failures[0]
+    others = f", and on {len(failures) - 1} more rank(s)" if len(failures) > 1 else ""
+    free = shutil.disk_usage(checkpoint_dir).free if checkpoint_dir.is_dir() else 0
+    needs, how = save_bytes
+    if "No space left on device" not in text and free < max(needs, 1):
+        # torch.save reports a full disk as `unexpected pos N vs M`; the free space says what happened.
+        text = f"No space left on device (the file system is full; the writer reported {text})"
+    need = f" and one checkpoint needs about {_size(needs)} ({how}); a save writes a new one before deleting the " \
+           f"oldest of `ckpt.keep_last={keep_last}`" if needs else ""
+    pointer = checkpoint_dir / LATEST
+    if pointer.is_file():
+        latest = pointer.read_text().strip()
+        resume = (f"`latest` still names `{latest}`, a complete checkpoint: make room (or move `{checkpoint_dir}` to a "
+                  "larger disk and set `--ckpt.dir` there) and continue with `--resume-from-checkpoint latest`; the "
+                  "partial save is removed then")
+    else:
+        resume = ("no complete checkpoint was written before, so the run starts again from step 0: make room, or set "
+                  "`--ckpt.dir` on a larger disk")
+    return (f"Saving the checkpoint of step {step} into `{checkpoint_dir}` failed on rank {rank}{others}: {text}. "
+            f"`{checkpoint_dir}` has {_size(free)} free{need}. {resume}.")
 
 
 def _publish(checkpoint_dir: Path, partial: Path, final: Path) -> None:
@@ -554,10 +674,15 @@ def _damaged_shard(directory: Path) -> str:
 
 
 def _underlying_error(error: BaseException) -> str:
-    """The first rank's own exception inside torch.distributed.checkpoint's wrapper, as `Type: message` on one line."""
+    """The first rank's own exception inside torch.distributed.checkpoint's wrapper (and an OSError under a wrapper of
+    its writer threads, such as `Local worker 0 encountered an error`), as `Type: message` on one line."""
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))[0]
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    error = cause if cause is not None else error
     text = " ".join(str(error).split())[:300]
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -664,6 +789,7 @@ class Checkpointer:
                                              model_path)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
+        self.save_bytes = (0, "")  # what one save needs, and how that is known (`track`, then each save)
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
         if is_global_rank_zero():
             clean_stale_saves(self.directory)
@@ -689,8 +815,17 @@ class Checkpointer:
         return True
 
     def track(self, policy, **parts) -> None:
-        """Name what a checkpoint holds (stop signals are caught since start-up: see `catch_stop_signals`)."""
+        """Name what a checkpoint holds (stop signals are caught since start-up: see `catch_stop_signals`), and warn
+        when `ckpt.dir` has room for fewer than two checkpoints (estimated from the parameters). Collective."""
         self.policy, self.parts = policy, parts
+        estimate = _estimated_save_bytes(policy, self.config.peft.method == "lora")
+        self.save_bytes = (estimate, "estimated from the parameters and their Adam state")
+        existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
+        free = shutil.disk_usage(existing).free
+        if free < 2 * estimate and is_global_rank_zero():
+            log.warning("`ckpt.dir=%s` has %s free, and one checkpoint needs about %s (%s); a save writes a new one "
+                        "before deleting the oldest, so saves may fail for space. Make room, or set `--ckpt.dir` on a "
+                        "larger disk.", self.directory, _size(free), _size(estimate), self.save_bytes[1])
 
     def resume(self) -> int:
         """Load every tracked part from the resume target; returns the step to continue after (0: fresh start)."""
@@ -709,8 +844,10 @@ class Checkpointer:
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight
         path = save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
-                    is_global_rank_zero())
+                    is_global_rank_zero(), self.save_bytes)
         self.last_save_s = time.perf_counter() - started
+        if is_global_rank_zero():
+            self.save_bytes = (_tree_bytes(path), f"the size of `{path.name}`")
         return path
 
     def maybe_save_or_export(self, step: int, step_seconds: float = 0.0) -> bool:

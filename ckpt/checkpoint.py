@@ -742,23 +742,29 @@ def catch_stop_signals() -> Preemption:
 
 def check_shared_directories(config) -> None:
     """Every rank sees the directories global rank 0 sees (`train.out_dir`, `ckpt.dir`): rank 0 writes a token into
-    each, every rank reads it back. A node with a node-local directory is named now, not at the first save hours
-    in. Collective; nothing to do on one process."""
+    each (into its nearest existing parent when it does not exist yet: nothing is created), every rank reads it back
+    at the same path, resolved on its own node. A node with a node-local directory is named now, not at the first
+    save hours in. Collective; nothing to do on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     import socket
 
     directories = list(dict.fromkeys([Path(config.train.out_dir), checkpoint_dir(config)]))
-    token = f"{os.getpid()}-{time.time_ns()}" if is_global_rank_zero() else None
-    box = [token]
+    box = [None]
+    if is_global_rank_zero():  # the token, and how many levels up each directory's nearest existing parent is
+        box = [(f"{os.getpid()}-{time.time_ns()}",
+                [next(level for level, path in enumerate([directory, *directory.parents]) if path.exists())
+                 for directory in directories])]
     dist.broadcast_object_list(box, src=0)
-    probes = [directory / f".rank0-sees-this-{box[0]}" for directory in directories]
+    token, levels = box[0]
+    probes = [([directory, *directory.parents][level]) / f".rank0-sees-this-{token}"
+              for directory, level in zip(directories, levels)]
     if is_global_rank_zero():
         for probe in probes:
-            probe.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_text(box[0])
+            probe.write_text(token)
     _barrier()
-    unseen = [str(probe.parent) for probe in probes if not (probe.is_file() and probe.read_text() == box[0])]
+    unseen = [str(directory) for directory, probe in zip(directories, probes)
+              if not (probe.is_file() and probe.read_text() == token)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dist.get_rank(), socket.gethostname(), unseen))
     if is_global_rank_zero():

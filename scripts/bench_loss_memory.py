@@ -1,5 +1,5 @@
 """Peak memory of GRPO's loss and its backward on one micro-batch at Qwen2.5's vocabulary, with the logged entropy
-computed whole (as before) and in chunks (now), side by side in one run.
+computed in one piece (as before) and in chunks (now), and with the entropy bonus, side by side in one run.
 
 Run: .venv/bin/python scripts/bench_loss_memory.py [--batch 4] [--seq 128] [--vocab 151936]
 
@@ -49,13 +49,13 @@ class PeakMemory(TorchDispatchMode):
         return out
 
 
-def measure(batch: dict, logits_shape: tuple, chunk_elements: int, device) -> dict:
-    """Peak bytes of one loss + backward beyond the logits, with the logged entropy in pieces of `chunk_elements`."""
+def measure(batch: dict, logits_shape: tuple, chunk_elements: int, device, entropy_coef: float = 0.0) -> dict:
+    """Peak bytes of one loss + backward beyond the logits, with the entropy in pieces of `chunk_elements`."""
     from config.sections import GRPOSection
     from trainer import grpo, grpo_math
 
     grpo_math.ENTROPY_CHUNK_ELEMENTS = chunk_elements
-    settings = grpo.LossSettings.from_config(GRPOSection())
+    settings = grpo.LossSettings.from_config(GRPOSection(entropy_coef=entropy_coef))
     logits = torch.randn(logits_shape, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
     with PeakMemory([logits, *(value for value in batch.values() if value is not None)]) as memory:
         loss_sum, count, report = grpo.policy_loss(batch, settings, logits)
@@ -89,15 +89,18 @@ def main() -> None:
     logits_elements = args.batch * args.seq * args.vocab
     from trainer import grpo_math
 
-    variants = {"entropy whole (before)": logits_elements, "entropy in chunks (now)": grpo_math.ENTROPY_CHUNK_ELEMENTS}
-    results = {name: measure(batch, shape, elements, runtime.device) for name, elements in variants.items()}
+    variants = {"entropy logged in one piece (before)": (logits_elements, 0.0),
+                "entropy logged in chunks (now, the default entropy_coef=0)": (grpo_math.ENTROPY_CHUNK_ELEMENTS, 0.0),
+                "entropy bonus in chunks, recomputed in the backward (entropy_coef=0.01)":
+                    (grpo_math.ENTROPY_CHUNK_ELEMENTS, 0.01)}
+    results = {name: measure(batch, shape, elements, runtime.device, coef) for name, (elements, coef) in variants.items()}
     logits_gib = next(iter(results.values()))["logits_bytes"] / 2**30
     print(f"one micro-batch of {args.batch} x {args.seq} tokens at a {args.vocab}-token vocabulary: fp32 logits of "
           f"{logits_gib:.2f} GiB (their gradient is 1.0x of that)")
-    print("| loss, entropy logged | peak memory of loss + backward beyond the logits | x the logits |\n|---|---|---|")
+    print("| entropy | peak memory of loss + backward beyond the logits | x the logits |\n|---|---|---|")
     for name, result in results.items():
         print(f"| {name} | {result['peak'] / 2**30:.2f} GiB | {result['peak'] / result['logits_bytes']:.2f}x |")
-    before, after = results.values()
+    before, after, _ = results.values()
     same_gradient = torch.equal(before["gradient"], after["gradient"])
     print(f"ratio now / before: {after['peak'] / before['peak']:.2f}x; loss identical: {before['loss'] == after['loss']}; "
           f"logit gradients identical: {same_gradient}; logged entropy {before['entropy']:.6g} vs {after['entropy']:.6g}")

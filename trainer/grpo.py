@@ -380,10 +380,12 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
 
     mask = batch["loss_mask"]  # [batch, seq]
     group = parallel_state.get_tensor_model_parallel_group()
+    # A few rows at a time, in the backward too (the entropy bonus): no full-vocabulary temporaries beyond a chunk.
     if settings.entropy_coef > 0:
-        entropy = grpo_math.vocab_parallel_entropy(logits / settings.temperature, group)  # [batch, seq]
-    else:  # logged, not optimised: a few rows at a time, no full-vocabulary temporaries
-        entropy = grpo_math.logged_entropy(logits, settings.temperature, group)  # [batch, seq]
+        entropy = grpo_math.chunked_entropy(logits, settings.temperature, group)  # [batch, seq]
+    else:
+        with torch.no_grad():  # logged, not optimised
+            entropy = grpo_math.chunked_entropy(logits, settings.temperature, group)  # [batch, seq]
     logprobs = token_logprobs(logits, batch["labels"], settings.temperature)  # [batch, seq]
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).

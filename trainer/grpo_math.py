@@ -165,21 +165,61 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
     return partition.log() - weighted / partition  # [...]
 
 
-# Rows of logits per piece of `logged_entropy`: about 64 MiB of fp32 temporaries at a 152k vocabulary shard.
+# Elements of logits per piece of `chunked_entropy`: about 64 MiB of fp32 temporaries, a few hundred rows at a
+# 152k-token vocabulary shard.
 ENTROPY_CHUNK_ELEMENTS = 1 << 24
 
 
-@torch.no_grad()
-def logged_entropy(logits: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
-    """`vocab_parallel_entropy(logits / temperature)` for logging only (no gradient), a few rows at a time, so its
-    temporaries (the scaled copy, the exponentials, their product) stay a chunk's size, not the logits' 3-4x.
-
-    Every tensor-parallel rank holds the same rows, so they run the same pieces (two small all-reduces each)."""
-    # logits: [..., vocab shard]
-    rows = logits.reshape(-1, logits.size(-1))  # [positions, vocab shard], a view
+def _row_chunks(rows: torch.Tensor):
+    """Slices of `rows` ([positions, vocab shard]) of about ENTROPY_CHUNK_ELEMENTS elements each."""
     per_chunk = max(1, ENTROPY_CHUNK_ELEMENTS // rows.size(1))
-    entropy = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)  # [positions]
-    for start in range(0, rows.size(0), per_chunk):
-        piece = rows[start : start + per_chunk].float() / temperature  # [chunk, vocab shard]: a chunk-sized copy
-        entropy[start : start + per_chunk] = vocab_parallel_entropy(piece, group)
-    return entropy.view(logits.shape[:-1])  # [...]
+    return [slice(start, start + per_chunk) for start in range(0, rows.size(0), per_chunk)]
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """H(softmax(logits / T)) per position from vocab-parallel logits, a few rows at a time in the forward and again
+    in the backward (recomputed from the logits, which it keeps by reference): no full-vocabulary temporary lives
+    longer than a chunk, and the gradient is the only full-size tensor it makes.
+
+    dH / d logit_k = -(1 / T) p_k (log p_k + H), with p and H over the whole vocabulary (its sums reduced over the
+    tensor-parallel `group` in the forward; the backward needs no communication)."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, group):
+        rows = logits.detach().reshape(-1, logits.size(-1))  # [positions, vocab shard], a view
+        entropy = torch.empty(rows.size(0), dtype=torch.float32, device=logits.device)  # [positions]
+        log_partition = torch.empty_like(entropy)  # [positions]: log sum exp(logits / T) over the whole vocabulary
+        for piece in _row_chunks(rows):
+            scaled = rows[piece].float() / temperature  # [chunk, vocab shard]
+            maximum = scaled.amax(dim=-1, keepdim=True)  # [chunk, 1]
+            if group is not None:
+                dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+            shifted = scaled - maximum
+            exponentials = shifted.exp()
+            sums = torch.stack([exponentials.sum(dim=-1), (exponentials * shifted).sum(dim=-1)])  # [2, chunk]
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            entropy[piece] = sums[0].log() - sums[1] / sums[0]
+            log_partition[piece] = sums[0].log() + maximum.squeeze(-1)
+        ctx.save_for_backward(logits, entropy, log_partition)
+        ctx.temperature = temperature
+        return entropy.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, entropy, log_partition = ctx.saved_tensors
+        rows = logits.detach().reshape(-1, logits.size(-1))
+        scale = grad_entropy.reshape(-1).float() / ctx.temperature  # [positions]
+        grad = torch.empty_like(rows)  # [positions, vocab shard]
+        for piece in _row_chunks(rows):
+            log_p = rows[piece].float() / ctx.temperature - log_partition[piece, None]  # [chunk, vocab shard]
+            grad[piece] = -(log_p.exp() * (log_p + entropy[piece, None])) * scale[piece, None]
+        return grad.view_as(logits), None, None
+
+
+def chunked_entropy(logits: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
+    """`vocab_parallel_entropy(logits / temperature, group)` a few rows at a time (`_ChunkedEntropy`), differentiable
+    (the entropy bonus) or, under no_grad, for logging. Every tensor-parallel rank holds the same rows, so they run
+    the same pieces (two small all-reduces each)."""
+    # logits: [..., vocab shard]
+    return _ChunkedEntropy.apply(logits, temperature, group)  # [...]

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import queue
 import random
 import shutil
@@ -300,34 +301,128 @@ def _complete_optimizer_state(optimizer_state: dict, optimizer) -> set:
     return added
 
 
-def _save_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
-    """Write model chunks and optimizer, sharded, into `directory`. Collective."""
+def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, background: bool):
+    """Write model chunks and optimizer, sharded, into `directory`. Collective.
+
+    DDP goes through megatron-core's dist_checkpointing with its fully parallel strategy (replicated tensors written
+    by the data-parallel ranks in turn, not all by one). With `background`, only the plan is made here (collective)
+    and megatron-core's `AsyncRequest` is returned: its write runs in a forked process (`BackgroundSaves`), its
+    finalize functions write the index once every rank's part is on disk. Megatron-FSDP writes its DTensors through
+    torch.distributed.checkpoint, synchronously."""
     if _uses_megatron_fsdp(chunks):
         import torch.distributed.checkpoint as dcp
 
         state, _ = _fsdp_state_dict(chunks, optimizer, is_loading=False)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
-        return
-    from megatron.core import dist_checkpointing
+        return None
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    _keep_write_results_in_process()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory))
+    WriteResults.install(directory.parent / f".write-results-rank_{dist.get_rank():05d}")
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
+                                                parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory), strategy,
+                                   async_sharded_save=background, async_strategy="mcore")
 
 
-def _keep_write_results_in_process() -> None:
-    """Give megatron-core's checkpoint writer an in-process queue for its results.
+class WriteResults:
+    """The channel megatron-core's checkpoint writer hands its results (or its exception) back through: a file.
 
-    A synchronous dist_checkpointing save writes in this process, yet hands the write results back
-    through a multiprocessing Manager queue that megatron-core creates on first use with the 'spawn'
-    start method: a new Python process that re-imports the main module (8.6 s on the first save of every
-    rank here, and one more process per rank for the rest of the run) and two IPC round trips per save
-    (99 -> 62 ms per tiny-model save). The queue only matters to asynchronous saves, which run the writer
-    in another process; this trainer saves synchronously.
+    megatron-core 0.19.2 writes a checkpoint's shards in `write_preloaded_data_multithread`, in this process for a
+    synchronous save and in a forked one for an asynchronous save, and hands the results to the finalize step through
+    a module-level queue it otherwise creates as a multiprocessing Manager queue with the 'spawn' start method: a new
+    Python process per rank that re-imports the main module (8.6 s on the first save here) and outlives a trainer
+    killed with -9. A plain pipe would not do either: a writer whose results exceed the pipe's buffer (64 KiB, about
+    300 tensors' results) blocks at exit until they are read, and they are read only after it exits. So the writer
+    puts them into a file of the checkpoint being written (one per rank and save; a second save waits for the first),
+    and the finalize step reads and deletes it. A writer's failure comes back with the error text the writer only
+    logged (`[Errno 28] No space left on device`), as an OSError.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    _installed = None
+
+    def __init__(self):
+        self.path, self.logged = None, []
+
+    @classmethod
+    def install(cls, path: Path) -> "WriteResults":
+        """Make this process's channel megatron-core's queue, pointed at `path` for the save about to be written."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if cls._installed is None:
+            cls._installed = cls()
+        filesystem_async._results_queue = cls._installed
+        cls._installed.path, cls._installed.logged = path, []
+        return cls._installed
+
+    def put(self, results) -> None:
+        """Called by the writer (in the writing process): the results, or its exception with what it logged."""
+        if isinstance(results, Exception):
+            cause = next((text for text in self.logged if "[Errno" in text), self.logged[0] if self.logged else None)
+            if cause is not None:
+                text = cause.rpartition("an error: ")[2]
+                results = (OSError if "[Errno" in text else RuntimeError)(text)
+        with open(self.path, "wb") as file:
+            pickle.dump(results, file)
+
+    def get_nowait(self):
+        """Called by the finalize step: what the writer put (read once: the file is deleted)."""
+        if not self.path.is_file():
+            raise queue.Empty
+        with open(self.path, "rb") as file:
+            results = pickle.load(file)
+        self.path.unlink()
+        return results
+
+
+def _in_writer_process(write, trainer_pid: int):
+    """megatron-core's write function as the forked writer process runs it: it dies with the trainer (a writer left
+    behind by a trainer killed with -9 would go on writing into a checkpoint the next start-up deletes), and what its
+    threads log on failure comes back in the results (`WriteResults`) instead of on the console."""
+
+    def run(*args, **kwargs):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux: the writer outlives a killed trainer, and finishes its write
+            pass
+        if os.getppid() != trainer_pid:  # the trainer died before the line above
+            os._exit(1)
+        with _writer_errors() as logged:
+            WriteResults._installed.logged = logged
+            write(*args, **kwargs)
+
+    return run
+
+
+class BackgroundSaves:
+    """Checkpoint writes in flight, through megatron-core's `AsyncCallsQueue`: each save's write runs in a process
+    forked from this one (megatron-core's `TemporalAsyncCaller`; on a GPU the tensors are first copied to host memory,
+    on a CPU the fork's copy-on-write pages are the snapshot), and its finalize functions (the checkpoint's index,
+    then `save`'s publish: rename, `latest`, prune) run on every rank once every rank's writer has finished.
+    `finish` is collective while a save is in flight."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.calls = AsyncCallsQueue(persistent=False)
+
+    def start(self, request, finalize) -> None:
+        """Start writing `request` (megatron-core's AsyncRequest) in the background; `finalize` runs when done."""
+        if request.async_fn is not None:  # None: this rank has nothing to write
+            request = request._replace(async_fn=_in_writer_process(request.async_fn, os.getpid()))
+        self.calls.schedule_async_request(request._replace(finalize_fns=[finalize]))
+
+    def pending(self) -> bool:
+        """Whether a save is written or waits to be finalized (the same on every rank)."""
+        return self.calls.get_num_unfinalized_calls() > 0
+
+    def finish(self, wait: bool) -> None:
+        """Finalize every save whose write has finished on every rank; with `wait`, wait for all of them first."""
+        if self.pending():
+            self.calls.maybe_finalize_async_calls(blocking=wait)
 
 
 def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
@@ -398,8 +493,13 @@ def _barrier() -> None:
 
 
 def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, keep_last: int, is_main: bool,
-         save_bytes: tuple[int, str] = (0, "")) -> Path:
+         save_bytes: tuple[int, str] = (0, ""), background: "BackgroundSaves | None" = None, on_published=None) -> Path:
     """Write a complete checkpoint atomically, point `latest` at it, prune old ones. Collective.
+
+    With `background`, the model and optimizer shards are written by a forked process while training goes on (the
+    RNG and trainer state, small, are written now), and the checkpoint is published when `background.finish` finds
+    every rank's write done; until then `latest` names the previous one. `on_published(path)` runs on every rank
+    after the publish.
 
     Each phase ends with every rank learning whether any rank's part failed (a full disk, a quota, permissions);
     then every rank raises the same one-paragraph UserError (`_save_failed`, with `save_bytes`: the bytes one save
@@ -408,6 +508,7 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
 
     final = checkpoint_dir / checkpoint_name(step)
     partial = checkpoint_dir / f"{PARTIAL}{checkpoint_name(step)}"
+    request = []
 
     def prepare():
         if is_main:
@@ -418,7 +519,8 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
     def write():  # torch.distributed.checkpoint raises a rank's write failure on every rank alike
         with _writer_errors() as logged:
             try:
-                _save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR)
+                request.append(_save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR,
+                                                         background is not None))
             except (Exception, CheckpointException):
                 # The writer's summary names no cause (`error: <class 'OSError'>`); its log has the OSError's text.
                 cause = next((text for text in logged if "[Errno" in text), logged[0] if logged else None)
@@ -427,19 +529,32 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
                 text = cause.rpartition("an error: ")[2]
                 raise (OSError if "[Errno" in text else RuntimeError)(text) from None
         _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
+        if is_main:
+            _write_durably(partial / STATE_FILE, state)
 
     def publish():
         if is_main:
-            _write_durably(partial / STATE_FILE, state)
             _fsync_tree(partial)
             _publish(checkpoint_dir, partial, final)
             _prune(checkpoint_dir, keep_last, keep=final)
             log.info("saved checkpoint %s", final)
 
-    for phase in (prepare, write, publish):
-        failures = _failures_everywhere(phase)
-        if failures:
-            raise UserError(_save_failed(checkpoint_dir, step, failures, save_bytes, keep_last))
+    def run(*phases) -> None:
+        for phase in phases:
+            failures = _failures_everywhere(phase)
+            if failures:
+                raise UserError(_save_failed(checkpoint_dir, step, failures, save_bytes, keep_last))
+
+    def finalize(written=None):  # megatron-core's finalize functions (the index), then the publish
+        run(*(written.finalize_fns if written is not None else ()), publish)
+        if on_published is not None:
+            on_published(final)
+
+    run(prepare, write)
+    if request[0] is None:  # written synchronously
+        finalize()
+    else:
+        background.start(request[0], lambda: finalize(request[0]))
     return final
 
 
@@ -796,6 +911,7 @@ class Checkpointer:
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
         self.save_bytes = (0, "")  # what one save needs, and how that is known (`track`, then each save)
+        self.background = BackgroundSaves() if config.ckpt.async_save else None
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
         if is_global_rank_zero():
             clean_stale_saves(self.directory)
@@ -824,6 +940,11 @@ class Checkpointer:
         """Name what a checkpoint holds (stop signals are caught since start-up: see `catch_stop_signals`), and warn
         when `ckpt.dir` has room for fewer than two checkpoints (estimated from the parameters). Collective."""
         self.policy, self.parts = policy, parts
+        if self.background is not None and _uses_megatron_fsdp(policy.chunks):
+            self.background = None
+            if is_global_rank_zero():
+                log.info("ckpt.async_save: Megatron-FSDP saves synchronously (its DTensor checkpoints go through "
+                         "torch.distributed.checkpoint, which megatron-core's asynchronous saving does not cover)")
         estimate = _estimated_save_bytes(policy, self.config.peft.method == "lora")
         self.save_bytes = (estimate, "estimated from the parameters and their Adam state")
         existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
@@ -844,29 +965,47 @@ class Checkpointer:
         return state["step"]
 
     def save(self, step: int) -> Path:
-        """Write every tracked part after `step`. Collective."""
+        """Write every tracked part after `step` (in the background with `ckpt.async_save`, once the previous save is
+        published). Collective."""
         started = time.perf_counter()
+        if self.background is not None:
+            self.background.finish(wait=True)  # a second save waits for the first
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight
         path = save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
-                    is_global_rank_zero(), self.save_bytes)
+                    is_global_rank_zero(), self.save_bytes, self.background, self._published)
         self.last_save_s = time.perf_counter() - started
+        return path
+
+    def _published(self, path: Path) -> None:
+        """After a checkpoint is published: what one save needs is now its measured size."""
         if is_global_rank_zero():
             self.save_bytes = (_tree_bytes(path), f"the size of `{path.name}`")
-        return path
+
+    def wait(self) -> None:
+        """Wait for the save in flight and publish it (before an export, and before the run exits). Collective."""
+        if self.background is not None:
+            self.background.finish(wait=True)
 
     def maybe_save_or_export(self, step: int, step_seconds: float = 0.0) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
-        the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished).
+        the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished). A
+        background save whose write has finished everywhere is published here; a run that stops waits for its last.
 
         Every way out of a loop passes through a save here, so no parameter gather is in flight at shutdown."""
         train = self.config.train
         self.slowest_step_s = max(self.slowest_step_s, step_seconds)
+        if self.background is not None:
+            self.background.finish(wait=False)
         stop = self.preemption.agreed() or step == train.exit_interval
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)
+        if stop or step == train.steps:
+            started = time.perf_counter()
+            self.wait()
+            self.last_save_s += time.perf_counter() - started
         if step == train.steps:
             self.export()
         if stop and self.preemption.requested_anywhere:

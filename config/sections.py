@@ -153,6 +153,7 @@ class CkptConfig:
     dir: str = field(default="", metadata={"help": "checkpoint directory (default: <train.out_dir>/checkpoints)"})
     save_interval: int = field(default=0, metadata={"help": "save every N steps (0: only at the end)"})
     keep_last: int = field(default=2, metadata={"help": "keep the newest N complete checkpoints"})
+    async_save: bool = field(default=True, metadata={"help": "write model and optimizer in the background (megatron-core's asynchronous checkpointing: a forked writer per save) while training goes on; `latest` moves when every rank's part is on disk. Megatron-FSDP saves synchronously"})
 
 
 # megatron-core's names of the linear layers LoRA may adapt (attention's fused QKV and output projection, the MLP's

@@ -32,6 +32,7 @@ import queue
 import random
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -319,7 +320,7 @@ def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, backgrou
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    WriteResults.install(directory.parent / f".write-results-rank_{dist.get_rank():05d}")
+    WriteResults.install()
     strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
     return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory), strategy,
@@ -335,25 +336,28 @@ class WriteResults:
     Python process per rank that re-imports the main module (8.6 s on the first save here) and outlives a trainer
     killed with -9. A plain pipe would not do either: a writer whose results exceed the pipe's buffer (64 KiB, about
     300 tensors' results) blocks at exit until they are read, and they are read only after it exits. So the writer
-    puts them into a file of the checkpoint being written (one per rank and save; a second save waits for the first),
-    and the finalize step reads and deletes it. A writer's failure comes back with the error text the writer only
-    logged (`[Errno 28] No space left on device`), as an OSError.
+    puts them into a file in the temporary directory (one per process; a second save waits for the first; not on
+    the checkpoint's disk, which may be the one that is full), and the finalize step reads and deletes it: results
+    that are missing or unreadable are a failed write. A writer's failure comes back with the error text the writer
+    only logged (`[Errno 28] No space left on device`), as an OSError.
     """
 
     _installed = None
 
     def __init__(self):
-        self.path, self.logged = None, []
+        self.path = Path(tempfile.gettempdir()) / f"megatron-trainer-{os.getpid()}.write-results"
+        self.logged = []
 
     @classmethod
-    def install(cls, path: Path) -> "WriteResults":
-        """Make this process's channel megatron-core's queue, pointed at `path` for the save about to be written."""
+    def install(cls) -> "WriteResults":
+        """Make this process's channel megatron-core's queue, for the save about to be written."""
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         if cls._installed is None:
             cls._installed = cls()
         filesystem_async._results_queue = cls._installed
-        cls._installed.path, cls._installed.logged = path, []
+        cls._installed.path.unlink(missing_ok=True)
+        cls._installed.logged = []
         return cls._installed
 
     def put(self, results) -> None:
@@ -368,11 +372,14 @@ class WriteResults:
 
     def get_nowait(self):
         """Called by the finalize step: what the writer put (read once: the file is deleted)."""
-        if not self.path.is_file():
-            raise queue.Empty
-        with open(self.path, "rb") as file:
-            results = pickle.load(file)
-        self.path.unlink()
+        try:
+            with open(self.path, "rb") as file:
+                results = pickle.load(file)
+        except FileNotFoundError:
+            raise queue.Empty from None
+        except Exception as error:  # a results file the writer could not finish
+            results = RuntimeError(f"the checkpoint writer's results are unreadable ({type(error).__name__})")
+        self.path.unlink(missing_ok=True)
         return results
 
 
@@ -390,9 +397,12 @@ def _in_writer_process(write, trainer_pid: int):
             pass
         if os.getppid() != trainer_pid:  # the trainer died before the line above
             os._exit(1)
-        with _writer_errors() as logged:
-            WriteResults._installed.logged = logged
-            write(*args, **kwargs)
+        try:
+            with _writer_errors() as logged:
+                WriteResults._installed.logged = logged
+                write(*args, **kwargs)
+        except BaseException:  # its results could not be written either: the finalize step reports the failed write
+            os._exit(1)
 
     return run
 

@@ -38,10 +38,11 @@ from trainer import metrics  # noqa: E402
 WIDE = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 4}
 
 
-def wide_checkpoint(tiny: Path, directory: Path) -> Path:
-    """An HF checkpoint like the tiny model (same tokenizer and layers), with WIDE's dimensions, seeded weights."""
+def wide_checkpoint(tiny: Path, directory: Path, shape: dict = WIDE) -> Path:
+    """An HF checkpoint like the tiny model (same tokenizer), with `shape`'s dimensions, seeded weights."""
     config = transformers.AutoConfig.from_pretrained(tiny)
-    config.update(WIDE)
+    config.update(shape)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)

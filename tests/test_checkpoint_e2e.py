@@ -1,5 +1,7 @@
 """Exact resume through the real entry point on 2 processes: exit_interval, SIGTERM, killed saves, DP change, Megatron-FSDP.
 
+Saves are asynchronous (the default `ckpt.async_save=true`) except under Megatron-FSDP, which saves synchronously.
+
 The two tests' runs share launches (the module fixture `runs`), as a test pays torchrun's start-up per launch: the
 first legs of every scenario run in one 2-process launch, the resumes in another (fresh processes, as a resumed job
 is), the DP=1 continuations in one 1-process launch. The SIGTERM run and the corrupt-shard run, whose processes'
@@ -92,11 +94,13 @@ def runs(tmp_path_factory) -> dict:
     shutil.copytree(ddp / "resumed" / "checkpoints" / "step_00000015" / "rng", partial / "rng")
     (ddp / "resumed" / "checkpoints" / "latest.tmp").write_text("step_00000020")
 
-    # 3. Resume from latest, then SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0.
-    seen["sigterm"] = run_until_sigterm([*RUN, f"--train.out_dir={ddp / 'resumed'}", "--resume-from-checkpoint", "latest"],
-                                        ddp / "resumed", 18)
+    # 3. Resume from latest, then SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0. This run saves
+    # every step, so the signal finds the previous step's save being written in the background: the run waits for it.
+    seen["sigterm"] = run_until_sigterm([*RUN, f"--train.out_dir={ddp / 'resumed'}", "--resume-from-checkpoint", "latest",
+                                         "--ckpt.save_interval=1"], ddp / "resumed", 18)
     seen["sigterm_losses"] = losses(ddp / "resumed")
     seen["sigterm_latest"] = (ddp / "resumed" / "checkpoints" / "latest").read_text()
+    seen["sigterm_checkpoints"] = checkpoints(ddp / "resumed")
 
     # 4. Resume again (fresh processes) to the end; then the finished run once more.
     resume = ("--resume-from-checkpoint", "latest")
@@ -127,6 +131,8 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):
     interrupted_at = max(runs["sigterm_losses"])
     assert 18 <= interrupted_at < 40
     assert runs["sigterm_latest"] == f"step_{interrupted_at:08d}"
+    # The save in flight when the signal came was finished and published, then the signal's own.
+    assert runs["sigterm_checkpoints"] == [f"step_{interrupted_at - 1:08d}", f"step_{interrupted_at:08d}"]
 
     # 4. Resumed again to the end: every step's loss equals the uninterrupted run's, bit for bit.
     reference, got = losses(straight), losses(resumed)
@@ -184,6 +190,7 @@ def test_megatron_fsdp_exact_resume(runs):
     assert runs["fsdp", "stopped"] == (["step_00000004", "step_00000006"], 6)
 
     assert "resumed from" in runs["resumes"][2]["log"]
+    assert "ckpt.async_save: Megatron-FSDP saves synchronously" in runs["resumes"][2]["log"]
     reference, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 13))
     assert got == reference

@@ -241,7 +241,8 @@ def shared_runs(sft_checkpoint, tmp_path_factory) -> dict:
     env = {"PYTHONPATH": f"{root}:{REPO}"}
     small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
              "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
-             "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2"]
+             "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2",
+             "--ckpt.save_interval=1"]  # DDP: each save written in the background while the next step samples
 
     def resume_commands(run: str, *extra: str) -> list[dict]:
         return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}

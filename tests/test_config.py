@@ -23,7 +23,7 @@ SFT_KEYS = {
     "data.max_seq_len", "data.pack", "data.cache",
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
-    "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last",
+    "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last", "ckpt.async_save",
     "log.tensorboard", "log.wandb", "log.wandb_project", "log.wandb_name",
     "peft.method", "peft.rank", "peft.alpha", "peft.dropout", "peft.target_modules",
 }

@@ -30,11 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_checkpoint import wide_checkpoint  # noqa: E402
+from bench_checkpoint import start_one_process, wide_checkpoint  # noqa: E402
 from ckpt import checkpoint  # noqa: E402
-from config.sections import SFTConfig  # noqa: E402
 from model import build, parallel  # noqa: E402
-from trainer import metrics  # noqa: E402
 
 # 113M parameters: 10 layers of hidden 1024 (16 query heads, 4 key/value heads, MLP 2816).
 LARGE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -57,11 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = SFTConfig()
-    metrics.setup_logging(True)
-    tiny = build.resolve_model_path(config)
-    runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    config, tiny, runtime = start_one_process()
     work_dir = Path(tempfile.mkdtemp(prefix="bench-async-save-"))
     try:
         model_path = wide_checkpoint(tiny, work_dir / "model", LARGE)

@@ -95,16 +95,21 @@ def measure(model_path: Path, work: Path, repeats: int, config) -> dict:
     return {"megabytes": megabytes, "parameters": parameters, **{name: statistics.median(value) for name, value in times.items()}}
 
 
+def start_one_process():
+    """A benchmark's process as a torchrun worker runs: one intra-op thread, logging, a process group; returns the
+    default config, the tiny model's path (built on first use) and the runtime."""
+    torch.set_num_threads(1)
+    config = SFTConfig()
+    metrics.setup_logging(True)
+    return config, build.resolve_model_path(config), parallel.init_distributed(config.parallel, config.train.seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--sizes", default="tiny,wide")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = SFTConfig()
-    metrics.setup_logging(True)
-    tiny = build.resolve_model_path(config)
-    runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    config, tiny, runtime = start_one_process()
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
         paths = {"tiny": tiny, "wide": work / "wide-model"}

@@ -9,10 +9,10 @@ Layout under `ckpt.dir`:
         trainer_state.pt      step, LR schedule, data position, resolved config, model fingerprint
     latest                    name of the newest complete checkpoint, replaced atomically last
 
-A save writes into `.partial-step_N/`, fsyncs it, and renames it when every rank has finished, then moves
-`latest` (fsynced), then prunes old checkpoints (never the one just written): `latest` names a complete
-checkpoint at every instant, whenever the process dies (`_publish`). What a killed save leaves is removed
-at the next start-up.
+A save writes into `.partial-step_N/` (the model and optimizer in the background, `ckpt.async_save`), fsyncs it,
+and renames it when every rank has finished, then moves `latest` (fsynced), then prunes old checkpoints (never the
+one just written): `latest` names a complete checkpoint at every instant, whenever the process dies (`_publish`).
+What a killed save leaves is removed at the next start-up.
 
 A fresh run (no `--resume-from-checkpoint`) refuses a `train.out_dir` that holds an earlier run's checkpoints
 or metrics, unless `train.overwrite_output_dir=true` (`check_output_dir`), so no run destroys another; no run
@@ -320,11 +320,11 @@ def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, backgrou
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    WriteResults.install()
     strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory), strategy,
-                                   async_sharded_save=background, async_strategy="mcore")
+    with WriteResults.install().capturing():  # a synchronous save writes here
+        return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory),
+                                       strategy, async_sharded_save=background, async_strategy="mcore")
 
 
 class WriteResults:
@@ -339,7 +339,7 @@ class WriteResults:
     puts them into a file in the temporary directory (one per process; a second save waits for the first; not on
     the checkpoint's disk, which may be the one that is full), and the finalize step reads and deletes it: results
     that are missing or unreadable are a failed write. A writer's failure comes back with the error text the writer
-    only logged (`[Errno 28] No space left on device`), as an OSError.
+    only logged (`[Errno 28] No space left on device`), as an OSError, which the finalize step's exception names.
     """
 
     _installed = None
@@ -360,15 +360,26 @@ class WriteResults:
         cls._installed.logged = []
         return cls._installed
 
+    @contextlib.contextmanager
+    def capturing(self):
+        """Keep what the writer logs inside the block for `put` (one paragraph later, no lines of the writer's own)."""
+        with _writer_errors() as self.logged:
+            yield
+
     def put(self, results) -> None:
-        """Called by the writer (in the writing process): the results, or its exception with what it logged."""
+        """Called by the writer (in the writing process): the results, or its exception with what it logged. Never
+        raises: results it cannot write (the temporary directory full too) are missing, which is a failed write."""
         if isinstance(results, Exception):
+            # The writer's summary names no cause (`error: <class 'OSError'>`); its log has the OSError's text.
             cause = next((text for text in self.logged if "[Errno" in text), self.logged[0] if self.logged else None)
             if cause is not None:
                 text = cause.rpartition("an error: ")[2]
                 results = (OSError if "[Errno" in text else RuntimeError)(text)
-        with open(self.path, "wb") as file:
-            pickle.dump(results, file)
+        try:
+            with open(self.path, "wb") as file:
+                pickle.dump(results, file)
+        except OSError:
+            self.path.unlink(missing_ok=True)
 
     def get_nowait(self):
         """Called by the finalize step: what the writer put (read once: the file is deleted)."""
@@ -398,10 +409,9 @@ def _in_writer_process(write, trainer_pid: int):
         if os.getppid() != trainer_pid:  # the trainer died before the line above
             os._exit(1)
         try:
-            with _writer_errors() as logged:
-                WriteResults._installed.logged = logged
+            with WriteResults._installed.capturing():
                 write(*args, **kwargs)
-        except BaseException:  # its results could not be written either: the finalize step reports the failed write
+        except BaseException:  # no results: the finalize step reports the failed write
             os._exit(1)
 
     return run
@@ -514,11 +524,9 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
     Each phase ends with every rank learning whether any rank's part failed (a full disk, a quota, permissions);
     then every rank raises the same one-paragraph UserError (`_save_failed`, with `save_bytes`: the bytes one save
     needs and how that is known), so no rank waits for a peer that stopped and none prints a traceback."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     final = checkpoint_dir / checkpoint_name(step)
     partial = checkpoint_dir / f"{PARTIAL}{checkpoint_name(step)}"
-    request = []
+    written = []  # megatron-core's AsyncRequest with `background`, else None (written already)
 
     def prepare():
         if is_main:
@@ -527,17 +535,7 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
             (partial / "rng").mkdir()
 
     def write():  # torch.distributed.checkpoint raises a rank's write failure on every rank alike
-        with _writer_errors() as logged:
-            try:
-                request.append(_save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR,
-                                                         background is not None))
-            except (Exception, CheckpointException):
-                # The writer's summary names no cause (`error: <class 'OSError'>`); its log has the OSError's text.
-                cause = next((text for text in logged if "[Errno" in text), logged[0] if logged else None)
-                if cause is None:
-                    raise
-                text = cause.rpartition("an error: ")[2]
-                raise (OSError if "[Errno" in text else RuntimeError)(text) from None
+        written.append(_save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR, background is not None))
         _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
         if is_main:
             _write_durably(partial / STATE_FILE, state)
@@ -555,16 +553,17 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
             if failures:
                 raise UserError(_save_failed(checkpoint_dir, step, failures, save_bytes, keep_last))
 
-    def finalize(written=None):  # megatron-core's finalize functions (the index), then the publish
-        run(*(written.finalize_fns if written is not None else ()), publish)
+    def finalize(megatron_fns=()):  # megatron-core's finalize functions (the index), then the publish
+        run(*megatron_fns, publish)
         if on_published is not None:
             on_published(final)
 
     run(prepare, write)
-    if request[0] is None:  # written synchronously
+    request = written[0]
+    if request is None:
         finalize()
     else:
-        background.start(request[0], lambda: finalize(request[0]))
+        background.start(request, lambda: finalize(request.finalize_fns))
     return final
 
 
@@ -978,8 +977,7 @@ class Checkpointer:
         """Write every tracked part after `step` (in the background with `ckpt.async_save`, once the previous save is
         published). Collective."""
         started = time.perf_counter()
-        if self.background is not None:
-            self.background.finish(wait=True)  # a second save waits for the first
+        self.wait()  # a second save waits for the first
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight

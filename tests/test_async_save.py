@@ -42,6 +42,14 @@ def writers_of(workers: list) -> list:
     return found
 
 
+def alive(process) -> bool:
+    """Whether `process` still runs (a zombie, or one gone meanwhile, does not)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_mid_save(out_dir) -> dict:
     """Start the SFT run and, once a save after step 2 is being written by a forked writer, kill -9 every worker
     (a node lost, the OOM killer); returns what the checkpoint directory held at that instant."""
@@ -82,8 +90,7 @@ def runs(default_sft, tmp_path_factory) -> dict:
                        grpo_run("grpo-split", "--train.exit_interval=2")], root)
     killed = kill_mid_save(root / "sft-killed")
     time.sleep(2)  # a writer left behind would still be writing now
-    killed["writers_alive"] = [writer.pid for writer in killed.pop("writers", []) if writer.is_running()
-                               and writer.status() != psutil.STATUS_ZOMBIE]
+    killed["writers_alive"] = [writer.pid for writer in killed.pop("writers", []) if alive(writer)]
     resume = ("--resume-from-checkpoint", "latest")
     killed["resumed"] = torchrun_commands([sft("sft-killed", *resume), grpo_run("grpo-split", *resume)], root)
     return {"root": root, "killed": killed}

@@ -25,6 +25,7 @@ KL_ESTIMATORS = ("k1", "k3")
 IMPORTANCE_RATIOS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 FILTER_METRICS = ("accuracy", "reward")  # what dynamic sampling's groups must vary in (trainer/grpo.py)
+TOOL_ISOLATIONS = ("process", "thread")  # where a plain-function tool call runs (data/tool_runner.py)
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 RECOMPUTE_NAMES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -182,7 +183,7 @@ class LogConfig:
 @dataclass
 class GRPOSection:
     n_samples: int = field(default=8, metadata={"help": "completions sampled per prompt (one advantage group)"})
-    reward: str = field(default=DEFAULT_REWARD, metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible, or your own as module:function; its full marks are the accuracy"})
+    reward: str = field(default=DEFAULT_REWARD, metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible | none (0: an environment's reward() alone), or your own as module:function returning a number (full marks, 1.0, are the accuracy) or (reward, correct)"})
     format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
     overlong_buffer: int = field(default=0, metadata={"help": "DAPO's soft overlong penalty: completions longer than max_new_tokens - overlong_buffer tokens lose reward linearly, up to overlong_penalty at the budget (0: off)"})
     overlong_penalty: float = field(default=1.0, metadata={"help": "the reward lost by a completion that reaches max_new_tokens, with overlong_buffer > 0"})
@@ -190,7 +191,7 @@ class GRPOSection:
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
     dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch is full"})
     max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step (at least 2); a batch still short after them is filled with dropped groups"})
-    filter_metric: str = field(default="accuracy", metadata={"help": f"with dynamic_sampling, what a group must vary in to be kept: {' | '.join(FILTER_METRICS)} (the reward function's full marks, as DAPO and verl's filter_groups.metric=acc; the shaped reward, overlong penalty and format bonus included)"})
+    filter_metric: str = field(default="accuracy", metadata={"help": f"with dynamic_sampling, what a group must vary in to be kept: {' | '.join(FILTER_METRICS)} (accuracy: the reward function's full marks or its (reward, correct), or an environment's (reward, correct), as DAPO and verl's filter_groups.metric=acc; reward: the shaped reward, environment's, overlong penalty and format bonus included)"})
     tolerate_reward_errors: bool = field(default=False, metadata={"help": "go on when the reward function fails on every completion of a step (scored 0) instead of stopping with its error"})
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
     # reference forward did not shorten a CPU step measurably (docs/grpo.md).
@@ -213,7 +214,9 @@ class GRPOSection:
     environment: str = field(default="", metadata={"help": "a stateful task as module:Class: one instance per episode, reset(row) first, its public methods the tools, an optional reward() added to grpo.reward's score"})
     max_turns: int = field(default=4, metadata={"help": "with tools, at most this many assistant turns per episode (a tool call in the last is not run)"})
     max_tool_response_tokens: int = field(default=256, metadata={"help": "with tools, a tool result longer than this many tokens is cut (its message says so)"})
-    tool_timeout: float = field(default=10.0, metadata={"help": "with tools, seconds a tool call may take; a slower one answers with a timeout error"})
+    tool_timeout: float = field(default=10.0, metadata={"help": "with tools, seconds each call may take from its own start; a slower one answers with a timeout error (a plain function's episode goes on; an environment's episode ends)"})
+    tool_workers: int = field(default=0, metadata={"help": "with tools, calls run at once on each rank (an episode's calls always one after another, in order); 0: this rank's share of the node's cores (raise it for tools that wait on the network)"})
+    tool_isolation: str = field(default="process", metadata={"help": f"with tools, where a plain function's call runs: {' | '.join(TOOL_ISOLATIONS)} (a reused worker process, killed at the timeout, so a hung or CPU-bound tool neither leaks nor holds the trainer's GIL; or a thread of the trainer, cheaper, but one past its timeout runs on). An environment's methods always run in threads"})
 
 
 # ---------------------------------------------------------------- the two loops' configurations
@@ -490,7 +493,7 @@ class GRPOConfig(TrainerConfig):
         _require(grpo.n_samples >= 2,
                  f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
         for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS), ("filter_metric", FILTER_METRICS),
-                             ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
+                             ("tool_isolation", TOOL_ISOLATIONS), ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
             _require(getattr(grpo, key) in allowed,
                      f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
         rules = {  # key: (holds, what it must be)
@@ -512,6 +515,7 @@ class GRPOConfig(TrainerConfig):
                           "at least 2 with tools (a call is answered in the next turn)"),
             "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
             "tool_timeout": (grpo.tool_timeout > 0, "positive"),
+            "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
@@ -522,6 +526,10 @@ class GRPOConfig(TrainerConfig):
                  f"seq_mean_token_mean`, the mean over completions GSPO optimises; `{grpo.loss_aggregation}` would weigh "
                  "each completion's ratio by its length instead. Use `--config gspo`, set `--grpo.loss_aggregation="
                  "seq_mean_token_mean`, or use `--grpo.importance_ratio=token`.")
+        _require(grpo.reward != "none" or grpo.environment,
+                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward, "
+                 "but no `grpo.environment` is set: every reward would be 0 and nothing would be learned. Set "
+                 "`--grpo.environment module:Class`, or choose a reward function with `--grpo.reward`.")
         super().validate(world_size)
 
     def _validate_batch(self, world_size: int) -> None:

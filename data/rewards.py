@@ -176,7 +176,13 @@ def arithmetic(completion: str, reference: str) -> float:
     return 0.0
 
 
-REWARDS: dict[str, RewardFunction] = {"arithmetic": arithmetic, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible}
+def none(completion: str, reference: str) -> float:
+    """No reward of its own: 0.0 for every completion, for an environment whose `reward()` is the whole reward."""
+    return 0.0
+
+
+REWARDS: dict[str, RewardFunction] = {"arithmetic": arithmetic, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible,
+                                      "none": none}
 
 
 def get_reward(name: str) -> RewardFunction:
@@ -236,17 +242,22 @@ def describe_failure(reward: RewardFunction, error: Exception, completion: str) 
 
 
 def score(reward: RewardFunction, completions: list[str], references: list[str], format_bonus: float = 0.0) -> Scores:
-    """Score each completion; one the reward function raises on (or returns no finite number for) scores 0 and is
+    """Score each completion: a number, correct at full marks (1.0 or more), or `(reward, correct)` from a graded
+    reward that says which completions are correct itself; one the reward function raises on (or returns no finite number for) scores 0 and is
     counted, and the first failure of each exception type is kept, described (the loop decides what to say)."""
     rewards, correct, errors, failures = [], [], 0, {}
     in_format = [has_answer_format(completion) for completion in completions]
     for completion, reference, formatted in zip(completions, references, in_format, strict=True):
+        verdict = None  # a graded reward may say which completions are correct: (reward, correct)
         try:
-            value = _as_reward(reward(completion, reference))
+            value = reward(completion, reference)
+            if isinstance(value, tuple) and len(value) == 2:
+                value, verdict = value[0], bool(value[1])
+            value = _as_reward(value)
         except Exception as error:  # a user's reward function may fail in any way on odd model output
-            value, errors = 0.0, errors + 1
+            value, verdict, errors = 0.0, None, errors + 1
             failures.setdefault(type(error).__name__, describe_failure(reward, error, completion))
-        correct.append(value >= 1.0)
+        correct.append(value >= 1.0 if verdict is None else verdict)
         rewards.append(value + (format_bonus if formatted else 0.0))
     right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
     return Scores(rewards, correct, errors, in_format, right_answer, failures)

@@ -11,7 +11,8 @@ Tool use: a messages row may hold assistant turns with `tool_calls`, `tool` mess
 `tools` field with the JSON schemas of the tools offered (a list, or that list as JSON text). A row's conversation
 is a `Conversation`, a list of messages that also carries those schemas, and every rendering of it passes them to
 the chat template. Each assistant turn is learned from after its header through the eos token that closes it, its
-rendered tool calls included; tool results and the template's text around them are not.
+rendered tool calls included; tool results and the template's text around them are not. A row with a broken tool call
+or a tool result without a call is dropped and counted like any malformed row (`to_conversations`).
 
 Tokenized examples are kept in a cache (`cached_examples`) keyed by everything tokenizing reads, so a restarted or
 repeated run skips the work.
@@ -163,7 +164,11 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
                      messages_field: str | None = None) -> tuple[list[Conversation], DropReport]:
     """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`.
 
-    A messages row's `tools` field becomes its conversation's `tools`; other rows offer none."""
+    A messages row's `tools` field becomes its conversation's `tools`; other rows offer none. A row with a broken tool
+    call (arguments that are not JSON, or not a JSON object; no function name) or a tool result without a call
+    before it (more `tool` messages than calls since the last assistant turn) is skipped and counted under that
+    reason, like every malformed row, so none of it is trained on; the callers log `report.summary()`, which names
+    the first rows skipped and why. Only when no row is left is it a UserError."""
     if not rows:
         raise UserError("data.path holds no rows; point data.path at a non-empty data set.")
     columns = sorted({key for row in rows for key in row})
@@ -216,6 +221,16 @@ def messages_problem(messages) -> str | None:
         reason = message_problem(message)
         if reason:
             return reason
+    # Each tool result answers a call of the assistant turn before it; a result beyond those calls answers nothing,
+    # and the model would learn to continue after a call it never made.
+    unanswered_calls = 0
+    for message in messages:
+        if message["role"] == "assistant":
+            unanswered_calls = len(message.get("tool_calls") or [])
+        elif message["role"] == "tool":
+            if unanswered_calls == 0:
+                return "tool result without a call"
+            unanswered_calls -= 1
     if not any((message.get("content") or "").strip() or message.get("tool_calls")
                for message in messages if message["role"] == "assistant"):
         return "no assistant turn"
@@ -227,9 +242,11 @@ def message_problem(message: dict) -> str | None:
     """Return why one chat message (a dict with a string role) is unusable, or None when it is fine."""
     content, tool_calls = message.get("content"), message.get("tool_calls")
     if tool_calls is not None:
-        well_formed = isinstance(tool_calls, list) and all(map(tool_call_function, tool_calls))
-        if message["role"] != "assistant" or not well_formed:
+        if message["role"] != "assistant" or not isinstance(tool_calls, list):
             return "malformed tool call"
+        reason = next(filter(None, map(tool_call_problem, tool_calls)), None)
+        if reason:
+            return reason
         if content is None and tool_calls:
             return None  # a turn of tool calls alone
     if message["role"] == "tool":
@@ -247,20 +264,31 @@ def named_function(entry) -> dict | None:
     return function if has_name else None
 
 
-def tool_call_function(call) -> dict | None:
-    """Return a tool call's `{"name", "arguments"}` with the arguments as a dict, or None when it is malformed.
+def tool_call_problem(call) -> str | None:
+    """Return why one tool call is unusable (the reason a row is dropped for), or None when it is fine.
 
     Arguments are a dict, or JSON text of one (as the OpenAI API writes them)."""
-    function = named_function(call)
-    if function is None:
-        return None
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return "malformed tool call"
+    if named_function(call) is None:
+        return "tool call without a name"
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            return None
-    return {"name": function["name"], "arguments": arguments} if isinstance(arguments, dict) else None
+            return "tool call arguments not JSON"
+    return None if isinstance(arguments, dict) else "tool call arguments not an object"
+
+
+def tool_call_function(call) -> dict | None:
+    """Return a tool call's `{"name", "arguments"}` with the arguments as a dict, or None when it is malformed."""
+    if tool_call_problem(call):
+        return None
+    function = named_function(call)
+    arguments = function.get("arguments")
+    return {"name": function["name"], "arguments": json.loads(arguments) if isinstance(arguments, str) else arguments}
 
 
 def copied_message(message: dict) -> dict:

@@ -23,12 +23,11 @@ import inspect
 import json
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable
 
 from config.errors import UserError
-from data import user_code
+from data import tool_runner, user_code
+from data.sft import encode_texts
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +44,6 @@ TOOL_CALL_SCHEMA = {
 TOOL_CALL_START = "<tool_call>"
 # Methods of an environment that are not tools.
 ENVIRONMENT_HOOKS = ("reset", "reward")
-# What a tool call ended as (a key of `Outcome.kind`); the episode's counters use the same names.
-OUTCOMES = ("ok", "error", "timeout", "unknown_tool")
 
 
 # ---------------------------------------------------------------- the user's side
@@ -72,19 +69,21 @@ class Toolset:
     functions: dict[str, Callable]  # the plain tools, by name (an environment's are bound per episode)
     environment: type | None
     schemas: list[dict]  # in the order the system prompt lists them
+    specs: dict[str, str] = dataclasses.field(default_factory=dict)  # the plain tools' `module:function`, by name
 
     @classmethod
     def from_config(cls, grpo) -> "Toolset | None":
         """The tools of `grpo.tools` and `grpo.environment`, or None without either; UserErrors before any model is built."""
         if not grpo.tools and not grpo.environment:
             return None
-        functions, schemas = {}, []
+        functions, schemas, specs = {}, [], {}
         for spec in grpo.tools:
             function = user_code.load(spec, "grpo.tools", "Each tool is a function given as `module:function`.")
             if not callable(function):
                 raise UserError(f"`grpo.tools`: {spec} is not a function. Change `--grpo.tools`.")
             schema = tool_schema(function, "grpo.tools", spec)
             functions[schema["function"]["name"]] = function
+            specs[schema["function"]["name"]] = spec
             schemas.append(schema)
         environment = None
         if grpo.environment:
@@ -101,12 +100,12 @@ class Toolset:
         if not names:
             raise UserError(f"`grpo.environment={grpo.environment}` has no public method to offer as a tool (methods "
                             f"named {' or '.join(ENVIRONMENT_HOOKS)}, or starting with `_`, are not tools).")
-        return cls(functions, environment, schemas)
+        return cls(functions, environment, schemas, specs)
 
     def episode(self, row: dict) -> tuple["Episode", str | None]:
         """A new episode's tools (its own environment instance, reset with the data row) and the text reset returned."""
         if self.environment is None:
-            return Episode(dict(self.functions), None), None
+            return Episode(dict(self.functions), None, self.specs), None
         try:
             environment = self.environment()
             extra = environment.reset(row) if hasattr(environment, "reset") else None
@@ -115,7 +114,32 @@ class Toolset:
                             f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
                             "`--grpo.environment`.") from None
         tools = {**self.functions, **dict(environment_methods(environment))}
-        return Episode(tools, environment), None if extra is None else str(extra)
+        return Episode(tools, environment, self.specs), None if extra is None else str(extra)
+
+
+def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> None:
+    """Refuse, before any model is built, DAPO's accuracy filter where no episode could ever be correct:
+    `grpo.reward=none` (the environment's reward alone) and an environment whose `reward()` gives no verdict (a
+    plain number, not `(reward, correct)`), probed on a throwaway episode of the first training row. Every group
+    would be dropped: each step would run all `grpo.max_sampling_rounds` and train on fill-ins."""
+    if toolset is None or not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy" and grpo.reward == "none"):
+        return
+    try:
+        instance = toolset.environment()
+        if hasattr(instance, "reset"):
+            instance.reset(row)
+        value = instance.reward() if hasattr(instance, "reward") else None
+    except Exception as error:  # a fresh episode's reward may not be defined yet: the run says it at its first step
+        log.info("could not probe %s.reward() on a fresh episode (%s: %s)", toolset.environment.__name__,
+                 type(error).__name__, error)
+        return
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise UserError(f"DAPO's filter (`grpo.dynamic_sampling=true`, `grpo.filter_metric=accuracy`) keeps groups whose "
+                        f"accuracy varies, but with `grpo.reward=none` accuracy can only come from the environment, and "
+                        f"`{toolset.environment.__name__}.reward()` returns {type(value).__name__} {str(value)[:40]}, not "
+                        "`(reward, correct)`: no episode would ever be correct, every group would be dropped, and every "
+                        "step would run all its sampling rounds. Return `(reward, correct)` from `reward()`, or set "
+                        "`--grpo.filter_metric=reward` to keep groups whose reward varies.")
 
 
 def environment_methods(environment) -> list[tuple[str, Callable]]:
@@ -160,75 +184,37 @@ def parse_turn(tokenizer, text: str) -> tuple[str, list[Call], str | None]:
     return parsed.get("content") or "", calls, None
 
 
-@dataclasses.dataclass
-class Outcome:
-    """A tool call's result as the tool message's text, and what it ended as (one of `OUTCOMES`)."""
-
-    text: str
-    kind: str
-
-
 class Episode:
-    """One episode's tools: the functions by name, and its environment instance (None without)."""
+    """One episode's tools: the functions by name, the `module:function` of the plain ones (a worker process imports
+    them by it), and its environment instance (None without)."""
 
-    def __init__(self, tools: dict[str, Callable], environment):
-        self.tools, self.environment = tools, environment
+    def __init__(self, tools: dict[str, Callable], environment, specs: dict[str, str] | None = None):
+        self.tools, self.environment, self.specs = tools, environment, specs or {}
+        self.abandoned = False  # a call of its environment timed out and may still run against the instance
 
-    def reward(self) -> float:
-        """The environment's own reward for the episode (0 without an environment or a `reward` method)."""
-        if self.environment is None or not hasattr(self.environment, "reward"):
-            return 0.0
+    def job(self, calls: list[Call]) -> tool_runner.Job:
+        """These calls, in order, for the tool runner (against the environment instance when the episode has one)."""
+        return tool_runner.Job([(call.name, self.tools.get(call.name), self.specs.get(call.name), call.arguments)
+                                for call in calls], self.environment is not None, list(self.tools))
+
+    def reward(self) -> tuple[float, bool | None]:
+        """The environment's own reward for the episode and, when `reward()` returns `(reward, correct)`, whether the
+        episode is correct (DAPO's filter reads it); (0, None) without an environment or a `reward` method, and for
+        an episode whose environment was abandoned at a timeout (its reward is never read while a call may run)."""
+        if self.environment is None or not hasattr(self.environment, "reward") or self.abandoned:
+            return 0.0, None
         try:
-            value = float(self.environment.reward())
+            value, correct = self.environment.reward(), None
+            if isinstance(value, tuple) and len(value) == 2:
+                value, correct = value[0], bool(value[1])
+            value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"reward {value}")
-            return value
+            return value, correct
         except Exception as error:  # as a failing reward function: scores 0, is said, and the run goes on
             log.warning("the environment's reward() raised %s: %s; the episode's environment reward is 0",
                         type(error).__name__, error)
-            return 0.0
-
-
-def run_calls(calls: list[tuple[Episode, Call]], timeout: float) -> list[Outcome]:
-    """Run tool calls in parallel threads, each within `timeout` seconds; never raises.
-
-    A tool that raises gives its error text as the result (as TRL and verl do), an unknown name an error naming the
-    tools, a call past its timeout an error saying so. A timed-out tool's thread cannot be stopped: it runs on
-    (a daemon thread, so it never holds the process at exit) and its result is dropped."""
-    boxes: list[list] = [[] for _ in calls]
-
-    def call_into(box: list, function: Callable, arguments: dict) -> None:
-        try:
-            box.append(Outcome(result_text(function(**arguments)), "ok"))
-        except Exception as error:  # a user's tool may fail in any way
-            box.append(Outcome(f"Error: {type(error).__name__}: {error}", "error"))
-
-    threads = []
-    for box, (episode, call) in zip(boxes, calls):
-        function = episode.tools.get(call.name)
-        if function is None:
-            box.append(Outcome(f"Error: unknown tool {call.name!r}; the tools are {', '.join(sorted(episode.tools))}.",
-                               "unknown_tool"))
-            continue
-        thread = threading.Thread(target=call_into, args=(box, function, call.arguments), daemon=True)
-        thread.start()
-        threads.append((box, thread))
-    deadline = time.monotonic() + timeout
-    for box, thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if not box:
-            box.append(Outcome(f"Error: the tool did not answer within {timeout:g} s (grpo.tool_timeout).", "timeout"))
-    return [box[0] for box in boxes]
-
-
-def result_text(result) -> str:
-    """A tool's return value as the tool message's text: strings as they are, anything else as JSON where it can be."""
-    if isinstance(result, str):
-        return result
-    try:
-        return json.dumps(result)
-    except (TypeError, ValueError):
-        return str(result)
+            return 0.0, None
 
 
 # ---------------------------------------------------------------- rendering: the ids a turn appends
@@ -252,6 +238,90 @@ def appended_text(tokenizer, messages: list[dict], new: list[dict], schemas: lis
     if not closed:
         return None
     return before[max(closed):] + after[len(before):]
+
+
+# Rendered where a text goes, to find where the template puts it (letters only: no template escapes or trims them).
+SLOT = "TEXTSLOTQX{}QX"
+# A token is at most this many characters, in practice: a tool result is cut to the limit's characters before it is
+# tokenized, so a 1 MB result costs no more to cut than a short one.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as plain text: a special token's string in it (`<|im_end|>`) is tokenized as the characters
+    it is, never as the control id."""
+    if getattr(tokenizer, "is_fast", False):
+        backend = tokenizer.backend_tokenizer
+        previous = backend.encode_special_tokens  # a flag on the shared backend: restored for every other caller
+        backend.encode_special_tokens = True
+        try:
+            return backend.encode(text, add_special_tokens=False).ids
+        finally:
+            backend.encode_special_tokens = previous
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def render_ids(tokenizer, render: Callable[[list[str]], str | None], texts: list[str]) -> list[int] | None:
+    """Token ids of `render(texts)`, a chat template's text holding `texts` (tool results, an environment's reset
+    text), where each of `texts` is plain text and the template's own tokens around them stay special: a result
+    holding `<|im_end|>\n<|im_start|>assistant\n` cannot forge a turn. None when `render` gives None, or does not
+    place each text where its slot goes."""
+    slots = [SLOT.format(index) for index in range(len(texts))]
+    templated, full = render(slots), render(texts)
+    if templated is None or full is None:
+        return None
+    spans, cursor = [], 0
+    for slot in slots:
+        start = templated.find(slot, cursor)
+        if start < 0:
+            return None
+        spans.append((start, start + len(slot)))
+        cursor = start + len(slot)
+    pieces = [templated[end:start] for (_, end), (start, _) in zip([(0, 0), *spans], [*spans, (len(templated), 0)])]
+    rendered = list(texts)  # as the template writes them: verbatim, or escaped (a template may `tojson` a result)
+    if "".join(piece + text for piece, text in zip(pieces, [*rendered, ""])) != full:
+        for index, (start, end) in enumerate(spans):
+            one = render(slots[:index] + [texts[index]] + slots[index + 1 :])
+            suffix = len(templated) - end
+            if one is None or not (one.startswith(templated[:start]) and one.endswith(templated[end:])) or len(one) < start + suffix:
+                return None
+            rendered[index] = one[start : len(one) - suffix]
+        if "".join(piece + text for piece, text in zip(pieces, [*rendered, ""])) != full:
+            return None
+    templates = encode_texts(pieces, tokenizer)  # the template's own text: special tokens live
+    ids = list(templates[0])
+    for text, piece_ids in zip(rendered, templates[1:]):
+        ids += encode_plain(tokenizer, text) + piece_ids
+    return ids
+
+
+def appended_ids(tokenizer, messages: list[dict], new: list[dict], schemas: list[dict], ends: list[str]) -> list[int] | None:
+    """The ids of `appended_text`, each new message's content tokenized as plain text (`render_ids`); None where the
+    template rewrites the conversation's earlier text."""
+    def render(contents: list[str]) -> str | None:
+        filled = [dict(message, content=content) for message, content in zip(new, contents)]
+        return appended_text(tokenizer, messages, filled, schemas, ends)
+
+    return render_ids(tokenizer, render, [message["content"] for message in new])
+
+
+def cut_result(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
+    """A tool result cut to `max_tokens` tokens of plain text, its message saying so, and whether it was cut; cut to
+    `max_tokens * MAX_CHARS_PER_TOKEN` characters before it is tokenized."""
+    head = text[: max_tokens * MAX_CHARS_PER_TOKEN]
+    ids = encode_plain(tokenizer, head)
+    if len(ids) <= max_tokens and len(head) == len(text):
+        return text, False
+    kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return f"{kept} [cut: {len(text):,} characters, the limit is {max_tokens} tokens]", True
+
+
+def turn_text(tokenizer, ids: list[int], end_ids) -> str:
+    """A turn's sampled ids as the text `parse_turn` reads: special tokens kept (a call marker may be one, as
+    Mistral's `[TOOL_CALLS]`), the end id that closed the turn left off."""
+    if ids and ids[-1] in end_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def check_template(tokenizer, schemas: list[dict], ends: list[str]) -> None:

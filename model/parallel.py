@@ -2,6 +2,7 @@
 
 import logging
 import os
+import pickle
 import random
 import socket
 from dataclasses import dataclass
@@ -193,24 +194,74 @@ def tensor_parallel_shared(compute, *args):
     """`compute(*args)` run on the first rank of this rank's tensor-parallel group only, its (picklable) result sent
     to the others: user code that may differ between calls (a tool, a reward: a clock, a network call) then gives
     every shard of one model replica the same value. Without tensor parallelism it is just the call. Collective over
-    the tensor-parallel group. A UserError it raises is raised on every rank of the group (the others would otherwise
-    wait for its result)."""
+    the tensor-parallel group.
+
+    Every exception reaches every rank of the group, so no peer waits for a result that never comes: a UserError is
+    raised with its message on every rank; any other exception from `compute`, or a result that cannot be pickled,
+    is logged with its traceback on the computing rank and raised on every rank as one UserError paragraph naming
+    `compute`, the exception's type and message, and where the traceback is."""
     from megatron.core import parallel_state
 
     if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
         return compute(*args)
     source = parallel_state.get_tensor_model_parallel_src_rank()
-    box = [None]
+    box, result, error = [None], None, None
     if dist.get_rank() == source:
-        try:
-            box = [compute(*args)]
-        except UserError as error:
-            box = [error]
+        result, error, pickled = _compute_for_peers(compute, args)
+        box = [pickled]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     dist.broadcast_object_list(box, src=source, group=parallel_state.get_tensor_model_parallel_group(), device=device)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]
+    if error is not None:
+        raise error
+    if dist.get_rank() == source:
+        return result
+    failed, value = pickle.loads(box[0])
+    if failed:
+        raise UserError(value)
+    return value
+
+
+def _compute_for_peers(compute, args) -> tuple[object, UserError | None, bytes]:
+    """On the computing rank: `compute(*args)`, the UserError to raise (None when it succeeded), and the pickled
+    outcome its peers receive, `(False, result)` or `(True, the error's paragraph)`.
+
+    The result is pickled here rather than inside the broadcast, so one that cannot be pickled fails before the
+    collective and its error is what the peers receive."""
+    try:
+        result = compute(*args)
+    except UserError as error:
+        return None, error, pickle.dumps((True, str(error)))
+    except Exception as error:
+        failure = _shared_failure(compute, error, f"{_qualified_name(compute)} raised")
+    else:
+        try:
+            return result, None, pickle.dumps((False, result))
+        except Exception as error:
+            failure = _shared_failure(compute, error, f"Pickling the result of {_qualified_name(compute)} (a "
+                                      f"{type(result).__name__}), to send it to the other ranks, failed",
+                                      " Return plain data from it (no locks, threads, open files or lambdas).")
+    return None, failure, pickle.dumps((True, str(failure)))
+
+
+def _shared_failure(compute, error: Exception, problem: str, fix: str = "") -> UserError:
+    """The paragraph every tensor-parallel rank raises for `error` on the computing rank; logs the traceback there,
+    once. Call it in the `except` block that caught `error`."""
+    rank = dist.get_rank()
+    log.exception("%s failed on global rank %d, which runs it for its tensor-parallel group", _qualified_name(compute),
+                  rank)
+    detail = " ".join(str(error).split()).rstrip(".") or "(no message)"
+    failure = UserError(f"{problem} on global rank {rank}, the rank of its tensor-parallel group that runs it for the "
+                        f"others: {type(error).__name__}: {detail}. Its full traceback is logged on that rank (logger "
+                        f"{log.name!r}); every rank of the group stops with this message rather than wait for the "
+                        f"result.{fix}")
+    failure.__cause__ = error
+    return failure
+
+
+def _qualified_name(function) -> str:
+    """`module.Qualified.name` of a function or bound method; the repr of another callable (a partial)."""
+    qualified = getattr(function, "__qualname__", None)
+    return f"{function.__module__}.{qualified}" if qualified else repr(function)
 
 
 def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:

@@ -37,7 +37,7 @@ def main() -> None:
         policy = build.build_policy(config, Path(path), tokenizer, trainable=False)
         figures = {}
         for name, tools_on in (("with tools", True), ("tools disabled", False)):
-            rollout = rollout_data.Rollout.from_config(config.grpo, tokenizer, toolset, end_ids, tools_on=tools_on)
+            rollout = rollout_data.Rollout.from_config(config, tokenizer, toolset, end_ids, tools_on=tools_on)
             prompts = prompt_data.load_prompts(config.data, tokenizer, config.data.path, "test", config.grpo.max_new_tokens,
                                                tools=rollout.schemas or None)[: args.samples]
             figures[name] = evaluation.held_out_metrics(policy, prompts, reward, runtime, config,

@@ -151,10 +151,49 @@ def test_malformed_tool_messages_are_dropped_and_counted_by_reason():
     assert report.kept_rows == [0, 1] and conversations[0].tools == [CALCULATOR_SCHEMA]
     assert conversations[1][1]["tool_calls"] == [
         {"type": "function", "function": {"name": "calculator", "arguments": {}}}]
-    assert report.dropped_by_reason == {"malformed tool call": 3, "malformed tool message": 2, "malformed messages": 1,
+    assert report.dropped_by_reason == {"tool call without a name": 1, "tool call arguments not JSON": 1,
+                                        "malformed tool call": 1, "malformed tool message": 2, "malformed messages": 1,
                                         "no assistant turn": 1, "malformed tools": 2}
-    assert report.first_drops == [(2, "malformed tool call"), (3, "malformed tool call"), (4, "malformed tool call"),
-                                  (5, "malformed tool message"), (6, "malformed tool message")]
+    assert report.first_drops == [(2, "tool call without a name"), (3, "tool call arguments not JSON"),
+                                  (4, "malformed tool call"), (5, "malformed tool message"),
+                                  (6, "malformed tool message")]
+
+
+def test_broken_tool_calls_and_results_without_a_call_are_skipped_and_named():
+    """The module's rule for a bad row (skip it, count it by reason, name the first ones in the summary the loops log)
+    holds for broken calls too: none of a broken call is trained on."""
+    user, answer = {"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}
+    result = {"role": "tool", "name": "calculator", "content": "7"}
+
+    def calls(*functions: dict) -> dict:
+        """An assistant turn of tool calls in the OpenAI form."""
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"type": "function", "function": function} for function in functions]}
+
+    good = {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}
+    rows = [
+        {"messages": [user, calls(good), result, answer]},  # arguments as JSON text: kept
+        {"messages": [user, calls({"name": "calculator", "arguments": '{"expression": "3 + 4"'}), result, answer]},
+        {"messages": [user, calls({"name": "calculator", "arguments": '["3 + 4"]'}), result, answer]},
+        {"messages": [user, calls({"arguments": '{"expression": "3 + 4"}'}), result, answer]},
+        {"messages": [user, calls(good, {"name": " ", "arguments": {}}), result, result, answer]},
+        {"messages": [user, result, answer]},  # a result before any call
+        {"messages": [user, calls(good), result, result, answer]},  # one call, two results
+        {"messages": [user, answer, result, {"role": "assistant", "content": "Still 7."}]},  # after a plain answer
+    ]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    assert report.kept_rows == [0]
+    assert conversations[0][1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 + 4"}}}]
+    assert report.first_drops == [(1, "tool call arguments not JSON"), (2, "tool call arguments not an object"),
+                                  (3, "tool call without a name"), (4, "tool call without a name"),
+                                  (5, "tool result without a call")]
+    assert report.dropped_by_reason["tool result without a call"] == 3
+    assert report.summary() == (
+        "1 of 8 rows used, 7 dropped (tool call arguments not JSON: 1, tool call arguments not an object: 1, "
+        "tool call without a name: 2, tool result without a call: 3), 0 truncated; first dropped: "
+        "row 1 (tool call arguments not JSON), row 2 (tool call arguments not an object), row 3 (tool call without a "
+        "name), row 4 (tool call without a name), row 5 (tool result without a call)")
 
 
 # --- prompts --------------------------------------------------------------------------------------

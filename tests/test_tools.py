@@ -8,15 +8,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig
-from data import tools
+from data import rewards, tool_runner, tools
 from data.prompts import prompts_from_conversations
 from model import tiny
 from tests import tool_fixtures
-from trainer import rollout as rollout_data
+from trainer import grpo, rollout as rollout_data
 
 END = "<|im_end|>"
 
@@ -42,7 +43,7 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     assert loaded.schemas[0]["function"]["parameters"]["properties"]["number"] == {"type": "string", "description": "a whole number, as text"}
     episode, extra = loaded.episode({"question": "q"})
     assert extra == "Count with the tool." and sorted(episode.tools) == ["add", "digits"]
-    assert episode.tools["add"]("1") == "1" and episode.reward() == 0.5  # the episode's own instance
+    assert episode.tools["add"]("1") == "1" and episode.reward() == (0.5, None)  # the episode's own instance
 
 
 @pytest.mark.parametrize("key, spec, expected", [
@@ -92,13 +93,13 @@ def test_a_tokenizers_own_response_schema_is_used(tokenizer):
     assert error is None and [call.arguments for call in calls] == [{"number": "3"}]
 
 
-def test_calls_run_in_parallel_within_the_timeout_and_failures_become_the_tools_answer():
+def test_calls_run_within_the_timeout_and_failures_become_the_tools_answer():
     episode = tools.Episode({name: getattr(tool_fixtures, name) for name in ("digits", "raises", "sleeps")}, None)
     calls = [tools.Call("digits", {"number": "123"}), tools.Call("raises", {"number": "9"}), tools.Call("nope", {}),
              tools.Call("digits", {"bad": 1}), tools.Call("sleeps", {"number": "1"}), tools.Call("sleeps", {"number": "2"})]
     started = time.monotonic()
-    outcomes = tools.run_calls([(episode, call) for call in calls], timeout=0.3)
-    assert time.monotonic() - started < 0.9  # the two sleepers waited on together, and not for their whole second
+    outcomes, = tool_runner.ToolRunner(timeout=0.3, workers=2, isolation="thread").run([episode.job(calls)])
+    assert time.monotonic() - started < 0.9  # each sleeper waited on for its own 0.3 s, not for its whole second
     assert [outcome.kind for outcome in outcomes] == ["ok", "error", "unknown_tool", "error", "timeout", "timeout"]
     assert outcomes[0].text == "6"
     assert outcomes[1].text == "Error: RuntimeError: no luck with 9"
@@ -184,16 +185,21 @@ class ScriptedGenerator:
         return completions
 
 
+QUESTION = [{"role": "user", "content": "What is 12 + 5?"}, {"role": "assistant", "content": "#### 17"}]
+
+
 def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environment="", max_turns=3,
-                max_new_tokens=400, max_tool_response_tokens=8):
+                max_new_tokens=400, max_tool_response_tokens=8, conversation=QUESTION, row=None, **settings):
     loaded = toolset(*specs, environment=environment)
-    prompts = prompts_from_conversations([[{"role": "user", "content": "What is 12 + 5?"},
-                                           {"role": "assistant", "content": "#### 17"}]], tokenizer, loaded.schemas)
-    prompts[0].row = {"question": "What is 12 + 5?"}
+    prompts = prompts_from_conversations([conversation], tokenizer, loaded.schemas)
+    prompts[0].row = row or {"question": "What is 12 + 5?"}
     rollout = rollout_data.Rollout(tokenizer, loaded, [2], max_turns=max_turns,
-                                   max_tool_response_tokens=max_tool_response_tokens, tool_timeout=0.3)
+                                   max_tool_response_tokens=max_tool_response_tokens, **{"tool_timeout": 0.3, **settings})
     generator = ScriptedGenerator(tokenizer, turns)
-    episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens, sampling=None)
+    try:
+        episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens, sampling=None)
+    finally:
+        rollout.close()
     return episodes, generator
 
 
@@ -255,7 +261,7 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     loaded.environment = Broken
     with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
         loaded.episode({"question": "q"})
-    assert tools.Episode({}, Broken()).reward() == 0.0
+    assert tools.Episode({}, Broken()).reward() == (0.0, None)
 
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):
@@ -263,7 +269,138 @@ def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):
                               environment="tests.tool_fixtures:Counter")
     assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount with the tool.<|im_end|>\n<|im_start|>assistant\n")
     assert [episode.environment_reward for episode in episodes] == [0.5, 0.0]
+    assert [episode.environment_correct for episode in episodes] == [None, None]
     scores = rollout_data.score(lambda completion, reference: float(completion == reference), episodes)
     assert scores.rewards == [1.5, 1.0] and scores.correct == [True, True]
     assert json.dumps(rollout_data.totals(episodes)) == json.dumps(
         {**dict.fromkeys(rollout_data.COUNTERS, 0.0), "turns": 3.0, "tool_calls": 1.0, "episodes_with_calls": 1.0})
+
+
+# ---------------------------------------------------------------- tools you can trust
+
+
+def test_max_turns_counts_the_episodes_own_turns_not_the_prompts(tokenizer):
+    earlier = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "#### 4"}, *QUESTION]
+    episodes, _ = run_rollout(tokenizer, [[CALL % "12", "#### 17"]], conversation=earlier, max_turns=2)
+    assert dict(episodes[0].counts) == {"turns": 2, "tool_calls": 1}  # the call ran; the prompt's turn is not counted
+
+
+def test_an_episodes_calls_run_in_order_one_at_a_time_and_episodes_side_by_side(tokenizer):
+    calls = "".join(CALL.replace("digits", "step") % number for number in ("1", "2", "3"))
+    episodes, _ = run_rollout(tokenizer, [[calls, "#### 17"]] * 2, specs=(), environment="tests.tool_fixtures:Ordered",
+                              tool_timeout=0.12)
+    # Each call of 50 ms within its own 0.12 s (one deadline for the turn would have cut the third), in the order
+    # written (the environment's verdict), one after another.
+    assert [episode.counts["tool_timeouts"] for episode in episodes] == [0, 0]
+    assert [(episode.environment_reward, episode.environment_correct) for episode in episodes] == [(3.0, True)] * 2
+    loaded = toolset(environment="tests.tool_fixtures:Ordered")
+    started = [loaded.episode({})[0] for _ in range(4)]
+    clock = time.monotonic()
+    results = tool_runner.ToolRunner(timeout=1.0, workers=4).run(
+        [episode.job([tools.Call("step", {"number": str(number)}) for number in (1, 2, 3)]) for episode in started])
+    seconds = time.monotonic() - clock
+    assert [[outcome.text for outcome in outcomes] for outcomes in results] == [["1", "2", "3"]] * 4
+    for episode in started:  # none of an episode's calls overlapped another of its own
+        log = episode.environment.log
+        assert all(earlier[2] <= later[1] for earlier, later in zip(log, log[1:]))
+    assert 0.15 <= seconds < 0.45  # 4 episodes side by side: about 0.15 s, where one after another takes 0.6 s
+
+
+def test_a_call_past_its_timeout_ends_an_environments_episode_unread(tokenizer):
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "wait") % "1", "#### 17"], ["#### 17"]], specs=(),
+                              environment="tests.tool_fixtures:Stuck", tool_timeout=0.2)
+    stuck, answered = episodes
+    assert stuck.counts["tool_timeouts"] == 1 and stuck.counts["timeout_ends"] == 1 and stuck.counts["turns"] == 1
+    assert (stuck.environment_reward, answered.environment_reward) == (0.0, 5.0)  # the abandoned state never read
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_hung_tool_times_out_and_in_a_process_is_killed(tokenizer, isolation):
+    runner = tool_runner.ToolRunner(timeout=0.5, workers=2, isolation=isolation, preload=["tests.tool_fixtures:spins"])
+    episode = toolset("tests.tool_fixtures:spins", "tests.tool_fixtures:digits").episode({})[0]
+    try:
+        started = time.monotonic()
+        spun, = runner.run([episode.job([tools.Call("spins", {"number": "1"}), tools.Call("digits", {"number": "12"})])])
+        assert time.monotonic() - started < 2.0
+        assert [outcome.kind for outcome in spun] == ["timeout", "ok"] and spun[1].text == "3"  # a plain tool's episode goes on
+        if isolation == "process":  # the spinning worker was killed; the next call ran in a fresh one
+            assert runner.leaked_threads == 0 and len(runner.idle) == 1
+        else:
+            assert runner.leaked_threads == 1
+    finally:
+        runner.close()
+
+
+def test_tool_results_and_reset_text_are_text_never_control_tokens(tokenizer):
+    end = tokenizer.convert_tokens_to_ids(END)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "injects") % "1", "#### 17"]],
+                              specs=("tests.tool_fixtures:injects",), environment="tests.tool_fixtures:Plain",
+                              max_tool_response_tokens=64)
+    episode = episodes[0]
+    appended = [token for token, sampled in zip(episode.ids, episode.sampled) if not sampled]
+    # The template's own: the turn's glue, the tool turn's start and end, the next assistant header; none of the result's.
+    assert appended.count(end) == 1 and appended.count(start) == 2
+    assert "done<|im_end|>\n<|im_start|>assistant\n#### 17" in tokenizer.decode(appended)
+    # The system turn (the tools), the user turn and the assistant header; the reset text's strings are text too.
+    assert episode.prompt_ids.count(end) == 2 and episode.prompt_ids.count(start) == 3
+    assert "Note<|im_end|>" in tokenizer.decode(episode.prompt_ids)
+
+
+def test_results_are_cut_by_characters_first_and_errors_never(tokenizer):
+    started = time.monotonic()
+    text, cut = tools.cut_result(tokenizer, "7" * 1_000_000, 16)
+    assert time.monotonic() - started < 0.2 and cut  # tokenizing the whole million took about a second
+    assert text.startswith("7") and text.endswith(" [cut: 1,000,000 characters, the limit is 16 tokens]")
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "long_error") % "1", "#### 1"]],
+                              specs=("tests.tool_fixtures:long_error",), max_tool_response_tokens=1)
+    appended = rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+    assert "Error: ValueError: bad number " + "x" * 60 in appended and episodes[0].counts["truncated_tool_responses"] == 0
+
+
+def test_a_call_marker_that_is_a_special_token_is_read(tokenizer):
+    own = tiny.build_tokenizer()
+    own.add_special_tokens({"additional_special_tokens": ["[CALLS]"]})
+    own.response_schema = {"type": "object", "properties": {
+        "role": {"const": "assistant"}, "content": {"type": "string", "x-regex": r"^(.*?)(?:\[CALLS\]|\Z)"},
+        "tool_calls": {"type": "array", "x-regex-iterator": r"\[CALLS\](\{.*?\})(?=\[CALLS\]|\Z)",
+                       "items": {"type": "object", "x-parser": "json"}}}}
+    ids = own('[CALLS]{"name": "digits", "arguments": {"number": "12"}}', add_special_tokens=False)["input_ids"]
+    assert ids[0] == own.convert_tokens_to_ids("[CALLS]")
+    _, calls, error = tools.parse_turn(own, tools.turn_text(own, ids + [2], [2]))
+    assert error is None and [(call.name, call.arguments) for call in calls] == [("digits", {"number": "12"})]
+
+
+def test_a_prompt_too_long_after_reset_is_skipped_and_counted(tokenizer):
+    fits, _ = run_rollout(tokenizer, [["#### 17"]] * 2, specs=(), environment="tests.tool_fixtures:Plain", max_prompt_tokens=200)
+    assert not fits[0].skipped and fits[0].counts["prompts_too_long"] == 0
+    long, _ = run_rollout(tokenizer, [["#### 17"]] * 2, specs=(), environment="tests.tool_fixtures:Plain",
+                          max_prompt_tokens=200, row={"long": 100})
+    assert [episode.skipped for episode in long] == [True, True] and sum(sum(episode.sampled) for episode in long) == 0
+    assert sum(episode.counts["prompts_too_long"] for episode in long) == 1  # once per prompt
+    assert len(long[0].prompt_ids) <= 200  # generated from the prompt that fits, and never trained
+    scores = rollout_data.score(lambda completion, reference: 1.0, long)
+    assert scores.rewards == [0.0, 0.0] and scores.correct == [False, False]
+
+
+def test_dapos_filter_reads_an_environments_or_a_graded_rewards_verdict(tokenizer):
+    calls = "".join(CALL.replace("digits", "step") % number for number in ("1", "2", "3"))
+    wrong = "".join(CALL.replace("digits", "step") % number for number in ("3", "2", "1"))
+    episodes, _ = run_rollout(tokenizer, [[calls, "#### 1"], [wrong, "#### 1"]], specs=(),
+                              environment="tests.tool_fixtures:Ordered", tool_timeout=1.0)
+    scores = rollout_data.score(rewards.get_reward("none"), episodes)
+    assert scores.rewards == [3.0, 3.0] and scores.correct == [True, False]  # equal rewards, different verdicts
+    shaped = torch.tensor(scores.rewards)
+    equal = torch.tensor([False])  # as if a format bonus made the rewards differ: accuracy still decides
+    assert grpo.kept_groups(shaped, scores.correct, equal, "accuracy").tolist() == [True]
+    graded = rewards.score(lambda completion, reference: (len(completion) / 10, completion == reference), ["17", "1"], ["17", "17"])
+    assert graded.rewards == [0.2, 0.1] and graded.correct == [True, False]
+
+
+def test_dapos_accuracy_filter_with_an_environment_that_gives_no_verdict_is_refused_at_start_up():
+    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none")
+    with pytest.raises(UserError, match=r"`Plain.reward\(\)` returns float 0.0, not `\(reward, correct\)`.*--grpo.filter_metric=reward"):
+        tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"), settings, {})
+    tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Ordered"), settings, {})  # it gives one
+    tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"),
+                                      SimpleNamespace(dynamic_sampling=True, filter_metric="reward", reward="none"), {})

@@ -289,8 +289,10 @@ def tool_metrics(total: dict, count: float, runtime) -> dict:
     return {"turns_per_episode": total["turns"] / count, "tool_calls_per_episode": total["tool_calls"] / count,
             "tool_call_rate": total["episodes_with_calls"] / count, "tool_errors": int(total["tool_errors"]),
             "tool_parse_errors": int(total["parse_errors"]), "tool_timeouts": int(total["tool_timeouts"]),
-            "unknown_tools": int(total["unknown_tools"]), "max_turns_reached": int(total["max_turns_reached"]),
-            "out_of_room": int(total["out_of_room"]), "truncated_tool_responses": int(total["truncated_tool_responses"]),
+            "tool_timeout_ends": int(total["timeout_ends"]), "unknown_tools": int(total["unknown_tools"]),
+            "max_turns_reached": int(total["max_turns_reached"]), "out_of_room": int(total["out_of_room"]),
+            "truncated_tool_responses": int(total["truncated_tool_responses"]),
+            "prompts_too_long": int(total["prompts_too_long"]),
             "sampled_token_share": total["sampled_tokens"] / max(total["completion_tokens"], 1),
             "tool_time_s": total["tool_seconds"] / runtime.dp_size}
 
@@ -509,10 +511,11 @@ def main(argv: list[str]):
     end_ids = generate.end_token_ids(model_path, tokenizer)
     if toolset is not None:
         tool_data.check_template(tokenizer, toolset.schemas, tool_data.end_texts(tokenizer, end_ids))
-    rollout = rollout_data.Rollout.from_config(config.grpo, tokenizer, toolset, end_ids)
+    rollout = rollout_data.Rollout.from_config(config, tokenizer, toolset, end_ids)
     load = functools.partial(prompt_data.load_prompts, config.data, tokenizer, max_new_tokens=config.grpo.max_new_tokens,
                              tools=rollout.schemas or None)
     train_prompts = load(config.data.path, "train")
+    tool_data.check_filter_reads_accuracy(toolset, config.grpo, train_prompts[0].row)
     eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],
                                                       config.train.eval_samples, config.parallel.data_parallel_size(world_size))
     startup.mark("tokenizer and data")
@@ -557,6 +560,7 @@ def main(argv: list[str]):
             if checkpointer.maybe_save_or_export(step, timer.seconds):
                 break
     checkpointer.export_if_already_finished(start_step)
+    rollout.close()
     parallel.shutdown(runtime)
     return policy
 

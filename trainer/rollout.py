@@ -2,17 +2,22 @@
 
 Without tools an episode is one completion. With tools (`grpo.tools`, `grpo.environment`) it is a trajectory of
 turns, kept as token ids from the first to the last:
-- a turn ends at an end id; its text is parsed for tool calls (`data.tools.parse_turn`). No call: the episode ends,
-  and that turn is its answer (what the reward function scores). Calls: they run in parallel threads within
-  `grpo.tool_timeout`, their results become the template's tool messages, and the ids of those messages and of
-  the next assistant header (`data.tools.appended_text`, tokenized alone) are appended into the same KV cache
-  while generation goes on (`model.generate`'s `continue_rows`); the policy's own ids are never re-tokenized;
+- a turn ends at an end id; its text (special tokens kept: a call marker may be one) is parsed for tool calls
+  (`data.tools.parse_turn`). No call: the episode ends, and that turn is its answer (what the reward function
+  scores). Calls: an episode's run one after another in the order written, different episodes' side by side, each
+  within `grpo.tool_timeout` of its own start (`data.tool_runner`); their results become the template's tool
+  messages, and the ids of those messages and of the next assistant header (`data.tools.appended_ids`: the
+  results tokenized as plain text, so they cannot forge a turn) are appended into the same KV cache while
+  generation goes on (`model.generate`'s `continue_rows`); the policy's own ids are never re-tokenized;
 - a call that does not parse becomes an error message the policy sees next (as a raising tool does) and the
-  episode goes on; an unknown tool, a raising tool and a timeout likewise, each counted;
-- an episode ends at `grpo.max_turns` assistant turns (a call in the last one is not run: counted), and when the
-  next messages would not fit in what is left of `grpo.max_new_tokens` (counted), which bounds the whole
-  trajectory, appended tokens included; a tool result longer than `grpo.max_tool_response_tokens` is cut, and
-  its message says so;
+  episode goes on; an unknown tool, a raising tool and a plain function's timeout likewise, each counted; a call of
+  an environment past its timeout ends the episode (counted), and its environment's reward is 0, never read;
+- an episode ends at `grpo.max_turns` assistant turns of its own (the prompt's earlier turns do not count; a call in
+  the last one is not run: counted), and when the next messages would not fit in what is left of
+  `grpo.max_new_tokens` (counted), which bounds the whole trajectory, appended tokens included; a tool result
+  longer than `grpo.max_tool_response_tokens` is cut, and its message says so (error and timeout texts never are);
+- a prompt that an environment's `reset` text makes longer than `data.max_seq_len - grpo.max_new_tokens` is skipped
+  and counted (`prompts_too_long`): its group's episodes score 0 and train no token;
 - only sampled tokens are trained (`Episode.sampled`): appended ones get loss mask 0, so no log-prob, KL or entropy
   term, and every token-counting normaliser of the loss counts sampled tokens only.
 
@@ -26,8 +31,7 @@ import dataclasses
 import logging
 import time
 
-from data import prompts as prompt_data, rewards, tools as tool_data
-from data.sft import encode_texts
+from data import prompts as prompt_data, rewards, tool_runner, tools as tool_data
 from model import generate, parallel
 
 log = logging.getLogger(__name__)
@@ -35,8 +39,8 @@ log = logging.getLogger(__name__)
 FAILURES = {"error": "tool_errors", "timeout": "tool_timeouts", "unknown_tool": "unknown_tools"}
 
 # Per-episode counters of tool use, summed over a step's episodes for metrics.jsonl.
-COUNTERS = ("turns", "tool_calls", "tool_errors", "parse_errors", "tool_timeouts", "unknown_tools",
-            "max_turns_reached", "out_of_room", "truncated_tool_responses")
+COUNTERS = ("turns", "tool_calls", "tool_errors", "parse_errors", "tool_timeouts", "timeout_ends", "unknown_tools",
+            "max_turns_reached", "out_of_room", "truncated_tool_responses", "prompts_too_long")
 
 
 @dataclasses.dataclass
@@ -51,6 +55,8 @@ class Episode:
     answer: str
     counts: collections.Counter
     environment_reward: float = 0.0
+    environment_correct: bool | None = None  # the environment's own verdict, when its reward() returns (reward, correct)
+    skipped: bool = False  # its prompt no longer fit after the environment's reset text: scores 0, trains nothing
 
 
 @dataclasses.dataclass
@@ -61,23 +67,36 @@ class _Trajectory:
     tools: object  # data.tools.Episode
     consumed: int = 0  # ids of the completion already turned into messages
     ended: bool = False  # ended by continue_rows (its last turn is counted there)
+    turns: int = 0  # assistant turns the episode has produced (the prompt's own are not counted)
+    skipped: bool = False  # its prompt no longer fits after the reset text
 
 
 class Rollout:
     """Samples episodes from prompts: single-turn without a toolset, multi-turn with one. Built once per run."""
 
     def __init__(self, tokenizer, toolset, end_ids, *, max_turns: int = 1, max_tool_response_tokens: int = 0,
-                 tool_timeout: float = 0.0):
+                 tool_timeout: float = 0.0, tool_workers: int = 0, tool_isolation: str = "process",
+                 max_prompt_tokens: int | None = None):
         self.tokenizer, self.toolset, self.end_ids = tokenizer, toolset, tuple(end_ids)
-        self.max_turns, self.max_tool_response_tokens, self.tool_timeout = max_turns, max_tool_response_tokens, tool_timeout
+        self.max_turns, self.max_tool_response_tokens = max_turns, max_tool_response_tokens
+        self.max_prompt_tokens = max_prompt_tokens  # data.max_seq_len - grpo.max_new_tokens (None: unchecked)
+        self.runner = tool_runner.ToolRunner(tool_timeout, tool_workers, tool_isolation,
+                                             preload=list(toolset.specs.values()) if toolset is not None else [])
         self.ends = tool_data.end_texts(tokenizer, self.end_ids)
         self.schemas = toolset.schemas if toolset is not None else []
 
     @classmethod
-    def from_config(cls, grpo, tokenizer, toolset, end_ids, tools_on: bool = True) -> "Rollout":
+    def from_config(cls, config, tokenizer, toolset, end_ids, tools_on: bool = True) -> "Rollout":
         """The run's rollout (`tools_on=False`: the same model and prompts with no tools, for comparison)."""
+        grpo = config.grpo
         return cls(tokenizer, toolset if tools_on else None, end_ids, max_turns=grpo.max_turns,
-                   max_tool_response_tokens=grpo.max_tool_response_tokens, tool_timeout=grpo.tool_timeout)
+                   max_tool_response_tokens=grpo.max_tool_response_tokens, tool_timeout=grpo.tool_timeout,
+                   tool_workers=grpo.tool_workers, tool_isolation=grpo.tool_isolation,
+                   max_prompt_tokens=config.data.max_seq_len - grpo.max_new_tokens)
+
+    def close(self) -> None:
+        """Stop the tool worker processes."""
+        self.runner.close()
 
     # ---- sampling
 
@@ -92,8 +111,10 @@ class Rollout:
             rows = [prompt for prompt in prompts for _ in range(samples)]
             return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}))
                     for prompt, ids, text in zip(rows, completions, texts)], 0.0
-        prompt_ids = parallel.tensor_parallel_shared(self._start, prompts, samples)
+        prompt_ids, skipped_prompts = parallel.tensor_parallel_shared(self._start, prompts, samples)
         self.counts = [collections.Counter() for _ in range(len(prompts) * samples)]
+        for index in skipped_prompts:
+            self.counts[index * samples]["prompts_too_long"] += 1  # once per prompt, on its group's first episode
         self.spans = [[] for _ in range(len(prompts) * samples)]  # (start, length) of each appended run of ids
         self.tool_seconds = 0.0
         completions = generator.generate(prompt_ids, samples=samples, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -105,29 +126,38 @@ class Rollout:
             sampled = [1] * len(ids)
             for start, length in self.spans[row]:
                 sampled[start : start + length] = [0] * length
-            answer, environment_reward, last_turn = finals[row]
+            answer, (environment_reward, correct), last_turn, skipped = finals[row]
             self.counts[row]["turns"] += last_turn
+            if skipped:  # nothing of it is trained, and it scores 0 (`score`)
+                sampled = [0] * len(ids)
             episodes.append(Episode(prompts[prompt_index], prompt_ids[prompt_index], ids, sampled, answer,
-                                    self.counts[row], environment_reward))
+                                    self.counts[row], environment_reward, correct, skipped))
         return episodes, self.tool_seconds
 
-    def _start(self, prompts: list, samples: int) -> list[list[int]]:
+    def _start(self, prompts: list, samples: int) -> tuple[list[list[int]], list[int]]:
         """Each episode's tools (an environment instance each) and each prompt's ids, reshaped by `reset` when the
-        environment returns text (the group's first episode's text: a group shares its prompt)."""
-        self.trajectories, prompt_ids = [], []
-        for prompt in prompts:
+        environment returns text (the group's first episode's text: a group shares its prompt), tokenized as plain
+        text; a prompt it makes too long keeps its ids, and its group is skipped: the ids, and the skipped prompts."""
+        self.trajectories, prompt_ids, skipped_prompts = [], [], []
+        for number, prompt in enumerate(prompts):
             started = [self.toolset.episode(prompt.row) for _ in range(samples)]
             messages = [dict(message) for message in prompt.messages]
-            extra = started[0][1]
+            extra, ids, skipped = started[0][1], prompt.ids, False
             if extra:
-                messages[-1]["content"] = f"{messages[-1]['content']}\n\n{extra}"
-                text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                          add_generation_prompt=True)
-                prompt_ids.append(encode_texts([text], self.tokenizer)[0])
-            else:
-                prompt_ids.append(prompt.ids)
-            self.trajectories += [_Trajectory(list(messages), episode) for episode, _ in started]
-        return prompt_ids
+                def render(texts: list[str], messages=messages) -> str:
+                    last = dict(messages[-1], content=f"{messages[-1]['content']}\n\n{texts[0]}")
+                    return self.tokenizer.apply_chat_template(messages[:-1] + [last], tools=self.schemas, tokenize=False,
+                                                              add_generation_prompt=True)
+                reshaped = tool_data.render_ids(self.tokenizer, render, [extra])
+                if reshaped is None or (self.max_prompt_tokens is not None and len(reshaped) > self.max_prompt_tokens):
+                    skipped = True
+                    skipped_prompts.append(number)
+                else:
+                    ids = reshaped
+                    messages[-1]["content"] = f"{messages[-1]['content']}\n\n{extra}"
+            prompt_ids.append(ids)
+            self.trajectories += [_Trajectory(list(messages), episode, skipped=skipped) for episode, _ in started]
+        return prompt_ids, skipped_prompts
 
     def _continue_rows(self, requests: list[tuple[int, list[int], int]]) -> list[list[int] | None]:
         """`Generator.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""
@@ -142,19 +172,21 @@ class Rollout:
         return appended
 
     def _advance(self, requests: list[tuple[int, list[int], int]]) -> list[tuple]:
-        """Parse each ended turn, run every call of them together, and render what each episode appends (on the
+        """Parse each ended turn, run the calls (`data.tool_runner`), and render what each episode appends (on the
         rank that runs the tools): per request (ids or None, where they start, counters), and the seconds in tools."""
         work = []  # (request index, trajectory, assistant message, calls, parse error)
         records = [(None, 0, collections.Counter({"turns": 1})) for _ in requests]
         for index, (row, completion, _) in enumerate(requests):
             trajectory = self.trajectories[row]
-            text = self.tokenizer.decode(completion[trajectory.consumed :], skip_special_tokens=True)
-            content, calls, error = tool_data.parse_turn(self.tokenizer, text)
+            trajectory.turns += 1
             trajectory.ended = True  # unless continued below
+            if trajectory.skipped:
+                continue
+            text = tool_data.turn_text(self.tokenizer, completion[trajectory.consumed :], self.end_ids)
+            content, calls, error = tool_data.parse_turn(self.tokenizer, text)
             if not calls and error is None:
                 continue  # an answer: the episode ends
-            turns = sum(message["role"] == "assistant" for message in trajectory.messages) + 1
-            if turns >= self.max_turns:
+            if trajectory.turns >= self.max_turns:
                 records[index][2]["max_turns_reached"] += 1
                 continue
             assistant = {"role": "assistant", "content": content if error is None else text,
@@ -162,10 +194,12 @@ class Rollout:
                                         for call in calls]}
             work.append((index, trajectory, assistant, calls, error))
         started = time.perf_counter()
-        outcomes = iter(tool_data.run_calls([(trajectory.tools, call) for _, trajectory, _, calls, _ in work for call in calls],
-                                            self.tool_timeout))
+        called = [item for item in work if item[4] is None]
+        outcomes = dict(zip((id(item) for item in called),
+                            self.runner.run([trajectory.tools.job(calls) for _, trajectory, _, calls, _ in called])))
         seconds = time.perf_counter() - started
-        for index, trajectory, assistant, calls, error in work:
+        for item in work:
+            index, trajectory, assistant, calls, error = item
             row, completion, left = requests[index]
             counts = records[index][2]
             if error is not None:
@@ -174,16 +208,19 @@ class Rollout:
             else:
                 counts["tool_calls"] += len(calls)
                 new = []
-                for call in calls:
-                    result = next(outcomes)
+                for call, result in zip(calls, outcomes[id(item)]):
                     if result.kind in FAILURES:
                         counts[FAILURES[result.kind]] += 1
-                    new.append({"role": "tool", "name": call.name, "content": self._cut(result.text, counts)})
-            text = tool_data.appended_text(self.tokenizer, trajectory.messages + [assistant], new, self.schemas, self.ends)
-            if text is None:
+                    new.append({"role": "tool", "name": call.name, "content": self._cut(result, counts)})
+                if trajectory.tools.environment is not None and any(result.kind == "timeout" for result in outcomes[id(item)]):
+                    # Its environment may still be running the call: the episode ends, and its state is never read.
+                    trajectory.tools.abandoned = True
+                    counts["timeout_ends"] += 1
+                    continue
+            ids = tool_data.appended_ids(self.tokenizer, trajectory.messages + [assistant], new, self.schemas, self.ends)
+            if ids is None:
                 log.warning("the chat template rewrote an episode's earlier turns; the episode ends there")
                 continue
-            ids = encode_texts([text], self.tokenizer)[0]
             if len(ids) >= left:
                 counts["out_of_room"] += 1
                 continue
@@ -192,29 +229,34 @@ class Rollout:
             records[index] = (ids, len(completion), counts)
         return records, seconds
 
-    def _cut(self, text: str, counts: collections.Counter) -> str:
-        """A tool result cut to `grpo.max_tool_response_tokens`, saying so."""
-        ids = encode_texts([text], self.tokenizer)[0]
-        if len(ids) <= self.max_tool_response_tokens:
-            return text
-        counts["truncated_tool_responses"] += 1
-        return (self.tokenizer.decode(ids[: self.max_tool_response_tokens])
-                + f" [cut: {len(ids)} tokens, the limit is {self.max_tool_response_tokens}]")
+    def _cut(self, result: tool_runner.Outcome, counts: collections.Counter) -> str:
+        """A tool result cut to `grpo.max_tool_response_tokens`, saying so; error and timeout texts are never cut."""
+        if result.kind != "ok":
+            return result.text
+        text, cut = tool_data.cut_result(self.tokenizer, result.text, self.max_tool_response_tokens)
+        if cut:
+            counts["truncated_tool_responses"] += 1
+        return text
 
-    def _finish(self, completions: list[list[int]]) -> list[tuple[str, float, int]]:
-        """Per episode: its answer (the last turn's text), the environment's reward, and whether its last turn still
-        needs counting (cut at the budget rather than ended by an end id)."""
+    def _finish(self, completions: list[list[int]]) -> list[tuple]:
+        """Per episode: its answer (the last turn's text), the environment's (reward, correct), whether its last turn
+        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped."""
         return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), trajectory.tools.reward(),
-                 int(not trajectory.ended)) for trajectory, ids in zip(self.trajectories, completions)]
+                 int(not trajectory.ended), trajectory.skipped) for trajectory, ids in zip(self.trajectories, completions)]
 
 
 def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards.Scores:
-    """The reward function's scores of each episode's answer, plus its environment's reward (added); computed on the
-    first tensor-parallel rank and shared, so a reward that varies between calls cannot split the peers."""
+    """The reward function's scores of each episode's answer, plus its environment's reward (added); an episode is
+    correct by the environment's verdict where its reward() gives one, else by the reward function's full marks; a
+    skipped episode scores 0. Computed on the first tensor-parallel rank and shared, so a reward that varies between
+    calls cannot split the peers."""
     def compute():
         scores = rewards.score(reward, [episode.answer for episode in episodes],
                                [episode.prompt.reference for episode in episodes], format_bonus)
-        scores.rewards = [value + episode.environment_reward for value, episode in zip(scores.rewards, episodes)]
+        scores.rewards = [0.0 if episode.skipped else value + episode.environment_reward
+                          for value, episode in zip(scores.rewards, episodes)]
+        scores.correct = [not episode.skipped and (correct if episode.environment_correct is None else episode.environment_correct)
+                          for correct, episode in zip(scores.correct, episodes)]
         return scores
     return parallel.tensor_parallel_shared(compute)
 

@@ -1,8 +1,9 @@
-"""The bundled tool task: seeded, offline word problems too large for the tiny model's head (3-digit x 2-digit
-products, 4-digit sums), and the `calculator` tool that solves them.
+"""The bundled tool task: seeded, offline word problems too large for the tiny model's head (products of two 2-digit
+numbers, 3-4 digit results), and the `calculator` tool that solves them.
 
 The stories, names and objects are data/arithmetic.py's; only the operands grow. SFT rows carry the conversation
-(`messages`) and the tool's schema (`tools`); a seeded share of the training conversations call the tool.
+(`messages`) and the tool's schema (`tools`); a seeded quarter of the training conversations (`SFT_TOOL_SHARE`) call
+the tool.
 """
 
 import ast

@@ -324,17 +324,19 @@ class Policy:
     def generator(self):
         """The policy's generation object: end ids from the tokenizer and `generation_config.json`; under Megatron-FSDP,
         whose every forward gathers parameters, the data-parallel group inside (so every rank runs the same forwards).
-        DDP's forwards communicate nothing, so there each rank generates on its own, with no agreement per step."""
+        DDP's forwards communicate nothing, so there each rank generates on its own, with no agreement per step, but
+        for multi-turn rollouts (see `Generator`)."""
         from megatron.core import parallel_state
 
         from model.generate import Generator, end_token_ids
 
         gathers_per_forward = any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)
                                   for chunk in self.chunks)
-        group = (parallel_state.get_data_parallel_group()
-                 if gathers_per_forward and parallel_state.get_data_parallel_world_size() > 1 else None)
+        data_parallel = (parallel_state.get_data_parallel_group()
+                         if parallel_state.get_data_parallel_world_size() > 1 else None)
         return Generator(self.chunks, self.vocab_size,
-                         end_token_ids(self.bridge.hf_pretrained.model_name_or_path, self.tokenizer), group)
+                         end_token_ids(self.bridge.hf_pretrained.model_name_or_path, self.tokenizer),
+                         data_parallel if gathers_per_forward else None, data_parallel)
 
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""

@@ -139,10 +139,16 @@ class Generator:
     own prompts). Each call then runs the same number of forwards on every rank, which sharding that gathers
     parameters in every forward (Megatron-FSDP) needs: the ranks stop together (and agree on the prompt width
     where prompts are not padded).
+
+    Multi-turn generation (`continue_rows`) agrees over the data-parallel group under any sharding: the columns a
+    rank was given (tool messages) go into one forward only as far as every rank was given columns, so a run's
+    windows, and with them the float rounding of every forward and the tokens sampled, are the same under DDP and
+    Megatron-FSDP.
     """
 
-    def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None):
+    def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None, data_parallel_group=None):
         self.chunks, self.vocab_size, self.end_ids, self.group = chunks, vocab_size, tuple(end_ids), group
+        self.data_parallel_group = data_parallel_group
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, samples: int = 1,
                  sampling: Sampling = Sampling(), continue_rows=None) -> list[list[int]]:
@@ -150,7 +156,8 @@ class Generator:
         consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's."""
         return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
                         vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, group=self.group,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                        group=self.group if continue_rows is None else self.data_parallel_group,
                         continue_rows=continue_rows)
 
     def truncated(self, completion: list[int], max_new_tokens: int) -> bool:

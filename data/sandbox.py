@@ -1,0 +1,335 @@
+"""The bundled tool `data.sandbox:python`: it runs a model-written Python program, as in ToRL and ReTool.
+
+What it isolates: each call runs in a fresh process (`python -I`) in a fresh temporary directory (its cwd, deleted
+afterwards) with a minimal environment, under CPU-time, address-space, process-count (threads count), file-size and
+open-file limits, with no new privileges; it is killed at the wall timeout, what it prints is cut, and every process
+it started is killed and reaped when it ends. A root-run trainer runs it as the user nobody, so that the process limit
+counts. Where the OS allows them it also gets a network namespace of its own (no network at all) and a Landlock rule
+that lets it write, make and remove files only beneath its directory (so multiprocessing's semaphores in /dev/shm are
+refused); `run(...).isolation` lists what a call got, and `scripts/bench_sandbox.py` prints it for a machine. What it
+does not isolate: reading files (it reads what any user may, or the trainer's user; where the interpreter is readable
+to root only, as under /root, nobody keeps the capability to read everything), system calls (no seccomp), the kernel,
+and in a non-root run a program that kills its own supervisor. It keeps a well-meaning model's mistakes (endless
+loops, memory and fork bombs, huge prints, stray writes) from harming the trainer; it is NOT a security boundary
+against hostile code, which needs a container or a VM (gVisor, Firecracker).
+"""
+
+import dataclasses
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+TIMEOUT_SECONDS = 5.0
+CPU_SECONDS = 5
+MEMORY_MB = 1024  # of address space: numpy and sympy fit; `import torch` (CUDA build) needs run(..., memory_mb=8192)
+MAX_PROCESSES = 64  # more than its user (nobody, under a root trainer) already runs; threads count too
+MAX_OUTPUT_CHARS = 4000
+FILE_SIZE_MB = 16
+MAX_OPEN_FILES = 64
+# Past this many bytes of stdout and stderr together the program is stopped: `print('x' * 10**8)` neither fills the
+# trainer's memory nor blocks on a full pipe.
+READ_LIMIT_BYTES = 1_000_000
+ERROR_LINE_CHARS = 1000  # an exception may carry a megabyte of message
+# How long the supervisor may take to kill and reap the program once asked, before it is killed itself.
+STOP_GRACE_SECONDS = 2.0
+NOBODY = 65534
+
+# Runs as `python -I -u -B -c LAUNCHER settings`, so it imports nothing of ours. Forking a worker rather than using
+# preexec_fn keeps the trainer's threads out of it. The launcher stays behind as the worker's supervisor: a child
+# subreaper, so orphans of the program's processes (forks whose parent exited, ones that left with setsid) come to it,
+# are killed and reaped; a root launcher cannot be signalled by the program it supervises.
+LAUNCHER = r'''
+import ctypes, json, os, resource, signal, struct, sys, time, types
+
+settings = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 1, 38, 8, 36
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+worker = 0
+
+def kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # it ended already
+        pass
+
+def processes():
+    """(pid, parent pid, real uid, threads) of every process."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as file:
+                fields = dict(line.split(":", 1) for line in file)
+        except OSError:  # it ended meanwhile
+            continue
+        yield int(pid), int(fields["PPid"]), int(fields["Uid"].split()[0]), int(fields["Threads"])
+
+def supervise():
+    """Wait for the worker, kill and reap every process it left, and end as the worker did."""
+    try:
+        os.setpgid(worker, worker)  # as the worker does, so that neither waits on the other
+    except OSError:
+        pass
+    os.close(settings["status_fd"])
+    _, status = os.waitpid(worker, 0)
+    while True:
+        kill(-worker)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:  # alive outside the worker's group (setsid): kill orphans by pid
+                for pid, parent, _, _ in processes():
+                    if parent == os.getpid():
+                        kill(pid)
+                time.sleep(0.01)
+        except ChildProcessError:  # none left
+            break
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # die of the worker's signal, so the trainer reads it from the exit status
+        if code != -signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+def world_searchable(path):
+    """Whether anyone may pass through every directory down to `path`."""
+    while path != "/":
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        path = os.path.dirname(path)
+    return True
+
+def landlock(directory):
+    """Let files be written, made and removed only beneath `directory` (and /dev/null); False if unavailable."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        return False
+    abi = libc.syscall(444, None, 0, 1)
+    if abi < 1:
+        return False
+    file_rights = 1 << 1 | (1 << 14 if abi >= 3 else 0)  # write, truncate
+    rights = file_rights | sum(1 << bit for bit in range(4, 13)) | (1 << 13 if abi >= 2 else 0)  # remove, make; refer
+    ruleset = libc.syscall(444, struct.pack("=Q", rights), 8, 0)
+    if ruleset < 0:
+        return False
+    added = True
+    for path, allowed in ((directory, rights), ("/dev/null", file_rights)):
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        added = libc.syscall(445, ruleset, 1, struct.pack("=Qi", allowed, fd), 0) == 0 and added
+        os.close(fd)
+    applied = added and libc.syscall(446, ruleset, 0) == 0
+    os.close(ruleset)
+    return applied
+
+def report(kind, value, trace):
+    """Print the traceback as Python does, and send this process's error line (not a fork's, whose stderr it shares)."""
+    sys.__excepthook__(kind, value, trace)
+    if os.getpid() == worker_pid:
+        try:
+            import traceback
+            # The exception's own line: after a SyntaxError's source lines, before any notes, its message's first line.
+            lines = traceback.format_exception_only(kind, value)
+            line = next(line for line in lines if not line.startswith(" ")).strip().splitlines()[0]
+            os.write(settings["status_fd"], line[:settings["error_chars"]].encode("utf-8", "replace"))
+        except Exception:  # out of memory, or the program closed the descriptor: its stderr's last line stands
+            pass
+
+signal.signal(signal.SIGTERM, lambda *_: kill(-worker) if worker else None)  # the trainer's "stop now"
+# The caller gone (a tool worker killed at grpo.tool_timeout, a trainer killed) is a "stop now" too.
+libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+worker = os.fork()
+if worker:
+    supervise()
+os.setpgid(0, 0)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+path, directory, root = settings["path"], os.path.dirname(settings["path"]), os.getuid() == 0
+with open(path, "rb") as file:
+    source = file.read()
+# RLIMIT_NPROC counts every task (threads too) of the real user; counted before a user namespace hides the uids.
+uid = settings["nobody"] if root else os.getuid()
+tasks = sum(threads for _, _, owner, threads in processes() if owner == uid)
+applied = []
+if libc.unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET) == 0:
+    applied += ["network namespace"] if root else ["user namespace", "network namespace"]
+libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+if landlock(directory):
+    applied.append("landlock")
+if root:
+    # Of root's capabilities only CAP_DAC_READ_SEARCH is kept, and only where nobody could not otherwise import the
+    # interpreter's own modules (one installed under /root).
+    reads_as_root = not all(world_searchable(entry) for entry in sys.path + [directory] if os.path.exists(entry))
+    libc.prctl(PR_SET_KEEPCAPS, int(reads_as_root), 0, 0, 0)
+    try:
+        os.setgroups([])
+        os.setgid(settings["nobody"])
+        os.setuid(settings["nobody"])
+        applied += ["nobody"] + (["reads as root"] if reads_as_root else [])
+    except OSError:  # a container may keep root from changing user: it then runs as root, without a process limit
+        pass
+    if "reads as root" in applied:
+        keep = 1 << 2  # header v3, then (effective, permitted, inheritable) for capabilities 0-31 and 32-63
+        if libc.capset(struct.pack("=Ii", 0x20080522, 0), struct.pack("=6I", keep, keep, 0, 0, 0, 0)) != 0:
+            sys.exit("Error: the sandbox could not drop root's capabilities")
+cpu_seconds, megabyte = settings["cpu_seconds"], 1 << 20
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))  # SIGXCPU first, SIGKILL a second later
+for limit, value in [(resource.RLIMIT_AS, settings["memory_mb"] * megabyte),
+                     (resource.RLIMIT_FSIZE, settings["file_size_mb"] * megabyte),
+                     (resource.RLIMIT_NOFILE, settings["max_open_files"]),
+                     (resource.RLIMIT_NPROC, tasks + settings["max_processes"])]:
+    resource.setrlimit(limit, (value, value))
+os.write(settings["status_fd"], ",".join(applied).encode() + b"\n")
+os.set_inheritable(settings["status_fd"], False)
+os.set_blocking(settings["status_fd"], False)  # a full pipe (the program may write to it too) must not hang the report
+
+worker_pid, sys.excepthook = os.getpid(), report
+main = types.ModuleType("__main__")
+main.__file__ = path
+sys.modules["__main__"], sys.argv = main, [path]
+exec(compile(source, path, "exec"), main.__dict__)
+'''
+
+
+@dataclasses.dataclass
+class Result:
+    """How a program run by `run` ended."""
+
+    stdout: str  # what it printed, cut to max_output_chars with a note saying so
+    error: str | None  # its uncaught exception's line (else stderr's last), or what stopped it; None on success
+    killed: bool  # whether it was stopped rather than ending by itself
+    reason: str | None  # what stopped it: "timeout", "output", "cpu" (its CPU limit) or "signal" (another signal)
+    # What this run got beyond the limits: "nobody", "user namespace", "network namespace", "landlock"; and "reads as
+    # root" where nobody keeps the capability to read everything (an interpreter under /root).
+    isolation: tuple[str, ...]
+
+    def text(self) -> str:
+        """The tool message: the output, then the error's line; `(no output)` for a silent success."""
+        return "\n".join(part for part in (self.stdout.rstrip(), self.error) if part) or "(no output)"
+
+
+def python(code: str) -> str:
+    """Run a Python program and return what it prints.
+
+    Args:
+        code: The whole program, for example "print(2**10)". Only what it prints is returned, so print the results
+            you need. Each call starts afresh: nothing is kept between calls.
+    """
+    return run(code).text()
+
+
+def run(code: str, *, timeout: float = TIMEOUT_SECONDS, cpu_seconds: int = CPU_SECONDS, memory_mb: int = MEMORY_MB,
+        max_processes: int = MAX_PROCESSES, max_output_chars: int = MAX_OUTPUT_CHARS,
+        file_size_mb: int = FILE_SIZE_MB) -> Result:
+    """Run `code` in a fresh, limited process in a fresh temporary directory; never raises for what the code does.
+
+    Callers with other limits wrap this in a tool of their own, returning `run(code, ...).text()`."""
+    if not isinstance(code, str):
+        raise ValueError(f"The code must be a string, not {type(code).__name__}.")
+    directory = tempfile.mkdtemp(prefix="sandbox-")
+    # The worker writes the isolation it got here, then its uncaught exception's line; read once all processes ended.
+    status_read, status_write = os.pipe()
+    os.set_blocking(status_read, False)
+    try:
+        path = os.path.join(directory, "main.py")
+        # surrogatepass: a lone surrogate from the model's JSON becomes the program's own SyntaxError, not ours.
+        with open(path, "w", encoding="utf-8", errors="surrogatepass") as file:
+            file.write(code)
+        if os.getuid() == 0:
+            os.chown(directory, NOBODY, NOBODY)
+        settings = {"path": path, "status_fd": status_write, "nobody": NOBODY, "cpu_seconds": cpu_seconds,
+                    "memory_mb": memory_mb, "file_size_mb": file_size_mb, "max_open_files": MAX_OPEN_FILES,
+                    "max_processes": max_processes, "error_chars": ERROR_LINE_CHARS}
+        environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": directory,
+                       "TMPDIR": directory, "PYTHONDONTWRITEBYTECODE": "1",
+                       # One thread per library: many sandboxes run at once, and the process limit counts threads.
+                       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        process = subprocess.Popen([sys.executable, "-I", "-u", "-B", "-c", LAUNCHER, json.dumps(settings)],
+                                   cwd=directory, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_write,))
+        try:
+            stdout, stderr, reason = read_output(process, timeout)
+        finally:
+            stop(process)
+        try:
+            isolation_line, _, exception_line = os.read(status_read, 65536).decode("utf-8", "replace").partition("\n")
+        except BlockingIOError:  # the worker died before it got that far
+            isolation_line, exception_line = "", ""
+    finally:
+        os.close(status_read)
+        os.close(status_write)
+        shutil.rmtree(directory, ignore_errors=True)
+    output = stdout.decode("utf-8", "replace")
+    if len(output) > max_output_chars:
+        more = "more than " if reason == "output" else ""  # it was stopped before it printed all
+        output = (f"{output[:max_output_chars]} [output cut: {more}{len(output):,} characters, the limit is "
+                  f"{max_output_chars:,}]")
+    reason, error = ending(process.returncode, exception_line or stderr_line(stderr), reason, timeout, cpu_seconds)
+    return Result(output, error, reason is not None, reason, tuple(filter(None, isolation_line.split(","))))
+
+
+def ending(returncode: int, error_line: str, reason: str | None, timeout: float,
+           cpu_seconds: int) -> tuple[str | None, str | None]:
+    """What stopped a program (None if nothing did) and its error: the sandbox's, or else for a failure `error_line`
+    (`ZeroDivisionError: division by zero`); (None, None) for a success."""
+    if reason is None and returncode < 0:
+        reason = "cpu" if returncode == -signal.SIGXCPU else "signal"
+    if reason == "timeout":
+        return reason, f"Error: the program did not finish within {timeout:g} s"
+    if reason == "output":
+        return reason, f"Error: the program printed more than {READ_LIMIT_BYTES:,} bytes and was stopped"
+    if reason == "cpu":
+        return reason, f"Error: the program used its {cpu_seconds:g} s of CPU time and was stopped"
+    if reason == "signal":
+        return reason, f"Error: the program was killed by {signal.Signals(-returncode).name}"
+    if returncode == 0:
+        return None, None
+    return None, error_line or f"Error: the program exited with status {returncode}"
+
+
+def stderr_line(stderr: bytes) -> str:
+    """The last line a program wrote to stderr (its `sys.exit('message')`), cut to ERROR_LINE_CHARS."""
+    lines = [line.strip() for line in stderr.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1][:ERROR_LINE_CHARS] if lines else ""
+
+
+def read_output(process: subprocess.Popen, timeout: float) -> tuple[bytes, bytes, str | None]:
+    """The program's stdout and stderr until both close, and "timeout" or "output" when it had to be stopped first."""
+    deadline = time.monotonic() + timeout
+    chunks = {process.stdout: [], process.stderr: []}
+    received, reason = 0, None
+    with selectors.DefaultSelector() as selector:
+        for stream in chunks:
+            selector.register(stream, selectors.EVENT_READ)
+        # The supervisor holds both pipes until every process of the program is gone, so their end means all ended.
+        while selector.get_map() and reason is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reason = "timeout"
+                break
+            for key, _ in selector.select(remaining):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                chunks[key.fileobj].append(chunk)
+                received += len(chunk)
+                if received > READ_LIMIT_BYTES:
+                    reason = "output"
+                    break
+    return b"".join(chunks[process.stdout]), b"".join(chunks[process.stderr]), reason
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Have the supervisor kill and reap every process of the program; kill the supervisor if it does not in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for stream in (process.stdout, process.stderr):
+        stream.close()

@@ -20,7 +20,7 @@ deletes or overwrites its own inputs (`model.path`, `data.path`).
 
 After the last step the run's exports (`config.outputs.EXPORTS`: `hf/`, with LoRA `hf_adapter/`) are written into
 `.partial-NAME/` and renamed when complete, so a directory named `hf` is whole; a resumed run that finds every step
-done but an export missing builds the model and writes it.
+done but an export missing or unfinished (a `.partial-NAME/` left) builds the model and writes it.
 """
 
 import contextlib
@@ -30,8 +30,10 @@ import os
 import pickle
 import queue
 import random
+import secrets
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -336,16 +338,19 @@ class WriteResults:
     Python process per rank that re-imports the main module (8.6 s on the first save here) and outlives a trainer
     killed with -9. A plain pipe would not do either: a writer whose results exceed the pipe's buffer (64 KiB, about
     300 tensors' results) blocks at exit until they are read, and they are read only after it exits. So the writer
-    puts them into a file in the temporary directory (one per process; a second save waits for the first; not on
-    the checkpoint's disk, which may be the one that is full), and the finalize step reads and deletes it: results
-    that are missing or unreadable are a failed write. A writer's failure comes back with the error text the writer
-    only logged (`[Errno 28] No space left on device`), as an OSError, which the finalize step's exception names.
+    puts them into a file in the temporary directory (one per process, named by host, pid and a random token; a second
+    save waits for the first; not on the checkpoint's disk, which may be the one that is full), and the finalize step
+    reads and deletes it: results that are missing or unreadable are a failed write. A writer's failure comes back
+    with the error text the writer only logged (`[Errno 28] No space left on device`), as an OSError, which the
+    finalize step's exception names.
     """
 
     _installed = None
 
     def __init__(self):
-        self.path = Path(tempfile.gettempdir()) / f"megatron-trainer-{os.getpid()}.write-results"
+        # Containers sharing /tmp may run trainers with the same pid: the host name and a random token keep them apart.
+        name = f"megatron-trainer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.write-results"
+        self.path = Path(tempfile.gettempdir()) / name
         self.logged = []
 
     @classmethod
@@ -662,6 +667,22 @@ def _save_failed(checkpoint_dir: Path, step: int, failures: list, save_bytes: tu
             f"`{checkpoint_dir}` has {_size(free)} free{need}. {resume}.")
 
 
+def _export_failed(staged: dict, text: str, model_path: Path, checkpoint_dir: Path) -> str:
+    """The paragraph a failed export ends the run with: where, why, what the export needs, and how to write it."""
+    where = " and ".join(f"`{path}`" for path in staged.values())
+    out_dir = next(iter(staged.values())).parent
+    # The rerun deletes the partial export before writing a new one: its space counts as available.
+    available = shutil.disk_usage(out_dir).free + sum(_tree_bytes(path) for path in staged.values() if path.is_dir())
+    needs = sum(path.stat().st_size for path in model_path.glob("*.safetensors"))
+    pointer = checkpoint_dir / LATEST
+    latest = f"`{pointer.read_text().strip()}`" if pointer.is_file() else "the last one"
+    return (f"Writing the run's export into {where} failed on rank {dist.get_rank()}: {text}. `{out_dir}` has "
+            f"{_size(available)} available for it, and the export needs about {_size(needs)} (the weights in "
+            f"`{model_path}`). The run's checkpoint {latest}, which `latest` in `{checkpoint_dir}` names, is complete and "
+            "intact: make room (or fix what the error names) and rerun with `--resume-from-checkpoint latest`, which "
+            "writes the export without training again.")
+
+
 def _publish(checkpoint_dir: Path, partial: Path, final: Path) -> None:
     """Rename the complete `partial` to `final` and point `latest` at it, such that `latest` names a complete
     checkpoint at every instant, whenever the process dies.
@@ -831,21 +852,57 @@ def load(path: Path, chunks: list, optimizer) -> dict:
     return torch.load(path / STATE_FILE, weights_only=False)
 
 
+# A signal this soon after the first is the same stop request delivered twice: a terminal's Ctrl-C reaches every
+# worker directly and again through torchrun, which passes on what it receives, as it does Slurm's SIGTERM to every
+# process of a job step.
+REPEAT_AFTER_S = 2.0
+
+
 class Preemption:
     """SIGTERM/SIGINT (torchrun forwards them) ask the loop to finish its step, save and exit 0.
 
     One per process, caught from the moment the command line is parsed (`catch_stop_signals`): a signal during
-    start-up, the model build, or between GRPO's default SFT and GRPO is kept and honoured at the first step's end."""
+    start-up, the model build, or between GRPO's default SFT and GRPO is kept and honoured at the first step's end.
+    A second signal (more than `REPEAT_AFTER_S` after the first) stops the process at once, wherever it waits (a
+    background save's writer included), with one line and status 128 + the signal's number, as a shell reports a
+    process the signal killed. The save in flight is abandoned; `latest` moves only when a save is complete."""
 
     _installed = None
 
     def __init__(self):
         self.requested = self.requested_anywhere = False
+        self.first_signal_at = None
+        self.checkpoint_dir = None  # the run's `ckpt.dir`, once a Checkpointer knows it: named by a second signal
+        self.pid = os.getpid()
         for signal_number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signal_number, self._request)
 
     def _request(self, signal_number, frame):
+        if os.getpid() != self.pid:  # a forked checkpoint writer: it dies with the trainer (`_in_writer_process`)
+            return
+        now = time.monotonic()
+        if self.first_signal_at is None:
+            self.first_signal_at = now
+        elif now - self.first_signal_at > REPEAT_AFTER_S:
+            self._stop_now(signal_number)
         self.requested = True
+
+    def _stop_now(self, signal_number) -> None:
+        """End this process now, after one line on global rank 0 (written directly: the interrupted code may be
+        inside a print). Its forked checkpoint writer dies with it."""
+        if is_global_rank_zero():
+            os.write(2, f"{self._abandoned(signal.Signals(signal_number).name)}\n".encode())
+        os._exit(128 + signal_number)
+
+    def _abandoned(self, signal_name: str) -> str:
+        """The line a second signal ends the run with: what was lost, and what to resume from."""
+        pointer = self.checkpoint_dir / LATEST if self.checkpoint_dir is not None else None
+        if pointer is not None and pointer.is_file():
+            latest = f"`{pointer.read_text().strip()}` in `{self.checkpoint_dir}`, the last complete checkpoint"
+        else:
+            latest = "the last complete checkpoint"
+        return (f"stopped at once by a second {signal_name}: the checkpoint save in flight, if any, is abandoned, and "
+                f"`latest` still names {latest} (continue with `--resume-from-checkpoint latest`)")
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (ranks may receive the signal at different steps)."""
@@ -871,8 +928,6 @@ def check_shared_directories(config) -> None:
     save hours in. Collective; nothing to do on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    import socket
-
     directories = list(dict.fromkeys([Path(config.train.out_dir), checkpoint_dir(config)]))
     box = [None]
     if is_global_rank_zero():  # the token, and how many levels up each directory's nearest existing parent is
@@ -914,11 +969,12 @@ class Checkpointer:
     def __init__(self, config, resume: str, model_path: Path):
         """Resolve what to resume from before any model is built: a bad target costs nothing and overwrites nothing."""
         self.config = config
-        self.directory = checkpoint_dir(config)
+        self.directory, self.model_path = checkpoint_dir(config), Path(model_path)
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
                                              model_path)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint)
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
+        self.preemption.checkpoint_dir = self.directory
         self.save_bytes = (0, "")  # what one save needs, and how that is known (`track`, then each save)
         self.background = BackgroundSaves() if config.ckpt.async_save else None
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
@@ -926,9 +982,12 @@ class Checkpointer:
             clean_stale_saves(self.directory)
 
     def _missing_exports(self) -> list[str]:
-        """The exports a finished run has not written (completely) yet."""
+        """The exports a finished run has not written (completely) yet: absent, or an export of them began and did not
+        finish (its `.partial-NAME/` is left; an `hf/` beside it is an earlier finish's)."""
         names = outputs.EXPORTS if self.config.peft.method == "lora" else (outputs.HF,)
-        return [name for name in names if not (Path(self.config.train.out_dir) / name).is_dir()]
+        out_dir = Path(self.config.train.out_dir)
+        return [name for name in names
+                if not (out_dir / name).is_dir() or (out_dir / f"{outputs.PARTIAL}{name}").exists()]
 
     def finished(self) -> bool:
         """Whether the checkpoint resumed from has already run every step and the run's exports are written (said
@@ -1029,19 +1088,18 @@ class Checkpointer:
 
     def export(self) -> None:
         """Write the run's exports (`hf/`, with LoRA `hf_adapter/`) into `.partial-NAME/`, fsync them and rename them
-        (replacing an earlier export of the same name), so a directory named `hf` is always complete. Collective."""
+        (replacing an earlier export of the same name), so a directory named `hf` is always complete. Collective.
+
+        A failure (a full disk, a quota) ends the run with one paragraph (`_export_failed`) and leaves what a killed
+        export leaves: `.partial-NAME/` and any earlier export as it was, so a rerun writes it (`finished`)."""
         out_dir, is_main = Path(self.config.train.out_dir), is_global_rank_zero()
         staged = {name: out_dir / f"{outputs.PARTIAL}{name}" for name in self.policy.exports()}
-        if is_main:
-            for path in staged.values():
-                shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed
-                path.mkdir(parents=True)
-        _barrier()
-        self.policy.export(staged, is_main)
-        _barrier()
+        try:
+            self._stage_exports(staged, is_main)
+        except Exception as error:  # rank 0's own (only it writes); a peer's, its next collective once rank 0 has left
+            raise UserError(_export_failed(staged, _underlying_error(error), self.model_path, self.directory)) from None
         if is_main:
             for name, path in staged.items():
-                _fsync_tree(path)
                 final, replaced = out_dir / name, out_dir / f"{REPLACED}{name}"
                 if final.exists():  # the export of an earlier finish, replaced whole
                     shutil.rmtree(replaced, ignore_errors=True)
@@ -1052,6 +1110,19 @@ class Checkpointer:
             log.info("saved the model as a Hugging Face checkpoint in %s%s", out_dir / outputs.HF,
                      f", its LoRA adapter in PEFT format in {out_dir / outputs.HF_ADAPTER}" if len(staged) > 1 else "")
         _barrier()
+
+    def _stage_exports(self, staged: dict, is_main: bool) -> None:
+        """Write the exports into their `.partial-NAME/` directories, durably (global rank 0 writes). Collective."""
+        if is_main:
+            for path in staged.values():
+                shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed or failed
+                path.mkdir(parents=True)
+        _barrier()
+        self.policy.export(staged, is_main)
+        _barrier()
+        if is_main:
+            for path in staged.values():
+                _fsync_tree(path)
 
     def export_if_already_finished(self, start_step: int) -> None:
         """After a loop that had no step left to run (a resume of a finished run whose export was missing): export."""

@@ -7,6 +7,7 @@
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -165,6 +166,9 @@ def _parse_value(name: str, text: str):
 
 def run_cli(main) -> None:
     """Run `main(argv)`; a UserError becomes a one-paragraph message on rank 0 and exit status 2."""
+    # megatron-core forks a writer for every background checkpoint save; once a tokenizer has run in parallel, the
+    # tokenizers library prints a warning at each fork and turns its parallelism off in the child anyway.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         main(sys.argv[1:])
     except UserError as error:

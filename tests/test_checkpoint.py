@@ -1,9 +1,17 @@
 """Checkpoint resolution, pruning and the errors of `--resume-from-checkpoint`, without launching training."""
 
+import contextlib
+import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -167,3 +175,66 @@ def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()
     checkpoint.check_output_dir(config, resume, is_main=True)
     assert sorted(path.name for path in tmp_path.rglob("*")) == ["checkpoints", "notes.txt"]
+
+
+# A process that waits for a checkpoint writer the way the loop does (megatron-core joins its forked writer, no
+# timeout), for a writer that never ends.
+WAITS_FOR_A_WRITER = """
+import multiprocessing, time
+from ckpt import checkpoint
+checkpoint.catch_stop_signals()
+writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,))
+writer.start()
+print("waiting", flush=True)
+writer.join()
+"""
+
+
+def test_a_second_stop_signal_stops_at_once_while_a_save_is_waited_for():
+    process = subprocess.Popen([sys.executable, "-c", WAITS_FOR_A_WRITER], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    writers = []
+    try:
+        assert process.stdout.readline() == "waiting\n"
+        writers = psutil.Process(process.pid).children()
+        # One Ctrl-C, delivered twice (from the terminal, and again through torchrun): finish the step and save.
+        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)
+        time.sleep(checkpoint.REPEAT_AFTER_S + 0.5)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)  # a second Ctrl-C
+        process.wait(timeout=10)
+    finally:
+        process.kill()  # nothing once it has exited
+        for writer in writers:  # left behind by the stand-in (a trainer's writers die with it), holding its stderr
+            with contextlib.suppress(psutil.NoSuchProcess):
+                writer.kill()
+    stderr = process.stderr.read()
+    assert process.returncode == 128 + signal.SIGINT
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if "second SIGINT" in line]
+    assert len(lines) == 1 and stderr.rstrip().endswith(lines[0]), stderr
+    assert "the checkpoint save in flight, if any, is abandoned" in lines[0]
+    assert "`latest` still names the last complete checkpoint" in lines[0]
+
+
+def test_the_writer_results_file_is_named_by_host_pid_and_a_random_token():
+    """Two containers sharing /tmp may run trainers with the same pid; their writers' results must not mix."""
+    first, second = checkpoint.WriteResults(), checkpoint.WriteResults()
+    assert first.path != second.path
+    for path in (first.path, second.path):
+        assert path.parent == Path(tempfile.gettempdir())
+        assert f"-{socket.gethostname()}-{os.getpid()}-" in path.name
+
+
+@pytest.mark.parametrize("users_value", [None, "true"])
+def test_start_up_turns_tokenizer_parallelism_off_unless_the_user_set_it(monkeypatch, users_value):
+    """A tokenizer used before megatron-core forks a background save's writer warns at every save without it."""
+    from config import cli
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", users_value or "")  # so the test's own environment is restored after
+    if users_value is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    seen = []
+    cli.run_cli(lambda argv: seen.append(os.environ["TOKENIZERS_PARALLELISM"]))
+    assert seen == [users_value or "false"]

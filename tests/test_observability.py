@@ -178,6 +178,22 @@ def test_metrics_png_has_each_loops_panels(sft_run, grpo_run):
         assert png_text(out_dir / "metrics.png")["Description"] == "panels: " + "; ".join(panels)
 
 
+def test_a_panel_with_more_series_than_line_styles_draws_and_names_each(tmp_path, recwarn):
+    """The tool-failure panel has six keys and there are three line styles: every key is drawn, looks its own, and has
+    its legend entry (matplotlib warns when a legend has fewer handles than labels)."""
+    keys = dict(plots.PANELS)["tool failures per step"]
+    rows = [{"step": step, "loss": 1.0, **{key: index + step for index, key in enumerate(keys)}} for step in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    axes = next(axes for axes in plots.figure([tmp_path]).axes if axes.get_title() == "tool failures per step")
+    labels = [plots.KEY_LABELS[key] for key in keys]
+    looks = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in axes.get_lines()}
+    assert sorted(looks) == sorted(labels) and len(set(looks.values())) == len(keys)
+    legend = axes.get_legend()
+    assert [text.get_text() for text in legend.get_texts()] == labels
+    assert len({(handle.get_linestyle(), handle.get_marker()) for handle in legend.legend_handles}) == len(keys)
+    assert [str(warning.message) for warning in recwarn] == []
+
+
 def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):
     out = tmp_path / "overlay.png"
     result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(sft_run), str(grpo_run), "--out", str(out)],

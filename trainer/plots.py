@@ -35,7 +35,10 @@ KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answ
               "eval_tool_call_rate": "held-out call rate", "tool_errors": "tool errors", "tool_parse_errors": "parse errors",
               "tool_timeouts": "timeouts", "unknown_tools": "unknown tools", "max_turns_reached": "max turns",
               "out_of_room": "out of room"}
+# A panel's keys: the line styles first, then each again with a marker (the colours are the runs'), so a panel of up
+# to nine keys shows each its own way.
 LINE_STYLES = ("-", "--", ":")
+KEY_MARKERS = (None, "x", "^")
 # Per-step series longer than this also get a smoothed line (centred moving average) over the raw one; the
 # learning rate is a schedule, not a noisy measurement, and is drawn as it is.
 SMOOTH_AFTER = 20
@@ -58,6 +61,11 @@ def smoothed(values: list[float], window: int) -> list[float]:
     half = window // 2
     return [sum(values[max(index - half, 0) : index + half + 1]) / len(values[max(index - half, 0) : index + half + 1])
             for index in range(len(values))]
+
+
+def key_look(index: int) -> tuple[str, str | None]:
+    """(line style, marker) of a panel's `index`-th key."""
+    return LINE_STYLES[index % len(LINE_STYLES)], KEY_MARKERS[index // len(LINE_STYLES) % len(KEY_MARKERS)]
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -97,25 +105,27 @@ def figure(run_dirs: list[Path], labels: list[str] | None = None):
 
 
 def _draw_panel(axes, runs: list[list[dict]], keys: tuple[str, ...], colors: list[str]) -> None:
-    """One panel: every run's series of `keys` (a line style per key, a colour per run)."""
+    """One panel: every run's series of `keys` (a line style and marker per key, a colour per run)."""
     from matplotlib.lines import Line2D
 
     drawn_values = []
     for rows, color in zip(runs, colors):
-        for key, style in zip(keys, LINE_STYLES):
+        for index, key in enumerate(keys):
             steps, values = series(rows, key)
             if not steps:
                 continue
             drawn_values += values
+            style, marker = key_look(index)
             label = KEY_LABELS.get(key, key) if len(keys) > 1 else None
             if len(steps) <= SMOOTH_AFTER and len(steps) < len(rows) / 2:  # sparse: held-out evaluations
-                axes.plot(steps, values, style, color=color, marker="o", markersize=4, label=label)
+                axes.plot(steps, values, style, color=color, marker=marker or "o", markersize=4, label=label)
             elif len(steps) > SMOOTH_AFTER and key not in NOT_SMOOTHED:  # noisy per-step figures: faint raw, smoothed on top
                 axes.plot(steps, values, style, color=color, alpha=0.25, linewidth=0.8)
-                axes.plot(steps, smoothed(values, max(len(steps) // 40, 5)), style, color=color, linewidth=1.8, label=label)
+                axes.plot(steps, smoothed(values, max(len(steps) // 40, 5)), style, color=color, linewidth=1.8,
+                          label=label, marker=marker, markevery=max(len(steps) // 10, 1))
             else:
                 axes.plot(steps, values, style, color=color, linewidth=1.6, label=label,
-                          marker="." if len(steps) <= SMOOTH_AFTER else None)
+                          marker=marker or ("." if len(steps) <= SMOOTH_AFTER else None))
     # Losses and gradient norms falling by orders of magnitude read better on a log scale.
     positive = [value for value in drawn_values if value > 0]
     if keys[0] in ("loss", "grad_norm") and positive and len(positive) == len(drawn_values) and max(positive) > 10 * min(positive):
@@ -124,7 +134,8 @@ def _draw_panel(axes, runs: list[list[dict]], keys: tuple[str, ...], colors: lis
         axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
     if len(keys) > 1:
         # One legend entry per key, in a neutral colour (the colours are the runs').
-        handles = [Line2D([], [], linestyle=style, color="0.3") for style in LINE_STYLES[: len(keys)]]
+        handles = [Line2D([], [], linestyle=style, marker=marker, color="0.3")
+                   for style, marker in map(key_look, range(len(keys)))]
         axes.legend(handles, [KEY_LABELS.get(key, key) for key in keys], fontsize=8, loc="best")
 
 

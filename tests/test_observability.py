@@ -179,7 +179,7 @@ def test_metrics_png_has_each_loops_panels(sft_run, grpo_run):
 
 
 def test_a_panel_with_more_series_than_line_styles_draws_and_names_each(tmp_path, recwarn):
-    """The tool-failure panel has six keys and there are three line styles: every key is drawn, looks its own, and has
+    """The tool-failure panel has eight keys and there are three line styles: every key is drawn, looks its own, and has
     its legend entry (matplotlib warns when a legend has fewer handles than labels)."""
     keys = dict(plots.PANELS)["tool failures per step"]
     rows = [{"step": step, "loss": 1.0, **{key: index + step for index, key in enumerate(keys)}} for step in range(1, 9)]

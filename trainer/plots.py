@@ -24,8 +24,8 @@ PANELS = (
     ("entropy", ("entropy",)),
     ("response length (tokens)", ("response_len",)),
     ("tool use per episode", ("tool_call_rate", "turns_per_episode", "tool_calls_per_episode", "eval_tool_call_rate")),
-    ("tool failures per step", ("tool_errors", "tool_parse_errors", "tool_timeouts", "unknown_tools", "max_turns_reached",
-                                "out_of_room")),
+    ("tool failures per step", ("tool_errors", "tool_parse_errors", "tool_timeouts", "tool_timeout_ends", "unknown_tools",
+                                "max_turns_reached", "out_of_room", "prompts_too_long")),
     ("tool time (s)", ("tool_time_s",)),
 )
 # How a key is named in a panel that holds several.
@@ -33,8 +33,9 @@ KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answ
               "accuracy": "full marks", "answer_accuracy": "right answer", "format_rate": "#### N form",
               "tool_call_rate": "call rate", "turns_per_episode": "turns", "tool_calls_per_episode": "calls",
               "eval_tool_call_rate": "held-out call rate", "tool_errors": "tool errors", "tool_parse_errors": "parse errors",
-              "tool_timeouts": "timeouts", "unknown_tools": "unknown tools", "max_turns_reached": "max turns",
-              "out_of_room": "out of room"}
+              "tool_timeouts": "timeouts", "tool_timeout_ends": "episodes ended by a timeout",
+              "unknown_tools": "unknown tools", "max_turns_reached": "max turns", "out_of_room": "out of room",
+              "prompts_too_long": "prompts too long after reset"}
 # A panel's keys: the line styles first, then each again with a marker (the colours are the runs'), so a panel of up
 # to nine keys shows each its own way.
 LINE_STYLES = ("-", "--", ":")

@@ -40,16 +40,21 @@ def generate_problems(count: int, seed: int, plain_share: float = 0.0) -> list[d
     plain = set(random.Random(f"plain-{seed}").sample(range(count), round(plain_share * count)))
     problems = []
     for _ in range(count):
-        symbol, a_range, b_range, text = rng.choice(TEMPLATES)
-        a, b = rng.randint(*a_range), rng.randint(*b_range)
-        if symbol == "-" and b > a:
-            # Subtraction must not go below zero in a story about counting things.
-            a, b = b, a
-        result = OPERATIONS[symbol](a, b)
-        question = text.format(name=rng.choice(NAMES), thing=rng.choice(OBJECTS), a=a, b=b)
+        symbol, a, b, result, question = draw_problem(rng, TEMPLATES)
         answer = f"The answer is {result}." if len(problems) in plain else f"#### {result}"
         problems.append({"question": question, "answer": f"{a} {symbol} {b} = {result}\n{answer}"})
     return problems
+
+
+def draw_problem(rng: random.Random, templates: list) -> tuple[str, int, int, int, str]:
+    """One problem from `rng`: (operator, a, b, result, question), a story of `templates` with the bundled names."""
+    symbol, a_range, b_range, text = rng.choice(templates)
+    a, b = rng.randint(*a_range), rng.randint(*b_range)
+    if symbol == "-" and b > a:
+        # Subtraction must not go below zero in a story about counting things.
+        a, b = b, a
+    result = OPERATIONS[symbol](a, b)
+    return symbol, a, b, result, text.format(name=rng.choice(NAMES), thing=rng.choice(OBJECTS), a=a, b=b)
 
 
 def training_text(count: int = 2000) -> str:

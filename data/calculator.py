@@ -106,10 +106,7 @@ def generate_problems(count: int, seed: int, tool_share: float = 0.0) -> list[di
     tool_rows = set(random.Random(f"tool-{seed}").sample(range(count), round(tool_share * count)))
     problems = []
     for _ in range(count):
-        symbol, a_range, b_range, text = rng.choice(TEMPLATES)
-        a, b = rng.randint(*a_range), rng.randint(*b_range)
-        result = arithmetic.OPERATIONS[symbol](a, b)
-        question = text.format(name=rng.choice(arithmetic.NAMES), thing=rng.choice(arithmetic.OBJECTS), a=a, b=b)
+        symbol, a, b, result, question = arithmetic.draw_problem(rng, TEMPLATES)
         answer = f"{a} {symbol} {b} = {result}\n#### {result}"
         if len(problems) in tool_rows:
             call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} {symbol} {b}"}}}

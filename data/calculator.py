@@ -9,11 +9,10 @@ the tool.
 import ast
 import copy
 import fractions
+import functools
 import operator
 import random
 import re
-
-from transformers.utils import get_json_schema
 
 from config.errors import UserError
 from data import arithmetic
@@ -92,7 +91,13 @@ def format_number(value: fractions.Fraction) -> str:
     return f"{sign}{digits[:-RESULT_DECIMALS]}.{digits[-RESULT_DECIMALS:].rstrip('0')}"
 
 
-CALCULATOR_SCHEMA = get_json_schema(calculator)
+@functools.cache
+def calculator_schema() -> dict:
+    """The tool's schema, from its signature and docstring; computed on first use, so a tool worker process that
+    imports this module for `calculator` does not import transformers (and torch with it, 0.5 GB)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(calculator)
 
 
 def generate_problems(count: int, seed: int, tool_share: float = 0.0) -> list[dict]:
@@ -119,7 +124,7 @@ def generate_problems(count: int, seed: int, tool_share: float = 0.0) -> list[di
         else:
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         # A copy per row, so that a caller editing one row's schema does not edit every row's.
-        tools = [copy.deepcopy(CALCULATOR_SCHEMA)]
+        tools = [copy.deepcopy(calculator_schema())]
         problems.append({"question": question, "answer": answer, "messages": messages, "tools": tools})
     return problems
 

@@ -61,7 +61,7 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
         plain_share = ARITHMETIC_SFT_PLAIN_SHARE if sft_targets and split == "train" else 0.0
         return generate_problems(*ARITHMETIC_SPLITS[split], plain_share=plain_share)
     if path == "calculator":  # the bundled tool task
-        from data import calculator  # imported where used: it needs transformers (1.7 s) for its tool's schema
+        from data import calculator  # imported where used: only the bundled tool task needs it
 
         return calculator.load_split(split, sft_targets)
     local = pathlib.Path(path).expanduser()

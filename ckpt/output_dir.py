@@ -1,0 +1,122 @@
+"""Where a run writes: a `train.out_dir` that destroys no earlier run and none of the run's inputs, seen by every node.
+
+A fresh run (no `--resume-from-checkpoint`) refuses a `train.out_dir` that holds an earlier run's checkpoints
+or metrics, unless `train.overwrite_output_dir=true` (`check_output_dir`), so no run destroys another; no run
+deletes or overwrites its own inputs (`model.path`, `data.path`).
+
+Every rank must see `train.out_dir` and `ckpt.dir` as global rank 0 does (`check_shared_directories`), checked when
+the process group is up, not at the first save hours in.
+"""
+
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ckpt.failures import _barrier
+from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, checkpoint_dir
+from config import outputs
+from config.errors import UserError
+from config.process import is_global_rank_zero
+
+log = logging.getLogger(__name__)
+
+
+def check_output_dir(config, resume: str, is_main: bool) -> None:
+    """Refuse a fresh run whose `train.out_dir` holds an earlier run's checkpoints or metrics (before any work), or
+    with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them. Any run
+    is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
+    out_dir = Path(config.train.out_dir)
+    _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
+                          "writes after its last step (its Hugging Face export)")
+    if resume:
+        return
+    earlier = _earlier_run(config)
+    if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
+               for path in earlier):
+        return
+    if not config.train.overwrite_output_dir:
+        raise UserError(
+            f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}), and this run would overwrite its checkpoints and metrics. Continue "
+            "it with `--resume-from-checkpoint latest`, write this run elsewhere with a new `--train.out_dir`, or "
+            "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
+    _check_inputs_survive(config, earlier, "deletes first (`train.overwrite_output_dir=true`)")
+    if is_main:
+        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and outputs in %s", out_dir)
+        for path in earlier:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+def _earlier_run(config) -> list[Path]:
+    """What an earlier run left in `train.out_dir` and `ckpt.dir` that this run would write over or delete: its
+    checkpoints (complete, partial, replaced, the pointer) and every run output (`config.outputs.RUN_OUTPUTS`, and
+    exports being written)."""
+    out_dir, directory = Path(config.train.out_dir), checkpoint_dir(config)
+    saves = [*directory.glob(f"{PREFIX}*"), *directory.glob(f"{PARTIAL}*"), *directory.glob(f"{REPLACED}*"),
+             directory / LATEST]
+    run_outputs = [out_dir / name for name in outputs.RUN_OUTPUTS] + [out_dir / f"{outputs.PARTIAL}{name}"
+                                                                      for name in outputs.EXPORTS]
+    return sorted(path for path in saves + run_outputs if path.exists())
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies under it (both resolved, so links and `..` do not hide it)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
+    """Refuse a run that would delete or overwrite its own inputs: `model.path` and a `data.path` on disk."""
+    for key, value in (("model.path", config.model.path), ("data.path", config.data.path)):
+        if not value or not Path(value).exists():  # `tiny`, a bundled task or a hub dataset name
+            continue
+        hit = next((path for path in replaced if _inside(Path(value), path)), None)
+        if hit is not None:
+            raise UserError(f"`{key}={value}` lies inside `{hit}`, which this run {action}, so it would destroy its "
+                            f"own input. Copy the input elsewhere and point `--{key}` at the copy, or write this run to "
+                            "another `--train.out_dir`.")
+
+
+def check_shared_directories(config) -> None:
+    """Every rank sees the directories global rank 0 sees (`train.out_dir`, `ckpt.dir`): rank 0 writes a token into
+    each (into its nearest existing parent when it does not exist yet: nothing is created), every rank reads it back
+    at the same path, resolved on its own node. A node with a node-local directory is named now, not at the first
+    save hours in. Collective; nothing to do on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    directories = list(dict.fromkeys([Path(config.train.out_dir), checkpoint_dir(config)]))
+    box = [None]
+    if is_global_rank_zero():  # the token, and how many levels up each directory's nearest existing parent is
+        box = [(f"{os.getpid()}-{time.time_ns()}",
+                [next(level for level, path in enumerate([directory, *directory.parents]) if path.exists())
+                 for directory in directories])]
+    dist.broadcast_object_list(box, src=0)
+    token, levels = box[0]
+    probes = [([directory, *directory.parents][level]) / f".rank0-sees-this-{token}"
+              for directory, level in zip(directories, levels)]
+    if is_global_rank_zero():
+        for probe in probes:
+            probe.write_text(token)
+    _barrier()
+    unseen = [str(directory) for directory, probe in zip(directories, probes)
+              if not (probe.is_file() and probe.read_text() == token)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), socket.gethostname(), unseen))
+    if is_global_rank_zero():
+        for probe in probes:
+            probe.unlink(missing_ok=True)
+    blind = [(rank, host, missing) for rank, host, missing in everyone if missing]
+    if blind:
+        where = "; ".join(f"rank {rank} on {host} cannot see {', '.join(f'`{path}`' for path in missing)}"
+                          for rank, host, missing in blind[:4])
+        raise UserError(f"Every process must see the run's directories as global rank 0 does, to write its part of "
+                        f"each checkpoint there, but {where}{'; ...' if len(blind) > 4 else ''}. Put `train.out_dir` "
+                        "(and `ckpt.dir`) on a file system every node mounts at the same path (docs/nodes.md).")

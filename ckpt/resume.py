@@ -1,0 +1,90 @@
+"""What a run resumes from: `--resume-from-checkpoint` resolved to one complete checkpoint saved for this model.
+
+Runs before any model is built (`Checkpointer`), so a bad target costs nothing and overwrites nothing. A checkpoint
+fits when its fingerprint (`model_fingerprint`: the model's shape, the TP/PP/VPP layout, DDP or Megatron-FSDP, LoRA's
+settings and base) matches this run's; data parallelism may differ.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ckpt.layout import LATEST, SHARDED_DIR, STATE_FILE
+from config.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None) -> dict:
+    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats).
+
+    With LoRA a checkpoint holds the adapters only, so their settings and the base they were trained on (the
+    checkpoint's weight files: names and sizes) must match too."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size", "tie_word_embeddings")
+    fingerprint = {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp,
+                   "vpp": parallel.vpp, "megatron_fsdp": parallel.use_megatron_fsdp}
+    if peft is not None and peft.method == "lora":
+        fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "dropout": peft.dropout,
+                               "target_modules": sorted(peft.target_modules),
+                               "base": sorted((path.name, path.stat().st_size) for path in Path(model_path).glob("*.safetensors"))}
+    return fingerprint
+
+
+def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tuple[Path | None, int]:
+    """(checkpoint to resume from, its step), or (None, 0) to start fresh; raises UserError for anything unusable.
+
+    Runs before any model is built, so a bad `--resume-from-checkpoint` costs nothing and overwrites nothing.
+    """
+    if not resume:
+        return None, 0
+    if resume == LATEST:
+        pointer = checkpoint_dir / LATEST
+        if not pointer.is_file():
+            log.info("--resume-from-checkpoint latest: no checkpoint in %s yet, starting fresh", checkpoint_dir)
+            return None, 0
+        path = checkpoint_dir / pointer.read_text().strip()
+    else:
+        path = Path(resume)
+        if (path / LATEST).is_file():  # a checkpoint directory rather than one checkpoint
+            path = path / (path / LATEST).read_text().strip()
+    if not path.is_dir():
+        raise UserError(f"Checkpoint `{path}` does not exist. Check `--resume-from-checkpoint` (a checkpoint "
+                        "directory, its parent `ckpt.dir`, or `latest`).")
+    # `.metadata` is the index torch.distributed.checkpoint writes under megatron-core's torch_dist format.
+    for required in (STATE_FILE, f"{SHARDED_DIR}/.metadata", "rng"):
+        if not (path / required).exists():
+            raise UserError(f"Checkpoint `{path}` is incomplete or corrupted: `{path / required}` is missing. "
+                            "Resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.")
+    try:
+        state = torch.load(path / STATE_FILE, weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        raise UserError(f"Checkpoint file `{path / STATE_FILE}` cannot be read ({error}). It is corrupted; "
+                        "resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
+    saved = state.get("fingerprint") or {}
+    if saved.get("megatron_fsdp", False) != fingerprint["megatron_fsdp"]:
+        saved_by, this_run = ("Megatron-FSDP", "DDP") if saved.get("megatron_fsdp") else ("DDP", "Megatron-FSDP")
+        raise UserError(f"Checkpoint `{path}` was saved by a {saved_by} run and this run uses {this_run}; the two keep "
+                        "model and optimizer in different formats. Resume with the same `parallel.use_megatron_fsdp` "
+                        f"(`--parallel.use_megatron_fsdp={str(not fingerprint['megatron_fsdp']).lower()}`).")
+    if saved.get("lora") != fingerprint.get("lora"):
+        raise UserError(f"Checkpoint `{path}` was saved with {_describe_lora(saved)} and this run uses "
+                        f"{_describe_lora(fingerprint)}: LoRA adapters load only onto the base and settings they were "
+                        "trained with. Use the checkpoint's `model.path` and `peft.*` settings, or start a new "
+                        "`train.out_dir`.")
+    if saved != fingerprint:
+        raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
+                        f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
+                        "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
+    return path, state["step"]
+
+
+def _describe_lora(fingerprint: dict) -> str:
+    """A fingerprint's LoRA settings in words."""
+    settings = fingerprint.get("lora")
+    if settings is None:
+        return "full fine-tuning (no LoRA)"
+    base = ", ".join(f"{name} {size} B" for name, size in settings["base"])
+    return (f"LoRA rank {settings['rank']}, alpha {settings['alpha']:g}, dropout {settings['dropout']:g} on "
+            f"{', '.join(settings['target_modules'])} over a base of {base}")

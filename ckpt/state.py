@@ -1,0 +1,302 @@
+"""Model and optimizer state in each layout, and every rank's RNG: what a checkpoint's shards hold, saved and loaded.
+
+DDP: megatron-core `dist_checkpointing` (torch_dist format); Megatron-FSDP: its own DTensors through
+torch.distributed.checkpoint (fsdp_dtensor); LoRA: the adapters only (the frozen base is `model.path`). Both formats
+reshard over data parallelism.
+"""
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ckpt.failures import _underlying_error
+from ckpt.layout import SHARDED_DIR, STATE_FILE
+from ckpt.writer import WriteResults
+from config.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Each DP rank saves its optimizer shard as is; the format reshards over data parallelism (DP=2 -> DP=1).
+# ('fully_reshardable' would also reshard TP/PP, but megatron-core 0.19.2 cannot load it into torch's
+# AdamW, the optimizer used without TE/Apex: its loader expects a saved `step` tensor per parameter.)
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Megatron-FSDP checkpoints through torch.distributed.checkpoint with one DTensor per parameter and per
+# Adam moment, so they reshard over data parallelism too.
+FSDP_SHARDING = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+# Megatron-Bridge names every LoRA adapter's parameters `<layer>.adapter.<...>`.
+ADAPTER_KEY = ".adapter."
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    """Every RNG this process draws from."""
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` captured."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---------------------------------------------------------------- saving the model and optimizer
+
+
+def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, background: bool):
+    """Write model chunks and optimizer, sharded, into `directory`. Collective.
+
+    DDP goes through megatron-core's dist_checkpointing with its fully parallel strategy (replicated tensors written
+    by the data-parallel ranks in turn, not all by one). With `background`, only the plan is made here (collective)
+    and megatron-core's `AsyncRequest` is returned: its write runs in a forked process (`BackgroundSaves`), its
+    finalize functions write the index once every rank's part is on disk. Megatron-FSDP writes its DTensors through
+    torch.distributed.checkpoint, synchronously."""
+    if _uses_megatron_fsdp(chunks):
+        import torch.distributed.checkpoint as dcp
+
+        state, _ = _fsdp_state_dict(chunks, optimizer, is_loading=False)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+        return None
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
+                                                parallel_state.get_data_parallel_group(with_context_parallel=True))
+    with WriteResults.install().capturing():  # a synchronous save writes here
+        return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory),
+                                       strategy, async_sharded_save=background, async_strategy="mcore")
+
+
+def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
+    """megatron-core's sharded view of every model chunk and of the optimizer (DDP: dist_checkpointing format).
+
+    With LoRA, the adapters only: the frozen base is the run's `model.path`, loaded at start-up."""
+    model = {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}
+    if _uses_lora(chunks):
+        model = {name: _adapter_state(state) for name, state in model.items()}
+    optimizer_state = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+    return {**model, "optimizer": optimizer_state}
+
+
+def _fsdp_state_dict(chunks: list, optimizer, is_loading: bool) -> tuple[dict, set]:
+    """Megatron-FSDP's own view: every chunk's parameters and the optimizer state as DTensors sharded over DP.
+
+    The tensors are the live sharded main weights and Adam moments, so torch.distributed.checkpoint writes
+    them, or reads into them, in place. (For loading, megatron-core first gives the optimizer its state
+    with one zero-gradient step.) Also returns the names of the optimizer entries `_complete_optimizer_state` added.
+    """
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case
+
+    state = {}
+    for index, chunk in enumerate(chunks):
+        state[f"model{index}"] = chunk.state_dict()
+        handle_fp8_extra_state_case(state[f"model{index}"])  # TE's FP8 scaling metadata is not a weight
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_SHARDING)
+    added = _complete_optimizer_state(state["optimizer"], optimizer)
+    # Megatron-FSDP shards unevenly over DP: every DTensor learns its chunk's global offset, one
+    # all_gather_object per DTensor, in key order, so every rank must hold the same DTensor keys.
+    return preprocess_state_dict_for_uneven_dtensor(state), added
+
+
+def _complete_optimizer_state(optimizer_state: dict, optimizer) -> set:
+    """Give every parameter an optimizer-state entry on every rank, also where this rank's shard is empty.
+
+    Megatron-FSDP splits each bucket evenly over DP ranks, so a small parameter can fall wholly on
+    other ranks. Its local gradient is then None (megatron_fsdp's `update_main_grads`), the optimizer
+    never creates state for it here, and megatron-core's `sharded_param_state_fsdp_dtensor` lists only
+    the parameters that have state: ranks hold different DTensor keys, run different numbers of the
+    per-DTensor collectives above, and the save hangs (Megatron-LM issue #4910; not specific to gloo).
+    Empty DTensors of the right global shape make the keys agree; they hold no data, so they write nothing
+    and read nothing. Returns the names added, which the load drops again.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = optimizer_state["state"]
+    # The kinds of state tensors (exp_avg, exp_avg_sq, ...) and their dtypes; a rank may have none at all.
+    local_kinds = {key: value.dtype for entry in state.values() for key, value in entry.items()
+                   if isinstance(value, DTensor)}
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, local_kinds)
+    kinds = {key: dtype for rank_kinds in every_rank for key, dtype in rank_kinds.items()}
+    added = set()
+    for group in optimizer.optimizer.param_groups:
+        for param in group["params"]:
+            name = optimizer._param_name(param)  # the key megatron-core's state dict uses
+            if name not in state:
+                state[name] = {key: torch.zeros_like(param, dtype=dtype) for key, dtype in kinds.items()}
+                added.add(name)
+    return added
+
+
+def _estimated_save_bytes(policy, adapters_only: bool) -> int:
+    """Bytes of one checkpoint: the saved weights in their dtype (with LoRA the adapters only) plus 12 bytes per
+    trained parameter (the optimizer's fp32 main copy and Adam's two moments; measured: 16.3 bytes per parameter of
+    the fp32 tiny model). Collective: this rank's model shard, summed over every rank, over the data-parallel copies."""
+    from megatron.core import parallel_state
+
+    parameters = [param for chunk in policy.chunks for param in chunk.parameters()]
+    trained = [param for param in parameters if param.requires_grad]
+    saved = trained if adapters_only else parameters
+    local = sum(param.numel() * param.element_size() for param in saved) + 12 * sum(param.numel() for param in trained)
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    if dist.is_initialized():
+        total = total.cuda() if torch.cuda.is_available() else total
+        dist.all_reduce(total)
+    return int(total.item() / parallel_state.get_data_parallel_world_size())
+
+
+# ---------------------------------------------------------------- loading them
+
+
+def load(path: Path, chunks: list, optimizer) -> dict:
+    """Load model chunks, optimizer and this rank's RNG from a checkpoint; return the loop's saved state."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
+    # A truncated or corrupted shard: torch.distributed.checkpoint gathers every rank's failure (an EOFError, say) into
+    # one CheckpointException, raised on every rank alike (it derives from BaseException, not Exception).
+    except (Exception, CheckpointException) as error:
+        raise UserError(f"Checkpoint `{path}` cannot be loaded: {_damaged_shard(path / SHARDED_DIR)} "
+                        f"({_underlying_error(error)}). Resume from an earlier checkpoint with "
+                        "`--resume-from-checkpoint PATH`.") from None
+    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:  # resumed at another world size: this rank has no saved stream of its own
+        log.warning("checkpoint %s has no RNG state for rank %d; RNG streams restart from the seed", path, dist.get_rank())
+    return torch.load(path / STATE_FILE, weights_only=False)
+
+
+def _damaged_shard(directory: Path) -> str:
+    """Which shard file of a torch.distributed.checkpoint directory is missing or shorter than its index says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception as error:  # the index itself is unreadable
+        return f"its index `{directory / '.metadata'}` cannot be read ({type(error).__name__})"
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"its shard `{file}` is missing"
+        if file.stat().st_size < size:
+            return f"its shard `{file}` is truncated ({file.stat().st_size} of {size} bytes)"
+    return f"its model/optimizer shards in `{directory}` are corrupted"
+
+
+def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
+    """Read model chunks and optimizer written by `_save_model_and_optimizer`. Collective."""
+    if _uses_megatron_fsdp(chunks):
+        _load_fsdp(chunks, optimizer, directory)
+        return
+    from megatron.core import dist_checkpointing
+
+    _materialise_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(directory))
+    for index, chunk in enumerate(chunks):
+        if _uses_lora(chunks):
+            _load_adapters(chunk.module, loaded[f"model{index}"])
+        else:
+            chunk.module.load_state_dict(loaded[f"model{index}"])
+    # In fp32 the distributed optimizer's main parameters are views of the model's (leaf) parameters,
+    # which megatron-core's dp_reshardable loader copies into in place: not a differentiable operation.
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_step_counters(optimizer)
+
+
+def _load_fsdp(chunks: list, optimizer, directory: Path) -> None:
+    """Megatron-FSDP: read the DTensors in place, then make the loaded weights the ones the forward uses."""
+    import torch.distributed.checkpoint as dcp
+
+    state, added = _fsdp_state_dict(chunks, optimizer, is_loading=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    for name in added:  # this rank keeps no optimizer state for parameters it holds no part of
+        del state["optimizer"]["state"][name]
+    optimizer.load_state_dict(state["optimizer"])
+    for chunk in chunks:
+        # The load filled the sharded main weights; the forward all-gathers the separate compute-weight
+        # buffer (and keeps some units gathered between steps). Refresh both, as an optimizer step does,
+        # so the loaded weights are live from the very next forward, not only after the next step.
+        chunk.module.install_optimized_model_weights()
+        chunk.start_param_sync()
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer the state tensors a checkpoint is loaded into.
+
+    torch's AdamW (megatron-core's optimizer when neither TE nor Apex is installed) creates its state at
+    the first step, and the distributed optimizer's state_dict() needs it. One zero-gradient step
+    creates it, as megatron-core itself does for Megatron-FSDP; the load then overwrites every value.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(part, "_init_optimizer_states_with_dummy_values") and not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
+
+
+def _restore_step_counters(optimizer) -> None:
+    """Give every parameter its own, correct Adam step counter after a load.
+
+    With torch's AdamW (no TE/Apex), megatron-core 0.19.2 saves the step count in the param groups,
+    but after a dp_reshardable load the per-parameter `step` tensors AdamW reads keep the value of
+    the zero-gradient step above (and may be one tensor shared by all parameters, which AdamW would
+    increment once per parameter). Rebuild one tensor per parameter from the group's saved count.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype, device=state["step"].device)
+
+
+# ---------------------------------------------------------------- which layout
+
+
+def _uses_megatron_fsdp(chunks: list) -> bool:
+    """Whether the chunks are wrapped in Megatron-FSDP (which checkpoints through its DTensor path)."""
+    return bool(getattr(chunks[0], "ddp_config", None) and chunks[0].ddp_config.use_megatron_fsdp)
+
+
+def _uses_lora(chunks: list) -> bool:
+    """Whether the chunks carry LoRA adapters (checkpoints then hold the adapters, not the frozen base)."""
+    return any(ADAPTER_KEY in name for name, _ in chunks[0].named_parameters())
+
+
+def _adapter_state(sharded_state: dict) -> dict:
+    """The adapters' entries of a chunk's sharded state dict (Megatron-Bridge's own rule for PEFT checkpoints)."""
+    return {key: value for key, value in sharded_state.items() if ADAPTER_KEY in key and "_extra_state" not in key}
+
+
+def _load_adapters(module, state: dict) -> None:
+    """Load adapter tensors into a LoRA model; every key it has besides them must be a frozen base weight."""
+    result = module.load_state_dict(state, strict=False)
+    stray = [key for key in result.missing_keys if ADAPTER_KEY in key] + list(result.unexpected_keys)
+    if stray:
+        raise RuntimeError(f"the checkpoint's adapters do not match the model's: {stray[:4]}")

@@ -4,7 +4,7 @@ computed in one piece (as before) and in chunks (now), and with the entropy bonu
 Run: .venv/bin/python scripts/bench_loss_memory.py [--batch 4] [--seq 128] [--vocab 151936]
 
 One process (a tensor-parallel group of one, gloo on CPU; CUDA when there is a GPU). The logits stand for the
-model's output: an fp32 leaf tensor [batch, seq, vocab] that requires grad. `trainer.grpo.policy_loss` runs on them
+model's output: an fp32 leaf tensor [batch, seq, vocab] that requires grad. `trainer.grpo_update.policy_loss` runs on them
 with the default loss settings (`entropy_coef=0`, KL to reference log-probs given), then its backward. Every
 tensor the two allocate is counted through a TorchDispatchMode (each storage from its creation until it is freed),
 so the figure is the same on CPU and GPU: the peak of live bytes beyond the logits, and its ratio to the logits'
@@ -52,7 +52,7 @@ class PeakMemory(TorchDispatchMode):
 def measure(batch: dict, logits_shape: tuple, chunk_elements: int, device, entropy_coef: float = 0.0) -> dict:
     """Peak bytes of one loss + backward beyond the logits, with the entropy in pieces of `chunk_elements`."""
     from config.sections import GRPOSection
-    from trainer import grpo, grpo_math
+    from trainer import grpo_math, grpo_update as grpo
 
     grpo_math.ENTROPY_CHUNK_ELEMENTS = chunk_elements
     settings = grpo.LossSettings.from_config(GRPOSection(entropy_coef=entropy_coef))

@@ -18,7 +18,7 @@ from config.sections import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
 from tests.conftest import REPO, torchrun, torchrun_commands
-from trainer import grpo
+from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
@@ -28,6 +28,7 @@ GRPO_KEYS = {
     "grpo.tolerate_reward_errors", "grpo.overlong_buffer",
     "grpo.overlong_penalty", "grpo.mask_truncated", "grpo.entropy_coef",
     "grpo.tools", "grpo.environment", "grpo.max_turns", "grpo.max_tool_response_tokens", "grpo.tool_timeout",
+    "grpo.tool_workers", "grpo.tool_isolation",
 }
 
 

@@ -27,7 +27,7 @@ from data import rewards
 from data.arithmetic import generate_problems
 from model.parallel import free_port
 from tests.conftest import REPO, TORCHRUN, torchrun_commands, torchrun_env
-from trainer import grpo
+from trainer import grpo_sampling as grpo
 
 # Reward functions of the runs below, imported by the trainer as `fidelity_rewards:NAME`.
 REWARDS = (

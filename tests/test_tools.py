@@ -17,7 +17,7 @@ from data import rewards, tool_runner, tools
 from data.prompts import prompts_from_conversations
 from model import tiny
 from tests import tool_fixtures
-from trainer import grpo, rollout as rollout_data
+from trainer import grpo_sampling as grpo, rollout as rollout_data
 
 END = "<|im_end|>"
 

@@ -1,0 +1,91 @@
+"""What a GRPO step reports: its metrics.jsonl row (the update's loss figures, throughput, and the global figures of
+every completion sampled for it) and the few episodes shown in samples.jsonl."""
+
+from model import parallel
+from trainer import rollout
+from trainer.grpo_sampling import StepBatch
+
+SAMPLES_PER_LOG = 4
+
+
+def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: dict, seconds: float) -> dict:
+    """The step's metrics row: loss, learning rate, gradient norm and throughput first, then the step's rollouts' global
+    figures (`rollout_figures`), then the update's other figures (KL, entropy, clip fraction). Collective."""
+    totals = rollout_totals(step_batch)
+    global_totals = dict(zip(totals, parallel.data_parallel_sum(list(totals.values()))))
+    row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
+           "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / seconds,
+           "step_time_s": seconds, **rollout_figures(global_totals, step_batch, config, runtime)}
+    return {**row, **{key: value for key, value in update.items() if key not in ("loss", "grad_norm")}}
+
+
+def rollout_totals(step_batch: StepBatch) -> dict:
+    """This rank's sums over every episode sampled for the step (all rounds), and the batch's group and token counts."""
+    totals = {"count": 0, "reward": 0.0, "correct": 0, "errors": 0, "in_format": 0, "right_answer": 0,
+              "truncated": 0, "completion_tokens": 0, "sampled_tokens": 0, "penalty": 0.0, "groups": 0,
+              "tool_seconds": 0.0, **dict.fromkeys(rollout.totals([]), 0.0)}
+    for sampling_round in step_batch.rounds:
+        for key, value in (*sampling_round.scores.totals().items(), *rollout.totals(sampling_round.episodes).items()):
+            totals[key] += value
+        totals["count"] += len(sampling_round.episodes)
+        totals["truncated"] += sum(sampling_round.truncated)
+        totals["completion_tokens"] += sum(len(episode.ids) for episode in sampling_round.episodes)
+        totals["sampled_tokens"] += sum(sum(episode.sampled) for episode in sampling_round.episodes)
+        totals["penalty"] += sampling_round.penalty
+        totals["groups"] += len(sampling_round.kept)
+        totals["tool_seconds"] += sampling_round.tool_seconds
+    return {**totals, "zero_groups": step_batch.zero_advantage_groups, "kept_groups": step_batch.kept_groups,
+            "seconds": step_batch.seconds,
+            "all_tokens": sum(len(example.input_ids) for example in step_batch.examples)}
+
+
+def rollout_figures(total: dict, step_batch: StepBatch, config, runtime) -> dict:
+    """Reward, accuracy, answer-form and length figures of every completion sampled for the step, and the batch's
+    zero-advantage groups (with dynamic sampling, its rounds and kept share too), from the global `total`."""
+    count = total["count"]
+    figures = {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
+               "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
+               "response_len": total["completion_tokens"] / count,
+               "rollout_tokens_per_s": total["completion_tokens"] / step_batch.seconds,
+               "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
+               "zero_advantage_groups": int(total["zero_groups"]),
+               "truncated_rate": total["truncated"] / count}
+    if config.grpo.tools or config.grpo.environment:
+        figures.update(tool_metrics(total, count, runtime))
+    if config.grpo.overlong_buffer:
+        figures["overlong_penalty"] = total["penalty"] / count
+    if config.grpo.dynamic_sampling:
+        figures["sampling_rounds"] = len(step_batch.rounds)
+        figures["kept_group_rate"] = total["kept_groups"] / total["groups"]
+    return figures
+
+
+def tool_metrics(total: dict, count: float, runtime) -> dict:
+    """With tools: per-episode turns and calls, the share of episodes that called a tool, the failures' counts, the
+    sampled share of the episodes' tokens and the seconds spent in tools (per rank, like rollout_time_s)."""
+    return {"turns_per_episode": total["turns"] / count, "tool_calls_per_episode": total["tool_calls"] / count,
+            "tool_call_rate": total["episodes_with_calls"] / count, "tool_errors": int(total["tool_errors"]),
+            "tool_parse_errors": int(total["parse_errors"]), "tool_timeouts": int(total["tool_timeouts"]),
+            "tool_timeout_ends": int(total["timeout_ends"]), "unknown_tools": int(total["unknown_tools"]),
+            "max_turns_reached": int(total["max_turns_reached"]), "out_of_room": int(total["out_of_room"]),
+            "truncated_tool_responses": int(total["truncated_tool_responses"]),
+            "prompts_too_long": int(total["prompts_too_long"]),
+            "sampled_token_share": total["sampled_tokens"] / max(total["completion_tokens"], 1),
+            "tool_time_s": total["tool_seconds"] / runtime.dp_size}
+
+
+def sample_rows(step_batch: StepBatch, tokenizer, n_samples: int, toolset) -> list[dict]:
+    """A few of this rank's first-round episodes for samples.jsonl: the first of each prompt, then the second, ...;
+    with a toolset each also as its trajectory, in runs of what the policy sampled and what was appended."""
+    first_round = step_batch.rounds[0]
+    order = sorted(range(len(first_round.episodes)), key=lambda index: (index % n_samples, index // n_samples))
+    shown = []
+    for index in order[:SAMPLES_PER_LOG]:
+        episode = first_round.episodes[index]
+        shown.append({"prompt": tokenizer.decode(episode.prompt_ids, skip_special_tokens=True).strip(),
+                      "completion": episode.answer, "reward": first_round.scores.rewards[index],
+                      "reference": episode.prompt.reference})
+        if toolset is not None:
+            shown[-1].update(turns=episode.counts["turns"], tool_calls=episode.counts["tool_calls"],
+                             trajectory=rollout.trajectory(tokenizer, episode))
+    return shown

@@ -1,0 +1,210 @@
+"""A GRPO step's batch: which prompts it samples, its rounds of scored episodes, their groups' advantages, dynamic
+sampling's choice of groups, and what a failing reward function does to the run (`trainer/grpo.py` states the rules)."""
+
+import dataclasses
+import hashlib
+import time
+
+import torch
+
+from config.errors import UserError
+from data import batches, prompts as prompt_data, rewards
+from model import generate, parallel
+from trainer import grpo_math, rollout
+from trainer.metrics import log
+
+
+# ---------------------------------------------------------------- prompts and seeds
+
+
+def step_prompt_indices(num_prompts: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s prompts: a seeded shuffle per epoch, a pure function of the step (so resume is exact)."""
+    orders, indices = {}, []
+    for position in range((step - 1) * prompts_per_step, step * prompts_per_step):
+        epoch, offset = divmod(position, num_prompts)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        indices.append(orders[epoch][offset])
+    return indices
+
+
+def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
+    """Sampling seed of one step's generation round on one data-parallel rank (tensor-parallel ranks share it, as
+    generation requires); round 0 is every step's, later rounds are dynamic sampling's."""
+    suffix = f":{round_index}" if round_index else ""
+    digest = hashlib.sha256(f"rollout:{seed}:{step}:{dp_rank}{suffix}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, round_index: int,
+                         used: list[int]) -> list[int]:
+    """Dynamic sampling's `count` prompts for an extra round of a step: a seeded order, a pure function of (seed, step,
+    round), with the prompts `used` by the step's earlier rounds last, so none trains twice in a step while the set
+    has others; a set smaller than `count` wraps, as round 0 does across epochs, so every rank gets its share."""
+    generator = torch.Generator().manual_seed(rollout_seed(seed, step, -1, round_index))
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    taken = set(used)
+    order = [index for index in order if index not in taken] + [index for index in order if index in taken]
+    return [order[position % num_prompts] for position in range(count)]
+
+
+def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list[prompt_data.Prompt]:
+    """This rank's distinct prompts of one round: the step's share of the epoch's shuffle (round 0), or a seeded
+    draw (dynamic sampling's extra rounds); pure functions of (train.seed, step, round), so resume is exact."""
+    per_rank = config.train.global_batch_size // config.grpo.n_samples // runtime.dp_size
+    count, seed = per_rank * runtime.dp_size, config.train.seed
+    indices = step_prompt_indices(len(prompts), count, step, seed)
+    used = list(indices)
+    for earlier_round in range(1, round_index + 1):  # the step's earlier rounds on every rank: pure functions, recomputed
+        indices = extra_prompt_indices(len(prompts), count, seed, step, earlier_round, used)
+        used += indices
+    return [prompts[index] for index in indices[runtime.dp_rank * per_rank : (runtime.dp_rank + 1) * per_rank]]
+
+
+# ---------------------------------------------------------------- rounds and the step's batch
+
+
+@dataclasses.dataclass
+class Round:
+    """One generation round on this rank: groups of `grpo.n_samples` consecutive episodes, scored."""
+
+    episodes: list[rollout.Episode]
+    truncated: list[bool]  # cut at grpo.max_new_tokens (no end id)
+    scores: rewards.Scores
+    penalty: float  # the overlong penalties' sum (0 without grpo.overlong_buffer)
+    advantages: torch.Tensor  # [groups, samples]
+    equal: torch.Tensor  # [groups]: all rewards of the group alike (zero advantage)
+    kept: torch.Tensor  # [groups]: dynamic sampling keeps the group (it varies in grpo.filter_metric)
+    seconds: float  # generating (tools included)
+    tool_seconds: float
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's rollouts on this rank: the batch it trains on (groups of `grpo.n_samples` consecutive rows) and
+    every round sampled for it (with dynamic sampling, more than one, and groups left out of the batch)."""
+
+    examples: list[batches.Example]  # prompt + completion ids; the loss mask covers the trained completion tokens
+    advantages: torch.Tensor  # [completions]
+    zero_advantage_groups: int  # in the batch
+    kept_groups: int  # in the batch, groups dynamic sampling keeps (all of them but the fill-ins)
+    rounds: list[Round]
+
+    @property
+    def seconds(self) -> float:
+        """Time spent generating this step's completions."""
+        return sum(sampling_round.seconds for sampling_round in self.rounds)
+
+
+def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], config, step: int, round_index: int,
+                 runtime, reward) -> Round:
+    """Sample `grpo.n_samples` episodes of each prompt, score them (reward, overlong penalty) and compute group advantages."""
+    grpo = config.grpo
+    sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
+                                 rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
+    start = time.perf_counter()
+    episodes, tool_seconds = episode_sampler.run(policy.generator, prompts, samples=grpo.n_samples,
+                                                 max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+    seconds = time.perf_counter() - start
+    scores = rollout.score(reward, episodes, grpo.format_bonus)
+    shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
+    penalty = 0.0
+    if grpo.overlong_buffer:  # the budget bounds the whole episode, so its length counts every token after the prompt
+        penalties = grpo_math.overlong_penalty(torch.tensor([len(episode.ids) for episode in episodes]),
+                                               grpo.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
+        shaped, penalty = shaped + penalties, float(penalties.sum())
+    advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
+    kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
+    truncated = [policy.generator.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
+    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds)
+
+
+def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, metric: str) -> torch.Tensor:
+    """Which groups dynamic sampling keeps: those whose accuracy varies (DAPO: all right or all wrong teaches
+    nothing), not those that differ only in the shaping (overlong penalty, format bonus); `metric=reward` keeps those
+    whose shaped reward varies. A group of equal rewards (zero advantage) is never kept."""
+    # shaped: [episodes]; equal: [groups]
+    values = shaped if metric == "reward" else torch.tensor(correct, dtype=torch.float32)
+    grouped = values.view(equal.numel(), -1)  # [groups, samples]
+    return (grouped.amax(dim=1) != grouped.amin(dim=1)) & ~equal  # [groups]
+
+
+def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
+    """(round, group) of this rank's batch, in sampling order: the first `wanted` groups kept, then, only if the
+    rounds ran out, the first groups dropped. With one round of `wanted` groups that is every group, in order."""
+    groups = [(round_index, group) for round_index, sampling_round in enumerate(rounds)
+              for group in range(len(sampling_round.kept))]
+    kept = [(round_index, group) for round_index, group in groups if rounds[round_index].kept[group]]
+    dropped = [(round_index, group) for round_index, group in groups if not rounds[round_index].kept[group]]
+    return sorted(kept[:wanted] + dropped[: max(0, wanted - len(kept))])
+
+
+def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward) -> StepBatch:
+    """This rank's batch of the step: one round of rollouts, or with `grpo.dynamic_sampling` as many rounds (at most
+    `grpo.max_sampling_rounds`) as the data-parallel ranks need to fill their batches with groups that carry signal.
+
+    Every rank runs every round (the ranks agree on the count, one all-reduce per round), so generation's
+    collectives under Megatron-FSDP stay matched."""
+    grpo = config.grpo
+    wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
+    rounds = [sample_round(policy, episode_sampler, round_prompts(prompts, config, step, 0, runtime), config, step, 0,
+                           runtime, reward)]
+    while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
+        short = max(0, wanted - sum(int(sampling_round.kept.sum()) for sampling_round in rounds))
+        if parallel.data_parallel_sum([short])[0] == 0:
+            break
+        round_index = len(rounds)
+        rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
+                                   config, step, round_index, runtime, reward))
+    examples, advantages, zero_advantage_count, kept_count = [], [], 0, 0
+    for round_index, group in select_groups(rounds, wanted):
+        sampling_round = rounds[round_index]
+        zero_advantage_count += int(sampling_round.equal[group])
+        kept_count += int(sampling_round.kept[group])
+        advantages.append(sampling_round.advantages[group])
+        for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
+            episode = sampling_round.episodes[row]
+            trained = 0 if grpo.mask_truncated and sampling_round.truncated[row] else 1
+            # Only sampled tokens are trained: appended ones (tool messages) have mask 0, so no term of the loss
+            # sees them and every normaliser that counts tokens counts sampled ones.
+            examples.append(batches.Example(episode.prompt_ids + episode.ids,
+                                            [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
+    return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds)
+
+
+# ---------------------------------------------------------------- reward failures
+
+
+class RewardFailures:
+    """What the reward function failed on, said: the first failure of each kind (exception type) once, with the
+    function, the exception and the completion; and a step on which it failed on every completion stops the run with
+    a paragraph (every reward would be 0: a flat curve, nothing learned), unless `grpo.tolerate_reward_errors`."""
+
+    def __init__(self, config, runtime):
+        self.config, self.runtime, self.reported = config, runtime, set()
+
+    def check(self, step_batch: StepBatch, step: int) -> None:
+        """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed)."""
+        local_errors = sum(sampling_round.scores.errors for sampling_round in step_batch.rounds)
+        local_count = sum(len(sampling_round.episodes) for sampling_round in step_batch.rounds)
+        errors, count = parallel.data_parallel_sum([local_errors, local_count])
+        if errors == 0:
+            return
+        failures = {}
+        local_failures = {kind: text for sampling_round in step_batch.rounds
+                          for kind, text in sampling_round.scores.failures.items()}
+        for rank_failures in parallel.data_parallel_gather(local_failures):
+            for kind, text in rank_failures.items():
+                failures.setdefault(kind, text)
+        if errors == count and not self.config.grpo.tolerate_reward_errors:
+            raise UserError(
+                f"The reward function `grpo.reward={self.config.grpo.reward}` failed on every one of the {int(count)} "
+                f"completions of step {step}, so every reward would be 0 and the run would learn nothing: "
+                f"{'; '.join(failures.values())}. A reward function takes (completion, reference) strings and returns "
+                "a number (1.0: full marks); fix it, or set `--grpo.tolerate_reward_errors=true` to train on anyway.")
+        for kind in sorted(set(failures) - self.reported):
+            if self.runtime.is_main:
+                log.warning("step %d: the reward function failed on %d of %d completions, each scored 0; the first "
+                            "%s failure: %s (said once per kind of failure; `reward_errors` counts them every step)",
+                            step, int(errors), int(count), kind, failures[kind])
+            self.reported.add(kind)

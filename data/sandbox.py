@@ -48,6 +48,7 @@ LAUNCHER = r'''
 import ctypes, json, os, resource, signal, struct, sys, time, types
 
 settings = json.loads(sys.argv[1])
+caller = os.getppid()
 libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 1, 38, 8, 36
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
@@ -87,6 +88,9 @@ def supervise():
                 time.sleep(0.01)
         except ChildProcessError:  # none left
             break
+    if os.getppid() != caller:  # the caller was killed (a tool worker at grpo.tool_timeout): nobody else removes it
+        import shutil
+        shutil.rmtree(os.path.dirname(settings["path"]), ignore_errors=True)
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # die of the worker's signal, so the trainer reads it from the exit status
         if code != -signal.SIGKILL:

@@ -219,3 +219,25 @@ def test_no_network_in_its_own_namespace():
         pytest.skip("the OS refused a network namespace")
     result = python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
     assert result.startswith("OSError: [Errno 101] Network is unreachable")
+
+
+def test_a_tool_worker_killed_mid_program_leaves_no_process_and_no_directory(no_leftovers):
+    """`grpo.tool_timeout` kills the worker process running the sandbox: the program and its directory go with it."""
+    import glob
+    import tempfile
+
+    from data import tool_runner
+
+    pattern = os.path.join(tempfile.gettempdir(), "sandbox-*")
+    before = set(glob.glob(pattern))
+    runner = tool_runner.ToolRunner(timeout=1.0, workers=1, isolation="process", preload=["data.sandbox:python"])
+    try:
+        job = tool_runner.Job([("python", python, "data.sandbox:python", {"code": "import time\ntime.sleep(60)"})],
+                              False, ["python"])
+        assert [outcome.kind for outcome in runner.run([job])[0]] == ["timeout"]
+        deadline = time.monotonic() + 5
+        while set(glob.glob(pattern)) - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(glob.glob(pattern)) - before == set()  # and `no_leftovers` checks the processes
+    finally:
+        runner.close()

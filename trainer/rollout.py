@@ -35,7 +35,7 @@ from data import prompts as prompt_data, rewards, tool_runner, tools as tool_dat
 from model import generate, parallel
 
 log = logging.getLogger(__name__)
-# A tool call's outcome (`data.tools.OUTCOMES`) -> the counter it adds to.
+# A tool call's outcome (`data.tool_runner.Outcome.kind`) -> the counter it adds to.
 FAILURES = {"error": "tool_errors", "timeout": "tool_timeouts", "unknown_tool": "unknown_tools"}
 
 # Per-episode counters of tool use, summed over a step's episodes for metrics.jsonl.

@@ -32,6 +32,9 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # megatron-core 0.19.2's recompute_modules that the model families this trainer builds have. Left out: `moe_act`
 # (needs grouped-GEMM experts), `mla_up_proj` (multi-latent attention), `gdn_norm_out` (gated delta nets).
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+# `model.path` names of the embedded models, built offline on first use (model/tiny.py): the default dense Qwen2 and
+# a Qwen3-MoE of the same size class for expert parallelism and routing replay.
+EMBEDDED_MODELS = ("tiny", "tiny-moe")
 # The reward whose full marks are the held-out accuracy of SFT, and GRPO's default reward.
 DEFAULT_REWARD = "arithmetic"
 
@@ -52,7 +55,7 @@ def have_wandb() -> bool:
 
 @dataclass
 class ModelConfig:
-    path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or `tiny` (the embedded default, built offline on first use)"})
+    path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or an embedded model built offline on first use: `tiny` (the default, a ~1M parameter Qwen2) | `tiny-moe` (a Qwen3-MoE, 8 experts, top-2)"})
     dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
     attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | selective (model.recompute_modules) | full (whole layers)"})
@@ -66,6 +69,8 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree (divides the attention and KV heads)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (divides the layers)"})
     vpp: int = field(default=1, metadata={"help": "virtual pipeline stages per PP rank (interleaved 1F1B when > 1)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel degree of Mixture-of-Experts models: each rank holds num_experts / ep of every MoE layer's experts and tokens are exchanged with its peers (divides the experts and the data-parallel size x tp / etp)"})
+    etp: int = field(default=0, metadata={"help": "expert tensor-parallel degree: each expert's weights split over this many ranks (0: megatron-core's default, parallel.tp)"})
     sequence_parallel: bool = field(default=True, metadata={"help": "with tp > 1, split norms, dropout and residuals along the sequence over the TP group (no effect at tp=1)"})
     use_megatron_fsdp: bool = field(default=False, metadata={"help": "shard params, grads and optimizer state with Megatron-FSDP"})
     use_distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state across data-parallel ranks (ZeRO-1)"})
@@ -326,8 +331,8 @@ class TrainerConfig:
                  "recompute. Remove `layernorm` from `--model.recompute_modules`, or use `--model.attention=sdpa`.")
 
     def _model_path_exists_now(self) -> bool:
-        """Whether `model.path` must already be an HF directory at start-up (`tiny` is built on first use)."""
-        return self.model.path != "tiny"
+        """Whether `model.path` must already be an HF directory at start-up (the embedded models are built on first use)."""
+        return self.model.path not in EMBEDDED_MODELS
 
     def _validate_parallel(self, world_size: int) -> None:
         parallel = self.parallel

@@ -16,7 +16,7 @@ import torch
 
 from config.errors import UserError
 from config import outputs
-from config.sections import have_transformer_engine
+from config.sections import EMBEDDED_MODELS, have_transformer_engine
 from model import lora, parallel, rules
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,12 @@ HAVE_TRANSFORMER_ENGINE = have_transformer_engine()
 
 
 def resolve_model_path(config) -> Path:
-    """`model.path`: `tiny` is the embedded default (built offline on first use), else an HF directory; its shape
-    is checked against the parallel layout before anything is built."""
-    if config.model.path == "tiny":
+    """`model.path`: an embedded model (`tiny`, `tiny-moe`: built offline on first use), else an HF directory; its
+    shape is checked against the parallel layout before anything is built."""
+    if config.model.path in EMBEDDED_MODELS:
         from model.tiny import ensure_tiny_checkpoint
 
-        path = ensure_tiny_checkpoint()
+        path = ensure_tiny_checkpoint(name=config.model.path)
     else:
         path = Path(config.model.path)
     config.validate_model_shape(path)

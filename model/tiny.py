@@ -1,4 +1,5 @@
-"""The embedded default model: a ~1M parameter Qwen2 with its own arithmetic tokenizer, built offline.
+"""The embedded default models, built offline with their own arithmetic tokenizer: `tiny`, a ~1M parameter Qwen2, and
+`tiny-moe`, a ~2M parameter Qwen3-MoE (8 experts, top-2, every layer sparse) for expert parallelism and routing replay.
 
 The same recipe also builds a random-weight model of Qwen2.5-0.5B's shape for the GPU check.
 
@@ -87,6 +88,24 @@ MODEL_CONFIG = {
     "use_sliding_window": False,
     "dtype": "float32",
 }
+# Qwen3-30B-A3B's shape family (Qwen3-MoE: per-head q/k norms, every layer's MLP a routed mixture of experts with
+# normalised top-k weights), scaled down to the tiny model's attention; `intermediate_size` is unused (no dense layer).
+MOE_MODEL_CONFIG = {
+    **{key: value for key, value in MODEL_CONFIG.items() if key not in ("use_sliding_window", "tie_word_embeddings")},
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 96,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+}
+# `model.path` names of the embedded models: the HF config and model classes and the shape each is built with.
+EMBEDDED = {
+    "tiny": ("Qwen2Config", "Qwen2ForCausalLM", MODEL_CONFIG, "tiny-qwen2"),
+    "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_MODEL_CONFIG, "tiny-qwen3-moe"),
+}
 # Embedding rows are split across tensor-parallel ranks, so the padded vocab must divide evenly.
 VOCAB_MULTIPLE = 64
 
@@ -148,12 +167,15 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return wrapped
 
 
-def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> None:
-    """Write the tokenizer, config and seeded weights of the tiny model (or another shape) into `directory`."""
+def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG, vocab_size: int | None = None,
+                     classes: tuple[str, str] = ("Qwen2Config", "Qwen2ForCausalLM")) -> None:
+    """Write the tokenizer, config and seeded weights of the tiny model (or another shape and family: `classes` names
+    the transformers config and model classes) into `directory`."""
+    config_class, model_class = (getattr(transformers, name) for name in classes)
     tokenizer = build_tokenizer()
     vocab_size = vocab_size or math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     end_of_turn = tokenizer.convert_tokens_to_ids(TURN_END)
-    config = transformers.Qwen2Config(
+    config = config_class(
         **model_config,
         vocab_size=vocab_size,
         eos_token_id=end_of_turn,
@@ -163,17 +185,19 @@ def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG,
     # Seed a forked RNG so building the model never shifts the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHT_SEED)
-        model = transformers.Qwen2ForCausalLM(config).to(getattr(torch, model_config["dtype"]))
+        model = model_class(config).to(getattr(torch, model_config["dtype"]))
     model.generation_config = transformers.GenerationConfig(eos_token_id=end_of_turn, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory, safe_serialization=True)
     # Keep the chat template inside tokenizer_config.json, where older readers look for it.
     tokenizer.save_pretrained(directory, save_jinja_files=False)
 
 
-def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Return the directory of the tiny Hugging Face checkpoint, building it once per recipe."""
+def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None, name: str = "tiny") -> pathlib.Path:
+    """Return the directory of the embedded Hugging Face checkpoint `name` (`EMBEDDED`), building it once per recipe."""
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else process.cache_dir()
-    return _ensure_built(cache_dir / f"tiny-qwen2-{recipe_hash()}", lambda directory: build_checkpoint(directory))
+    config_class, model_class, model_config, prefix = EMBEDDED[name]
+    return _ensure_built(cache_dir / f"{prefix}-{recipe_hash(model_config)}",
+                         lambda directory: build_checkpoint(directory, model_config, classes=(config_class, model_class)))
 
 
 def ensure_qwen2_0p5b_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

@@ -101,11 +101,8 @@ MOE_MODEL_CONFIG = {
     "router_aux_loss_coef": 0.001,
     "tie_word_embeddings": False,
 }
-# `model.path` names of the embedded models: the HF config and model classes and the shape each is built with.
-EMBEDDED = {
-    "tiny": ("Qwen2Config", "Qwen2ForCausalLM", MODEL_CONFIG, "tiny-qwen2"),
-    "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_MODEL_CONFIG, "tiny-qwen3-moe"),
-}
+# `model.path` names of the embedded models: the cache directory's prefix and the shape each is built with.
+EMBEDDED = {"tiny": ("tiny-qwen2", MODEL_CONFIG), "tiny-moe": ("tiny-qwen3-moe", MOE_MODEL_CONFIG)}
 # Embedding rows are split across tensor-parallel ranks, so the padded vocab must divide evenly.
 VOCAB_MULTIPLE = 64
 
@@ -167,11 +164,11 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return wrapped
 
 
-def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG, vocab_size: int | None = None,
-                     classes: tuple[str, str] = ("Qwen2Config", "Qwen2ForCausalLM")) -> None:
-    """Write the tokenizer, config and seeded weights of the tiny model (or another shape and family: `classes` names
-    the transformers config and model classes) into `directory`."""
-    config_class, model_class = (getattr(transformers, name) for name in classes)
+def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> None:
+    """Write the tokenizer, config and seeded weights of the tiny model (or another shape: a Qwen3-MoE when
+    `model_config` names experts) into `directory`."""
+    family = "Qwen3Moe" if "num_experts" in model_config else "Qwen2"
+    config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
     tokenizer = build_tokenizer()
     vocab_size = vocab_size or math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     end_of_turn = tokenizer.convert_tokens_to_ids(TURN_END)
@@ -195,9 +192,10 @@ def build_checkpoint(directory: pathlib.Path, model_config: dict = MODEL_CONFIG,
 def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None, name: str = "tiny") -> pathlib.Path:
     """Return the directory of the embedded Hugging Face checkpoint `name` (`EMBEDDED`), building it once per recipe."""
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else process.cache_dir()
-    config_class, model_class, model_config, prefix = EMBEDDED[name]
+    prefix, model_config = EMBEDDED[name]
+    shape = () if model_config is MODEL_CONFIG else (model_config,)
     return _ensure_built(cache_dir / f"{prefix}-{recipe_hash(model_config)}",
-                         lambda directory: build_checkpoint(directory, model_config, classes=(config_class, model_class)))
+                         lambda directory: build_checkpoint(directory, *shape))
 
 
 def ensure_qwen2_0p5b_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

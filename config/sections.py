@@ -25,8 +25,18 @@ KL_ESTIMATORS = ("k1", "k3")
 IMPORTANCE_RATIOS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 FILTER_METRICS = ("accuracy", "reward")  # what dynamic sampling's groups must vary in (trainer/grpo.py)
+ROLLOUT_CORRECTIONS = ("none", "tis")  # grpo.rollout_correction (trainer/grpo_update.py)
 TOOL_ISOLATIONS = ("process", "thread")  # where a plain-function tool call runs (data/tool_runner.py)
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
+# megatron-core's MoE token dispatchers that run without extra kernels (`flex` needs DeepEP or HybridEP).
+MOE_DISPATCHERS = ("alltoall", "allgather")
+# The MoE router's settings (`model.moe_*`): megatron-core's load-balancing losses (its moe_router_load_balancing_type
+# names), the router's compute dtypes, and `default` for the checkpoint's own (Megatron-Bridge's provider) value.
+MOE_AUX_LOSS_TYPES = ("default", "aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_ROUTER_DTYPES = ("default", "fp32", "fp64")
+MOE_ROUTER_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_type", "moe_z_loss_coeff", "moe_router_dtype", "moe_freeze_router")
+# Where an HF config.json holds the routed experts per MoE layer: Qwen2/3-MoE; Mixtral and gpt-oss; DeepSeek and Kimi.
+HF_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 RECOMPUTE_NAMES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # megatron-core 0.19.2's recompute_modules that the model families this trainer builds have. Left out: `moe_act`
@@ -62,6 +72,12 @@ class ModelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata={"help": "selective: submodules recomputed in backward: core_attn | mlp | moe | shared_experts | layernorm (needs Transformer Engine)"})
     recompute_method: str = field(default="uniform", metadata={"help": "full: uniform (every layer, in groups of recompute_num_layers) | block (the first recompute_num_layers of each stage)"})
     recompute_num_layers: int = field(default=1, metadata={"help": "full: layers per recomputed group (uniform) or recomputed layers per pipeline stage (block)"})
+    moe_dispatcher: str = field(default="alltoall", metadata={"help": "Mixture-of-Experts token dispatcher (megatron-core's moe_token_dispatcher_type): alltoall (each token sent only to the expert-parallel ranks holding its experts) | allgather (every rank gathers every token)"})
+    moe_aux_loss_coeff: float | None = field(default=None, metadata={"help": "MoE: weight of the auxiliary load-balancing loss (unset: the checkpoint's, 1e-3 for Qwen3-MoE; GRPO's default 0: off, as verl and NeMo-RL run RL; slime's scripts 0)"})
+    moe_aux_loss_type: str = field(default="default", metadata={"help": "MoE: which load-balancing loss: default (the checkpoint's, aux_loss for Qwen3-MoE) | aux_loss (per micro-batch) | seq_aux_loss (per sequence, DeepSeek's) | global_aux_loss (over the global batch) | none (NeMo-RL's for RL)"})
+    moe_z_loss_coeff: float | None = field(default=None, metadata={"help": "MoE: weight of the router z-loss, which keeps the router's logits small (unset or 0: off, as in every peer's RL defaults)"})
+    moe_router_dtype: str = field(default="default", metadata={"help": "MoE: dtype of the router's logits, top-k and softmax: default (the checkpoint's; Qwen3-MoE: the model's dtype) | fp32 | fp64 (NeMo-RL's for RL)"})
+    moe_freeze_router: bool = field(default=False, metadata={"help": "MoE: the router's weights take no gradient and never change (NeMo-RL's freeze_moe_router, on in its RL recipes; expert-bias updates stop too)"})
 
 
 @dataclass
@@ -78,6 +94,15 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """Processes per model replica are tp x pp; the rest is data parallelism."""
         return world_size // (self.tp * self.pp)
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """Ranks each expert's weights are split over: `etp`, or megatron-core's default (`tp`) when it is 0."""
+        return self.etp or self.tp
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Copies of each expert: the processes left after etp x ep x pp (megatron-core's expert grid)."""
+        return world_size // (self.expert_tensor_parallel_size * self.ep * self.pp)
 
     @property
     def uses_sequence_parallel(self) -> bool:
@@ -215,6 +240,9 @@ class GRPOSection:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts (log-probs use the same)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass of rollouts (1: off)"})
     top_k: int = field(default=0, metadata={"help": "sample rollouts from the k most likely tokens (0: off)"})
+    routing_replay: bool = field(default=True, metadata={"help": "Mixture-of-Experts policies: the training forwards that score a rollout's tokens (pi_old's and the policy's; not the KL reference's) route each token to the experts it took in the rollout (megatron-core's RouterReplay), so both sides run the same experts; `moe_route_mismatch` is logged either way (dense models: no effect)"})
+    rollout_correction: str = field(default="none", metadata={"help": f"correct the gap between the sampler's and the training forward's log-probs: {' | '.join(ROLLOUT_CORRECTIONS)} (tis: each token's policy-gradient term weighted by pi_old / pi_sampler, truncated at grpo.rollout_correction_cap, as verl's rollout_is and TRL's vllm_importance_sampling_correction)"})
+    rollout_correction_cap: float = field(default=2.0, metadata={"help": "with rollout_correction=tis, the largest weight (verl's rollout_is_threshold 2.0)"})
     tools: list[str] = field(default_factory=list, metadata={"help": "tools the policy may call in its rollouts, each a typed, documented function as module:function (schema from its signature and docstring; docs/tools.md)"})
     environment: str = field(default="", metadata={"help": "a stateful task as module:Class: one instance per episode, reset(row) first, its public methods the tools, an optional reward() added to grpo.reward's score"})
     max_turns: int = field(default=4, metadata={"help": "with tools, at most this many assistant turns per episode (a tool call in the last is not run)"})
@@ -282,6 +310,14 @@ class TrainerConfig:
                  f"holds ({layers} layers over `parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}`); with "
                  f"`model.recompute_method={model.recompute_method}` that recomputes no more than {per_chunk}. "
                  f"Set `--model.recompute_num_layers` between 1 and {per_chunk}.")
+        router_keys = self._moe_router_keys_set()
+        _require(hf_expert_count(hf) or not router_keys,
+                 f"{', '.join(f'`{key}`' for key in router_keys)} {'sets' if len(router_keys) == 1 else 'set'} the router "
+                 f"of a Mixture-of-Experts model, and `model.path={self.model.path}` is a dense model (its config.json "
+                 f"names no experts: none of {', '.join(HF_EXPERT_KEYS)}), which has no router, so "
+                 f"{'it' if len(router_keys) == 1 else 'they'} would do nothing. Remove "
+                 f"{'it' if len(router_keys) == 1 else 'them'}, or point `--model.path` at an MoE checkpoint (`tiny-moe` "
+                 "is the embedded one).")
 
     def _validate_model(self) -> None:
         model = self.model
@@ -292,8 +328,35 @@ class TrainerConfig:
                  "`model.attention=transformer_engine` needs Transformer Engine, which is not installed. "
                  "Use `--model.attention=auto` (SDPA without it), or install it (README, GPUs).")
         self._validate_recompute()
+        self._validate_moe_router()
         if self._model_path_exists_now():
             self.validate_model_shape(Path(model.path))
+
+    def _validate_moe_router(self) -> None:
+        """The `model.moe_*` router settings, before any model is built (whether the model has experts: validate_model_shape)."""
+        model = self.model
+        for key, allowed in (("moe_aux_loss_type", MOE_AUX_LOSS_TYPES), ("moe_router_dtype", MOE_ROUTER_DTYPES)):
+            _require(getattr(model, key) in allowed, f"`model.{key}={getattr(model, key)}` is not one of "
+                     f"{', '.join(allowed)}. Change `--model.{key}`.")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(model, key)
+            _require(value is None or value >= 0, f"`model.{key}` must be 0 (off) or more, got {value}: it weighs a loss "
+                     f"added to the training loss. Change `--model.{key}`, or leave it unset for the checkpoint's value.")
+        coeff, loss_type = model.moe_aux_loss_coeff, model.moe_aux_loss_type
+        _require(not (loss_type == "none" and coeff), f"`model.moe_aux_loss_coeff={coeff}` weighs a load-balancing loss, "
+                 "but `model.moe_aux_loss_type=none` computes none, so the coefficient would do nothing. Set "
+                 "`--model.moe_aux_loss_coeff=0` (or leave it unset), or choose a loss with `--model.moe_aux_loss_type` "
+                 "(aux_loss, seq_aux_loss, global_aux_loss).")
+        _require(not (loss_type not in ("default", "none") and coeff == 0),
+                 f"`model.moe_aux_loss_type={loss_type}` chooses a load-balancing loss, but `model.moe_aux_loss_coeff=0` "
+                 "switches it off (GRPO's default), so the type would do nothing. Set `--model.moe_aux_loss_coeff` "
+                 "above 0 (1e-3 is Qwen3-MoE's), or remove `--model.moe_aux_loss_type`.")
+
+    def _moe_router_keys_set(self) -> list[str]:
+        """The `model.moe_*` router settings this run changes from its loop's defaults, as `key=value`."""
+        defaults = type(self)().model
+        return [f"model.{key}={getattr(self.model, key)}" for key in MOE_ROUTER_KEYS
+                if getattr(self.model, key) != getattr(defaults, key)]
 
     def _validate_recompute(self) -> None:
         model = self.model
@@ -471,7 +534,9 @@ BUNDLED_STARTS = {DEFAULT_GRPO_START: None, "outputs/sft-tools/hf": "sft_tools"}
 class GRPOConfig(TrainerConfig):
     """`trainer.grpo`: the shared sections with GRPO's defaults, and the `grpo` section."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START))
+    # No load-balancing loss in RL (verl's and NeMo-RL's MoE defaults; slime's scripts set 0): it pulls the router
+    # towards balance rather than reward, and NeMo-RL saw seq_aux_loss make the log-prob errors diverge.
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START, moe_aux_loss_coeff=0.0))
     # A constant rate after warmup (the decay ends at optim.lr), the default SFT's final rate.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr_ratio=1.0, warmup_steps=5))
     # 64 prompts a step: with 32 the `#### N` form is learned about as fast, but the noisier steps damage the
@@ -497,7 +562,10 @@ class GRPOConfig(TrainerConfig):
         _require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
         _require(grpo.n_samples >= 2,
                  f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
+        _require(grpo.rollout_correction_cap >= 1.0, f"`grpo.rollout_correction_cap` must be at least 1 (a weight cap below "
+                 f"1 would shrink every token's gradient), got {grpo.rollout_correction_cap}. Change `--grpo.rollout_correction_cap`.")
         for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS), ("filter_metric", FILTER_METRICS),
+                             ("rollout_correction", ROLLOUT_CORRECTIONS),
                              ("tool_isolation", TOOL_ISOLATIONS), ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
             _require(getattr(grpo, key) in allowed,
                      f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
@@ -566,6 +634,11 @@ def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
         return json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError) as error:
         raise UserError(f"`{config_file}` is not valid JSON ({error}). Fix the file or point `--{key}` elsewhere.") from None
+
+
+def hf_expert_count(hf: dict) -> int:
+    """Routed experts per MoE layer of an HF config.json (0: a dense model)."""
+    return next((int(hf[key]) for key in HF_EXPERT_KEYS if hf.get(key)), 0)
 
 
 def _check_override_keys(overrides: dict, config_class, key: str) -> None:

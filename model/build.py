@@ -17,7 +17,7 @@ import torch
 from config.errors import UserError
 from config import outputs
 from config.sections import EMBEDDED_MODELS, have_transformer_engine
-from model import lora, parallel, rules
+from model import lora, moe, parallel, rules
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +99,33 @@ def _layer_spec(name: str):
 
 
 def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
-                       attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None):
+                       attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None,
+                       ep: int = 1, etp: int | None = None, moe_dispatcher: str = "alltoall",
+                       moe_router: dict | None = None):
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
 
+    `ep`/`etp` are the expert-parallel and expert tensor-parallel degrees (`etp=None`: megatron-core's default, `tp`);
+    `moe_dispatcher` is megatron-core's token dispatcher for a Mixture-of-Experts model (a dense one ignores both).
+
+    `moe_router` (`rules.moe_router_overrides`) sets a Mixture-of-Experts model's router; a dense model has none.
     `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
     passes `rules.transformer_overrides(config)` there (sequence parallelism, recomputation).
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider)
+    # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
+    # set it routes as without, so it costs nothing until GRPO records or replays routes.
+    provider.moe_enable_routing_replay = bool(getattr(provider, "num_moe_experts", None))
     spec_name = layer_spec_name(attention)
     provider.transformer_layer_spec = _layer_spec(spec_name)
     log.info("layer spec: %s", spec_name)
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.virtual_pipeline_model_parallel_size = vpp
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = etp
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_token_dispatcher_type = moe_dispatcher
     # Off unless the overrides switch it on (Bridge's providers may default it on; tp=1 refuses it).
     provider.sequence_parallel = False
     provider.seq_length = seq_length
@@ -126,7 +139,8 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Local attention's fused softmax is a CUDA extension built with apex, not shipped with megatron-core;
     # without it the fused path fails at import, so use megatron's PyTorch softmax (the same computation).
     provider.masked_softmax_fusion = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
-    for key, value in (transformer_overrides or {}).items():
+    router_settings = (moe_router or {}) if getattr(provider, "num_moe_experts", None) else {}
+    for key, value in {**router_settings, **(transformer_overrides or {})}.items():
         setattr(provider, key, value)
     _disable_fusions_needing_transformer_engine(provider)
     provider.finalize()
@@ -271,6 +285,39 @@ def attach_training_hooks(transformer_config, chunks: list, optimizer, ddp_confi
         transformer_config.param_sync_func = per_chunk("start_param_sync")
 
 
+def experts_span_data_parallel(provider) -> bool:
+    """Whether a Mixture-of-Experts layer's expert-model-parallel group (expert TP x EP ranks) reaches beyond one
+    tensor-parallel group, so that data-parallel ranks exchange tokens in every forward. megatron-core lays out both
+    grids tensor-parallel ranks first (order tp-cp-ep-dp-pp), so that is when etp x ep exceeds tp: at tp=2, etp=1,
+    ep=2 the experts are split over the tensor-parallel peers, which run the same forwards anyway."""
+    if not getattr(provider, "num_moe_experts", None):
+        return False
+    expert_ranks = provider.expert_model_parallel_size * (provider.expert_tensor_parallel_size or 1)
+    return expert_ranks > provider.tensor_model_parallel_size
+
+
+# The provider fields `attach_training_hooks` sets: bound to the DDP wrappers and the optimizer.
+TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+@contextlib.contextmanager
+def _training_hooks_detached(provider):
+    """The provider without its training hooks inside the block, with them after.
+
+    A Mixture-of-Experts layer whose experts are narrower than a dense MLP (megatron-core's SequentialMLP) deep-copies
+    the config it is built with; the hooks would drag the DDP wrappers, the optimizer and their process groups into
+    that copy, which cannot copy a process group (a second model built after training is wired up, GRPO's KL
+    reference, failed so on tiny-moe)."""
+    saved = {name: getattr(provider, name, None) for name in TRAINING_HOOKS}
+    for name in saved:
+        setattr(provider, name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(provider, name, value)
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """`model` in eval mode inside the block (dropout off), in the mode it was in after."""
@@ -323,20 +370,35 @@ class Policy:
     @functools.cached_property
     def generator(self):
         """The policy's generation object: end ids from the tokenizer and `generation_config.json`; under Megatron-FSDP,
-        whose every forward gathers parameters, the data-parallel group inside (so every rank runs the same forwards).
-        DDP's forwards communicate nothing, so there each rank generates on its own, with no agreement per step, but
-        for multi-turn rollouts (see `Generator`)."""
+        whose every forward gathers parameters, and where a Mixture-of-Experts layer exchanges tokens between
+        data-parallel ranks (`experts_span_data_parallel`), the data-parallel group inside (so every rank runs the same
+        forwards). DDP's forwards otherwise communicate nothing across data-parallel ranks, so there each rank
+        generates on its own, with no agreement per step, but for multi-turn rollouts (see `Generator`)."""
         from megatron.core import parallel_state
 
         from model.generate import Generator, end_token_ids
 
         gathers_per_forward = any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)
-                                  for chunk in self.chunks)
+                                  for chunk in self.chunks) or experts_span_data_parallel(self.provider)
         data_parallel = (parallel_state.get_data_parallel_group()
                          if parallel_state.get_data_parallel_world_size() > 1 else None)
         return Generator(self.chunks, self.vocab_size,
                          end_token_ids(self.bridge.hf_pretrained.model_name_or_path, self.tokenizer),
-                         data_parallel if gathers_per_forward else None, data_parallel)
+                         data_parallel if gathers_per_forward else None, data_parallel, self.routes)
+
+    @functools.cached_property
+    def routes(self):
+        """The routers of a Mixture-of-Experts policy, to record, replay and compare routes (`model.routing`); empty
+        (false) for a dense model."""
+        from model.routing import Routes
+
+        return Routes(self.chunks)
+
+    @functools.cached_property
+    def routing_figures(self):
+        """The per-step routing figures of a Mixture-of-Experts policy (`moe.RoutingFigures`: hooks on its routers, set
+        on first use); a dense policy's report nothing."""
+        return moe.RoutingFigures(self.chunks, self.provider)
 
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
@@ -369,7 +431,8 @@ class Policy:
 
     def frozen_copy(self) -> list:
         """A second copy of the starting weights that is never trained (GRPO's KL reference without LoRA)."""
-        chunks = build_chunks(self.provider)
+        with _training_hooks_detached(self.provider):
+            chunks = build_chunks(self.provider)
         for chunk in chunks:
             chunk.requires_grad_(False).eval()
         return chunks
@@ -409,7 +472,8 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     provider = configure_provider(
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
-        attention=config.model.attention,
+        attention=config.model.attention, ep=config.parallel.ep, etp=config.parallel.expert_tensor_parallel_size,
+        moe_dispatcher=config.model.moe_dispatcher, moe_router=rules.moe_router_overrides(config.model),
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     if not trainable:
@@ -418,6 +482,8 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
     ddp_config = rules.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
     chunks = build_chunks(provider)
+    if config.model.moe_freeze_router:
+        moe.freeze_routers(chunks)  # before the DDP wrap and the optimizer: neither then holds the routers' weights
     adapters = lora.apply(chunks, config.peft, provider) if config.peft.method == "lora" else None
     chunks = wrap_for_data_parallel(chunks, provider, ddp_config)
     on_phase("model build and HF weights")

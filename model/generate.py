@@ -132,6 +132,17 @@ class Sampling:
     seed: int = 0
 
 
+class Completions(list):
+    """Completions' token ids (a list, one per completion), with what the sampler knew of each:
+    - `logprobs`: per completion, each id's log-prob under softmax(logits / temperature) of the forward that sampled
+      it (the whole vocabulary, before top-k / top-p: as GRPO's loss sees it), 0.0 for ids given by `continue_rows`;
+    - `routes` (Mixture-of-Experts, when asked): per completion, [prompt + completion ids, layers, top-k] experts each
+      id was routed to when it went through the model (the completion's last id never does: its row means nothing)."""
+
+    logprobs: list[list[float]]
+    routes: list[torch.Tensor] | None = None
+
+
 class Generator:
     """Generation by the policy, built once: its model chunk, end ids, vocabulary and data-parallel group inside.
 
@@ -146,19 +157,22 @@ class Generator:
     Megatron-FSDP.
     """
 
-    def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None, data_parallel_group=None):
+    def __init__(self, chunks: list, vocab_size: int, end_ids: tuple[int, ...], group=None, data_parallel_group=None,
+                 routes=None):
         self.chunks, self.vocab_size, self.end_ids, self.group = chunks, vocab_size, tuple(end_ids), group
         self.data_parallel_group = data_parallel_group
+        self.routes = routes  # model.routing.Routes of a Mixture-of-Experts policy (None: dense, or not recorded)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, samples: int = 1,
-                 sampling: Sampling = Sampling(), continue_rows=None) -> list[list[int]]:
+                 sampling: Sampling = Sampling(), continue_rows=None, record_routes: bool = False) -> Completions:
         """Completions (token ids, up to and including the end id that ends each): `samples` per prompt, a prompt's
-        consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's."""
+        consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's;
+        `record_routes` keeps a Mixture-of-Experts policy's routes (`Completions.routes`)."""
         return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
                         vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                         group=self.group if continue_rows is None else self.data_parallel_group,
-                        continue_rows=continue_rows)
+                        continue_rows=continue_rows, routes=self.routes if record_routes and self.routes else None)
 
     def truncated(self, completion: list[int], max_new_tokens: int) -> bool:
         """Whether a completion was cut at `max_new_tokens` rather than ended by an end id."""
@@ -173,8 +187,9 @@ def _agree(value: int, group, op) -> int:
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end_ids, vocab_size: int,
              samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, group=None, continue_rows=None) -> list[list[int]]:
-    """Completions (token ids, up to and including the first of `end_ids`): `samples` per prompt, a prompt's consecutively.
+             seed: int = 0, group=None, continue_rows=None, routes=None) -> Completions:
+    """Completions (token ids, up to and including the first of `end_ids`): `samples` per prompt, a prompt's
+    consecutively, with each sampled id's log-prob; with `routes` (a `model.routing.Routes`), every id's experts.
 
     `continue_rows` makes completions multi-turn without knowing why: when rows sample an end id, it is called with
     `[(row, completion so far, columns left)]` (row: the completion's index in the result) and returns for each
@@ -226,13 +241,19 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     output_rows = torch.arange(len(prompts) * samples, device=device)  # [rows]: each live row's output row
     stop = torch.full((len(prompts),), total - 1, dtype=torch.long, device=device)  # [rows]: the column a row ended at
     output_stop = torch.zeros(len(prompts) * samples, dtype=torch.long, device=device)  # [prompts * samples]
+    # The sampler's log-prob of each sampled id ([rows, total]) and, recording, each fed id's experts.
+    logprobs = torch.zeros(len(prompts), total, dtype=torch.float32, device=device)
+    output_logprobs = torch.zeros(len(prompts) * samples, total, dtype=torch.float32, device=device)
+    route_shape = (routes.layers, routes.topk) if routes else (0, 0)
+    taken = torch.zeros(len(prompts), total, *route_shape, dtype=torch.int16, device=device)  # [rows, total, layers, k]
+    output_taken = torch.zeros(len(prompts) * samples, total, *route_shape, dtype=torch.int16, device=device)
     done = torch.zeros(len(prompts) * samples, dtype=torch.bool, device=device)  # [rows]
     previous, last_position = 0, total - 1
     was_training = model.training
     model.eval()
     # megatron-core's inference mode: the output layer sees only each row's last position (in the prefill too),
     # and gathers the tensor-parallel vocab shards itself.
-    with InferenceMode.active(), sequence_parallel_off(model):
+    with InferenceMode.active(), sequence_parallel_off(model), routes.recording() if routes else contextlib.nullcontext():
         position = first_position
         while position < total:
             window = tokens[:, previous:position]  # [rows, new tokens]
@@ -248,16 +269,20 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context,
                            runtime_gather_output=True)  # [rows, 1, padded vocab]
             context.sequence_len_offset += window.size(1)
+            if routes:
+                taken[:, previous:position] = routes.recorded(*window.shape).to(taken.dtype)
             last = logits[:, -1, :vocab_size]  # [rows, vocab]
             if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
                 copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
                 tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
+                logprobs, taken = logprobs[copies], taken[copies]
                 forced_end, stop = forced_end[copies], stop[copies]
                 _keep_cache_rows(context, copies)
             previous = position
             next_tokens = sample_next(last, temperature, top_p, top_k, generator)
             forced = position < forced_end  # [rows]
             tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
+            logprobs[:, position] = torch.where(forced | done, 0.0, sampled_logprobs(last, next_tokens, temperature))
             ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
             if continue_rows is not None and bool(ended.any()):
                 ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, max_new_tokens)
@@ -270,11 +295,12 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             if finished > 0 and len(done) > 1 and position + 1 < total and 8 * finished >= len(done):  # compact to the live rows
                 output[output_rows[done]] = tokens[done]
                 output_stop[output_rows[done]] = stop[done]
+                output_logprobs[output_rows[done]], output_taken[output_rows[done]] = logprobs[done], taken[done]
                 live = (~done).nonzero().squeeze(1)  # [live rows]
                 if len(live) == 0:  # other ranks still generate: keep one ended row going, its output already kept
                     live = torch.zeros(1, dtype=torch.long, device=device)
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
-                forced_end, stop = forced_end[live], stop[live]
+                forced_end, stop, logprobs, taken = forced_end[live], stop[live], logprobs[live], taken[live]
                 _keep_cache_rows(context, live)
             position += 1
             if padded and continue_rows is not None and position < total:
@@ -285,10 +311,25 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     model.train(was_training)
     output[output_rows] = tokens
     output_stop[output_rows] = stop
+    output_logprobs[output_rows], output_taken[output_rows] = logprobs, taken
+    prompt_starts = pads.repeat_interleave(samples).tolist()
     prompt_ends = (pads + lengths).repeat_interleave(samples).tolist()
     # Each completion runs to the column it ended at (its end id included), or to the last one generated.
-    return [output[row, end : min(last_position, ended, end + max_new_tokens - 1) + 1].tolist()
-            for row, (end, ended) in enumerate(zip(prompt_ends, output_stop.tolist()))]
+    spans = [(start, end, min(last_position, ended, end + max_new_tokens - 1) + 1)
+             for start, end, ended in zip(prompt_starts, prompt_ends, output_stop.tolist())]
+    completions = Completions(output[row, end:stop].tolist() for row, (_, end, stop) in enumerate(spans))
+    completions.logprobs = [output_logprobs[row, end:stop].tolist() for row, (_, end, stop) in enumerate(spans)]
+    if routes:
+        completions.routes = [output_taken[row, start:stop].cpu() for row, (start, _, stop) in enumerate(spans)]
+    return completions
+
+
+def sampled_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each row's log-prob of `ids` under softmax(logits / temperature) over the whole vocabulary (temperature 0, greedy:
+    the plain softmax), in fp32: the sampler's side of the rollout/training gap."""
+    # logits: [rows, vocab]; ids: [rows]
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return scaled.log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
 def _continue(continue_rows, ended: torch.Tensor, tokens: torch.Tensor, ends: torch.Tensor, forced_end: torch.Tensor,

@@ -80,7 +80,8 @@ def set_cuda_connections(parallel, environment: rules.Environment) -> None:
 
 
 def init_distributed(parallel, seed: int) -> Runtime:
-    """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/DP for `parallel`, seed every RNG.
+    """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/EP/ETP/DP for `parallel`, seed
+    every RNG.
 
     Called again in the same process (GRPO's default start trains the default SFT first), it keeps the
     process group, so there is no second rendezvous, and lays out the model-parallel groups anew.
@@ -114,6 +115,8 @@ def init_distributed(parallel, seed: int) -> Runtime:
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
     )
     seed_everything(seed)
     runtime = Runtime(
@@ -127,8 +130,9 @@ def init_distributed(parallel, seed: int) -> Runtime:
     )
     if runtime.is_main:
         backend = "nccl on CUDA" if use_cuda else "gloo on CPU (CPU compatibility layer active)"
-        log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s DP=%d", world_size, backend, parallel.tp, parallel.pp,
-                 vpp, runtime.dp_size)
+        log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s EP=%d ETP=%d DP=%d (expert DP=%d)", world_size,
+                 backend, parallel.tp, parallel.pp, vpp, parallel.ep, parallel.expert_tensor_parallel_size,
+                 runtime.dp_size, parallel_state.get_expert_data_parallel_world_size())
     return runtime
 
 
@@ -183,6 +187,11 @@ def data_parallel_gather(value) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, value, group=group)  # NCCL: through the current CUDA device, which init set
     return gathered
+
+
+def all_reduce_float(value: float, op, group=None) -> float:
+    """One number reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
+    return float(_all_reduce(torch.tensor([value], dtype=torch.float64), group, op).item())
 
 
 def all_reduce_int(value: int, op, group=None) -> int:

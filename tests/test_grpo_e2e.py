@@ -28,7 +28,8 @@ GRPO_KEYS = {
     "grpo.tolerate_reward_errors", "grpo.overlong_buffer",
     "grpo.overlong_penalty", "grpo.mask_truncated", "grpo.entropy_coef",
     "grpo.tools", "grpo.environment", "grpo.max_turns", "grpo.max_tool_response_tokens", "grpo.tool_timeout",
-    "grpo.tool_workers", "grpo.tool_isolation",
+    "grpo.tool_workers", "grpo.tool_isolation", "grpo.routing_replay", "grpo.rollout_correction",
+    "grpo.rollout_correction_cap",
 }
 
 

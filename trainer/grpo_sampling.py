@@ -89,6 +89,8 @@ class StepBatch:
     zero_advantage_groups: int  # in the batch
     kept_groups: int  # in the batch, groups dynamic sampling keeps (all of them but the fill-ins)
     rounds: list[Round]
+    sampler_logprobs: list[list[float]]  # per example, the sampler's log-prob of each input id (0: prompt, appended)
+    routes: list | None  # Mixture-of-Experts: per example, [input ids, layers, top-k] experts of its rollout
 
     @property
     def seconds(self) -> float:
@@ -104,7 +106,8 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
     start = time.perf_counter()
     episodes, tool_seconds = episode_sampler.run(policy.generator, prompts, samples=grpo.n_samples,
-                                                 max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+                                                 max_new_tokens=grpo.max_new_tokens, sampling=sampling,
+                                                 record_routes=bool(policy.routes))
     seconds = time.perf_counter() - start
     scores = rollout.score(reward, episodes, grpo.format_bonus)
     shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
@@ -156,7 +159,7 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
         round_index = len(rounds)
         rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
                                    config, step, round_index, runtime, reward))
-    examples, advantages, zero_advantage_count, kept_count = [], [], 0, 0
+    examples, advantages, zero_advantage_count, kept_count, sampler_logprobs, routes = [], [], 0, 0, [], []
     for round_index, group in select_groups(rounds, wanted):
         sampling_round = rounds[round_index]
         zero_advantage_count += int(sampling_round.equal[group])
@@ -169,7 +172,10 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
             # sees them and every normaliser that counts tokens counts sampled ones.
             examples.append(batches.Example(episode.prompt_ids + episode.ids,
                                             [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
-    return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds)
+            sampler_logprobs.append([0.0] * len(episode.prompt_ids) + episode.logprobs)
+            routes.append(episode.routes)
+    return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds, sampler_logprobs,
+                     routes if policy.routes else None)
 
 
 # ---------------------------------------------------------------- reward failures

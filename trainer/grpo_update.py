@@ -1,6 +1,17 @@
 """A GRPO step's update: the loss's settings, per-token log-probs from vocab-parallel logits, the policy loss of a
 microbatch, the KL reference, the step's microbatches and the optimizer steps over them (`trainer/grpo.py` states
-the loss exactly)."""
+the loss exactly).
+
+The rollout/training gap: every sampled token carries the log-prob its sampler gave it (`model.generate.Completions`);
+pi_old (the training forward with the sampling weights) is compared with it on every trained token:
+`rollout_logprob_diff_mean` / `_max` (|log pi_old - log pi_sampler|) and `rollout_kl` (k3, samples from the sampler).
+`grpo.rollout_correction=tis` weights each token's policy-gradient term by min(pi_old / pi_sampler, cap).
+A Mixture-of-Experts policy's training forwards load the rollout's routes (`model.routing`): replayed with
+`grpo.routing_replay`, compared with the router's own choice either way (`moe_route_mismatch`, counted in the forward
+that has the sampling weights: pi_old's when it is recomputed, else the single update's). The KL reference replays
+them too: its KL term is then the change of weights along the rollout's experts, 0 at the first step as it must be;
+routing on its own it would also count the routes its rounding flips (measured: bf16 tiny-moe's first step had
+kl = 8.8e-7 with identical weights, 0 with the reference replaying)."""
 
 import dataclasses
 import functools
@@ -8,7 +19,7 @@ import functools
 import torch
 
 from data import batches
-from model import build, parallel
+from model import build, moe, parallel, routing
 from trainer import grpo_math
 from trainer.grpo_sampling import StepBatch
 from trainer.metrics import log
@@ -31,13 +42,16 @@ class LossSettings:
     entropy_coef: float
     aggregation: object
     budget: int  # grpo.max_new_tokens, the constant normaliser's
+    correction_cap: float | None  # grpo.rollout_correction=tis: the truncated importance weight's cap (None: off)
+    routing_replay: bool
 
     @classmethod
     def from_config(cls, grpo) -> "LossSettings":
         """The `grpo` section's loss settings, with the named functions looked up."""
         return cls(grpo.temperature, grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.kl_coef,
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
-                   grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens)
+                   grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
+                   grpo.rollout_correction_cap if grpo.rollout_correction == "tis" else None, grpo.routing_replay)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -78,19 +92,32 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     log_ratio = settings.importance_ratio(logprobs, old_logprobs, mask)  # [batch, seq]
     per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, batch["advantages"], settings.clip_low,
                                                        settings.clip_high, settings.dual_clip)
+    # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
+    gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
+    if settings.correction_cap is not None:  # truncated importance sampling: pi_old / pi_sampler, at most the cap
+        weight = gap.exp().clamp(max=settings.correction_cap)  # [batch, seq]; 1 on untrained tokens
+        per_token = per_token * weight
     kl = torch.zeros_like(logprobs) if batch["ref_logprobs"] is None else settings.kl_estimator(logprobs, batch["ref_logprobs"])
     per_token = per_token + settings.kl_coef * kl
     if settings.entropy_coef > 0:
         per_token = per_token - settings.entropy_coef * entropy
     loss_sum, count = settings.aggregation(per_token, mask, settings.budget)
-    stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum()]).detach()
-    return loss_sum, count.to(torch.int), {"loss": torch.stack([loss_sum.detach(), count.detach()]), "stats": stats}
+    # KL(sampler || pi_old) from the sampler's samples, in fp64: a gap of 1e-7 has a k3 of 1e-14, which fp32 rounds to 0.
+    rollout_kl = grpo_math.kl_k3(batch["sampler_logprobs"].double(), old_logprobs.double())
+    stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum(),
+                         gap.abs().sum(), (rollout_kl * mask).sum().float()]).detach()
+    return loss_sum, count.to(torch.int), {"loss": torch.stack([loss_sum.detach(), count.detach()]), "stats": stats,
+                                           "gap_max": gap.abs().max().detach()}
 
 
-def forward_step(settings: LossSettings, data_iterator, model):
-    """One microbatch through the policy; the vocab-parallel logits [batch, seq, vocab shard] go to the loss."""
+def forward_step(settings: LossSettings, routes, data_iterator, model):
+    """One microbatch through the policy (a Mixture-of-Experts policy's rollout routes loaded first); the
+    vocab-parallel logits [batch, seq, vocab shard] go to the loss."""
     batch = next(data_iterator)
-    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
+    if "routes" in batch:  # compared here only when this forward has the sampling weights (no separate pi_old pass)
+        routes.load(batch["routes"], batch["routed"], settings.routing_replay, compare=batch["old_logprobs"] is None)
+    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                   padding_mask=moe.routing_padding_mask(batch, model))
     return logits, functools.partial(policy_loss, batch, settings)
 
 
@@ -104,15 +131,24 @@ class KLReference:
     def __init__(self, policy):
         self.policy = policy
         self.copy = policy.frozen_copy() if policy.lora is None else None
+        # A Mixture-of-Experts copy's own routers, to replay the rollout's routes (with LoRA: the policy's).
+        self.routes = routing.Routes(self.copy) if self.copy is not None else policy.routes
         log.info("KL reference: %s", "a frozen copy of the starting model" if self.copy is not None
                  else "the policy with its LoRA adapters switched off (no copy built)")
 
-    def logprobs(self, batch: dict, temperature: float) -> torch.Tensor:
-        """Per-token log-probs of a collated batch's labels under pi_ref, forward only."""
-        if self.copy is not None:
-            return forward_logprobs(self.copy, batch, temperature)
-        with self.policy.adapters_disabled():
-            return forward_logprobs(self.policy.chunks, batch, temperature)
+    def logprobs(self, batch: dict, temperature: float, replay: bool) -> torch.Tensor:
+        """Per-token log-probs of a collated batch's labels under pi_ref, forward only; a Mixture-of-Experts model
+        replays the rollout's routes when `replay` (not counted in `moe_route_mismatch`)."""
+        if "routes" in batch:
+            self.routes.load(batch["routes"], batch["routed"], replay, compare=False)
+        try:
+            if self.copy is not None:
+                return forward_logprobs(self.copy, batch, temperature)
+            with self.policy.adapters_disabled():
+                return forward_logprobs(self.policy.chunks, batch, temperature)
+        finally:
+            if self.routes:
+                self.routes.clear()
 
 
 def build_microbatches(step_batch: StepBatch, policy, reference, config, device) -> tuple[list[dict], int]:
@@ -122,41 +158,84 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device)
     seq_len = batches.padded_length(step_batch.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
     microbatches = []
     for start in range(0, len(step_batch.examples), micro_batch_size):
-        rows = step_batch.examples[start : start + micro_batch_size]
-        batch = batches.collate(rows, seq_len, policy.tokenizer.pad_token_id)
+        rows = slice(start, start + micro_batch_size)
+        batch = batches.collate(step_batch.examples[rows], seq_len, policy.tokenizer.pad_token_id)
+        batch["sampler_logprobs"] = label_aligned(step_batch.sampler_logprobs[rows], seq_len)  # [micro, seq]
+        if step_batch.routes is not None:
+            batch["routes"], batch["routed"] = input_aligned_routes(step_batch.routes[rows], seq_len)
         batch = batches.to_device(batch, device)
-        batch["advantages"] = step_batch.advantages[start : start + micro_batch_size, None].to(device)  # [micro, 1]
+        batch["advantages"] = step_batch.advantages[rows, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
+        if recompute_old and "routes" in batch:
+            policy.routes.load(batch["routes"], batch["routed"], config.grpo.routing_replay, compare=True)
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
-        batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature)
+        batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature, config.grpo.routing_replay)
         microbatches.append(batch)
     return microbatches, seq_len
 
 
+def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:
+    """Per-input-id values (one list per example) laid out like `batches.collate`'s labels: [rows, seq], 0 on pads."""
+    out = torch.zeros(len(values), seq_len, dtype=torch.float32)
+    for row, row_values in enumerate(values):
+        out[row, : len(row_values) - 1] = torch.tensor(row_values[1:], dtype=torch.float32)
+    return out
+
+
+def input_aligned_routes(routes: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's rollout routes ([ids, layers, top-k]) laid out like `batches.collate`'s input tokens (every id
+    but the last): [rows, seq, layers, top-k], and [rows, seq] True where a route was recorded (not on pads)."""
+    layers, topk = routes[0].shape[1:]
+    out = torch.zeros(len(routes), seq_len, layers, topk, dtype=routes[0].dtype)
+    routed = torch.zeros(len(routes), seq_len, dtype=torch.bool)
+    for row, taken in enumerate(routes):
+        out[row, : len(taken) - 1] = taken[:-1]
+        routed[row, : len(taken) - 1] = True
+    return out, routed
+
+
 def update_policy(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings) -> dict:
-    """`grpo.ppo_epochs` passes over the microbatches, `grpo.mini_batches` optimizer steps each; global loss figures."""
+    """`grpo.ppo_epochs` passes over the microbatches, `grpo.mini_batches` optimizer steps each; global loss figures, and
+    a Mixture-of-Experts policy's routing figures over all of them (`model.moe.RoutingFigures`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     per_update = len(microbatches) // config.grpo.mini_batches
-    totals = torch.zeros(6, dtype=torch.float64)  # loss sum, loss count, kl, entropy, clipped, tokens
-    grad_norms = []
+    totals = torch.zeros(8, dtype=torch.float64)  # loss sum, loss count, kl, entropy, clipped, tokens, |gap|, rollout k3
+    grad_norms, gap_max = [], 0.0
+    policy.routing_figures.start_step()
     for _ in range(config.grpo.ppo_epochs):
         for start in range(0, len(microbatches), per_update):
             for chunk in policy.chunks:
                 chunk.zero_grad_buffer()
             policy.optimizer.zero_grad()
             outputs = get_forward_backward_func()(
-                forward_step_func=functools.partial(forward_step, settings), data_iterator=iter(microbatches[start : start + per_update]),
+                forward_step_func=functools.partial(forward_step, settings, policy.routes),
+                data_iterator=iter(microbatches[start : start + per_update]),
                 model=policy.chunks, num_microbatches=per_update, seq_length=seq_len,
                 micro_batch_size=config.train.micro_batch_size, forward_only=False)
             _, grad_norm, _ = policy.optimizer.step()
             grad_norms.append(float(grad_norm or 0.0))
             for output in outputs:
                 totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
-    loss_sum, count, kl, entropy, clipped, tokens = parallel.data_parallel_sum(totals.tolist())
+                gap_max = max(gap_max, float(output["gap_max"]))
+    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = parallel.data_parallel_sum(totals.tolist())
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
             **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),
             "kl": kl / max(tokens, 1) if settings.kl_coef > 0 else None,
-            "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1)}
+            "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
+            "rollout_logprob_diff_mean": gap / max(tokens, 1),
+            "rollout_logprob_diff_max": parallel.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
+            "rollout_kl": rollout_kl / max(tokens, 1), **route_mismatch(policy.routes),
+            **policy.routing_figures.step_figures()}
+
+
+def route_mismatch(routes) -> dict:
+    """A Mixture-of-Experts policy's `moe_route_mismatch` over every rank: the share of the compared (token, layer)
+    decisions whose top-k set differed from the rollout's (none for a dense policy). Clears the loaded routes."""
+    if not routes:
+        return {}
+    routes.clear()
+    differ, compared = parallel.all_reduce_sum(list(routes.take_mismatch()))
+    return {"moe_route_mismatch": differ / max(compared, 1)}
 

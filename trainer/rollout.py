@@ -57,6 +57,8 @@ class Episode:
     environment_reward: float = 0.0
     environment_correct: bool | None = None  # the environment's own verdict, when its reward() returns (reward, correct)
     skipped: bool = False  # its prompt no longer fit after the environment's reset text: scores 0, trains nothing
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the sampler's log-prob of each of `ids` (0: appended)
+    routes: object = None  # Mixture-of-Experts: [prompt + ids, layers, top-k] experts each id took (model.generate)
 
 
 @dataclasses.dataclass
@@ -100,17 +102,20 @@ class Rollout:
 
     # ---- sampling
 
-    def run(self, generator, prompts: list, *, samples: int, max_new_tokens: int,
-            sampling: generate.Sampling) -> tuple[list[Episode], float]:
+    def run(self, generator, prompts: list, *, samples: int, max_new_tokens: int, sampling: generate.Sampling,
+            record_routes: bool = False) -> tuple[list[Episode], float]:
         """`samples` episodes of each prompt (a prompt's consecutively) and the seconds spent in tools. Collective like
-        `Generator.generate`, and over the tensor-parallel group with tools."""
+        `Generator.generate`, and over the tensor-parallel group with tools. `record_routes`: a Mixture-of-Experts
+        policy's episodes keep their routes (`Episode.routes`)."""
         if self.toolset is None:
             completions = generator.generate([prompt.ids for prompt in prompts], samples=samples,
-                                             max_new_tokens=max_new_tokens, sampling=sampling)
+                                             max_new_tokens=max_new_tokens, sampling=sampling, record_routes=record_routes)
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
             rows = [prompt for prompt in prompts for _ in range(samples)]
-            return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}))
-                    for prompt, ids, text in zip(rows, completions, texts)], 0.0
+            routes = completions.routes or [None] * len(completions)
+            return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}),
+                            logprobs=logprobs, routes=taken)
+                    for prompt, ids, text, logprobs, taken in zip(rows, completions, texts, completions.logprobs, routes)], 0.0
         prompt_ids, skipped_prompts = parallel.tensor_parallel_shared(self._start, prompts, samples)
         self.counts = [collections.Counter() for _ in range(len(prompts) * samples)]
         for index in skipped_prompts:
@@ -118,7 +123,8 @@ class Rollout:
         self.spans = [[] for _ in range(len(prompts) * samples)]  # (start, length) of each appended run of ids
         self.tool_seconds = 0.0
         completions = generator.generate(prompt_ids, samples=samples, max_new_tokens=max_new_tokens, sampling=sampling,
-                                         continue_rows=self._continue_rows)
+                                         continue_rows=self._continue_rows, record_routes=record_routes)
+        routes = completions.routes or [None] * len(completions)
         rows = [index for index in range(len(prompts)) for _ in range(samples)]
         finals = parallel.tensor_parallel_shared(self._finish, completions)
         episodes = []
@@ -131,7 +137,8 @@ class Rollout:
             if skipped:  # nothing of it is trained, and it scores 0 (`score`)
                 sampled = [0] * len(ids)
             episodes.append(Episode(prompts[prompt_index], prompt_ids[prompt_index], ids, sampled, answer,
-                                    self.counts[row], environment_reward, correct, skipped))
+                                    self.counts[row], environment_reward, correct, skipped, completions.logprobs[row],
+                                    routes[row]))
         return episodes, self.tool_seconds
 
     def _start(self, prompts: list, samples: int) -> tuple[list[list[int]], list[int]]:

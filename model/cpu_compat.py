@@ -148,6 +148,23 @@ def _synchronous_gathers(all_gather_params):
     return synchronous
 
 
+def _numpy_when_asked(move_to_cpu):
+    """megatron-core's `maybe_move_tensor_to_cpu` that also turns a CPU tensor into NumPy when `as_numpy` asks.
+
+    The alltoall MoE dispatcher computes its split sizes as device tensors and moves them to the host as NumPy arrays,
+    the form `all_to_all_single` takes; the helper converts only tensors on CUDA, so on CPU the splits stayed torch
+    tensors, which `all_to_all_single` rejects ("incompatible function arguments").
+    """
+
+    @functools.wraps(move_to_cpu)
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
+
+
 def activate() -> None:
     """Install every patch once; raises if CUDA is available (the layer must never run on a GPU)."""
     global _active
@@ -162,6 +179,10 @@ def activate() -> None:
     for name in ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
                  "randint", "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like", "eye"):
         setattr(torch, name, _on_cpu(getattr(torch, name)))
+    # The same on a tensor's own factories: megatron's expert-parallel all-to-all allocates its output with
+    # `input.new_empty(..., device=torch.cuda.current_device())` (tensor_parallel.mappings._AllToAll).
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        setattr(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
     # `.to('cuda')`, `.to(device_index)`, `.cuda()` on tensors and modules.
     torch.Tensor.to = _on_cpu(torch.Tensor.to, device_position=1)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
@@ -207,6 +228,11 @@ def activate() -> None:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import AllGatherPipeline
 
     AllGatherPipeline.all_gather_params = _synchronous_gathers(AllGatherPipeline.all_gather_params)
+
+    # Expert parallelism's alltoall dispatcher: its split sizes reach gloo's all_to_all_single as NumPy, as on CUDA.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _numpy_when_asked(token_dispatcher.maybe_move_tensor_to_cpu)
 
     for package, pinned in PINNED_VERSIONS.items():
         if version(package) != pinned:

@@ -355,8 +355,8 @@ class TrainerConfig:
     def _moe_router_keys_set(self) -> list[str]:
         """The `model.moe_*` router settings this run changes from its loop's defaults, as `key=value`."""
         defaults = type(self)().model
-        return [f"model.{key}={getattr(self.model, key)}" for key in MOE_ROUTER_KEYS
-                if getattr(self.model, key) != getattr(defaults, key)]
+        values = {key: getattr(self.model, key) for key in MOE_ROUTER_KEYS if getattr(self.model, key) != getattr(defaults, key)}
+        return [f"model.{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in values.items()]
 
     def _validate_recompute(self) -> None:
         model = self.model
@@ -527,7 +527,7 @@ class SFTConfig(TrainerConfig):
 DEFAULT_GRPO_START = "outputs/sft/hf"
 # Starting policies a bundled SFT writes, each trained first when missing: model.path -> that SFT's `--config`
 # (None: the default SFT). The tool task's (`--config tools`) teaches the calculator's call format.
-BUNDLED_STARTS = {DEFAULT_GRPO_START: None, "outputs/sft-tools/hf": "sft_tools"}
+BUNDLED_STARTS = {DEFAULT_GRPO_START: None, "outputs/sft-tools/hf": "sft_tools", "outputs/sft-moe/hf": "sft_moe"}
 
 
 @dataclass

@@ -234,3 +234,14 @@ def test_sequence_ratio_is_the_length_normalised_mean_and_clips_whole_completion
     assert close(logprobs.grad, [[-s / 3 / 2] * 3 + [0.0], [0.0, 0.0, 0.0, 0.0]])
     # The token ratio of the same numbers differs per token.
     assert close(grpo_math.token_log_ratio(logprobs, old, mask) * mask, [[0.2, 0.0, -0.5, 0.0], [0.0, 0.1, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- the rollout/training gap
+
+
+def test_truncated_importance_weights_by_hand():
+    """pi_old / pi_sampler per token, capped (verl's rollout_is_threshold 2.0), without gradient; a token whose gap
+    is 0 (untrained) keeps weight 1."""
+    log_ratio = torch.tensor([[math.log(0.5), 0.0, math.log(1.5), math.log(3.0)]], requires_grad=True)
+    weights = grpo_math.truncated_importance_weights(log_ratio, 2.0)
+    assert close(weights, [[0.5, 1.0, 1.5, 2.0]]) and not weights.requires_grad

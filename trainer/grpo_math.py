@@ -69,6 +69,13 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return difference.exp() - difference - 1
 
 
+def truncated_importance_weights(log_ratio: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS) of the rollout/training gap: min(pi_old / pi_sampler, cap) per token, from
+    log_ratio = log pi_old - log pi_sampler (0 on untrained tokens: weight 1). A constant of the loss (no gradient)."""
+    # log_ratio: [batch, seq]
+    return log_ratio.detach().clamp(max=LOG_RATIO_CLAMP).exp().clamp(max=cap)
+
+
 KL_ESTIMATORS = dict(zip(sections.KL_ESTIMATORS, (kl_k1, kl_k3), strict=True))
 
 

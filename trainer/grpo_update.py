@@ -95,8 +95,7 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
     gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
     if settings.correction_cap is not None:  # truncated importance sampling: pi_old / pi_sampler, at most the cap
-        weight = gap.exp().clamp(max=settings.correction_cap)  # [batch, seq]; 1 on untrained tokens
-        per_token = per_token * weight
+        per_token = per_token * grpo_math.truncated_importance_weights(gap, settings.correction_cap)
     kl = torch.zeros_like(logprobs) if batch["ref_logprobs"] is None else settings.kl_estimator(logprobs, batch["ref_logprobs"])
     per_token = per_token + settings.kl_coef * kl
     if settings.entropy_coef > 0:

@@ -28,7 +28,7 @@ def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) 
 
 
 def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:
-    """Right-pad examples into `tokens`, `labels`, `loss_mask` and `position_ids` of shape [batch, seq]."""
+    """Right-pad examples into `tokens`, `labels`, `loss_mask`, `position_ids` and `padding_mask` of shape [batch, seq]."""
     batch, _ = fill_rows([[example] for example in examples], seq_len, pad_id)
     # Plain causal attention is the model's default, and right padding never precedes a real token.
     return batch | {"attention_mask": None}
@@ -84,7 +84,9 @@ def fill_rows(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) 
             segment_ids[row, start:end] = segment
             start = end
         position_ids[row, start:] = torch.arange(seq_len - start)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}, segment_ids
+    # padding_mask: True after a row's last sample (Mixture-of-Experts routers leave those positions out).
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "padding_mask": segment_ids < 0}, segment_ids
 
 
 def to_device(batch: dict, device) -> dict:

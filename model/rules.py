@@ -2,7 +2,7 @@
 
 `optimizer_config` and `ddp_config` build megatron-core's `OptimizerConfig` and `DistributedDataParallelConfig`;
 `transformer_overrides` gives the `TransformerConfig` fields our config implies (sequence parallelism, activation
-recomputation); `cuda_device_max_connections` the environment variable megatron-core's communication overlap needs.
+recomputation), `moe_router_overrides` those of a Mixture-of-Experts router; `cuda_device_max_connections` the environment variable megatron-core's communication overlap needs.
 Nothing here touches a process group, a device or a model: the machine comes in as an `Environment`, so every
 branch is tested on the real classes on CPU, GPUs simulated. The checks of the same settings run earlier, at
 start-up (`config.sections.TrainerConfig.validate`).
@@ -149,6 +149,25 @@ def transformer_overrides(config) -> dict:
     return settings
 
 
+def moe_router_overrides(model) -> dict:
+    """Transformer-config fields of a Mixture-of-Experts router that the `model.moe_*` keys set (`build.configure_provider`
+    applies them only to a model with experts); a key left at `default` or unset keeps the checkpoint provider's value."""
+    settings = {}
+    if model.moe_aux_loss_type != "default":
+        settings["moe_router_load_balancing_type"] = model.moe_aux_loss_type
+    if model.moe_aux_loss_coeff is not None:
+        settings["moe_aux_loss_coeff"] = model.moe_aux_loss_coeff
+    if model.moe_z_loss_coeff is not None:
+        # 0 is None to megatron-core: its router computes the z-loss whenever the coefficient is not None, and logs it
+        # divided by the coefficient.
+        settings["moe_z_loss_coeff"] = model.moe_z_loss_coeff or None
+    if model.moe_router_dtype != "default":
+        settings["moe_router_dtype"] = model.moe_router_dtype
+    if model.moe_freeze_router:
+        settings["moe_router_bias_update_rate"] = 0.0  # expert biases (DeepSeek-V3's aux-free balancing) stay too
+    return settings
+
+
 def _recompute_summary(transformer) -> str:
     """The recompute settings of a TransformerConfig in one phrase."""
     granularity = transformer.recompute_granularity
@@ -180,6 +199,11 @@ def settings_table(optimizer, ddp, transformer=None, cuda_connections: str | Non
     if transformer is not None:
         rows += [("sequence parallel", f"{transformer.sequence_parallel} (tp={transformer.tensor_model_parallel_size})"),
                  ("recompute", _recompute_summary(transformer))]
+        if getattr(transformer, "num_moe_experts", None):
+            rows.append(("MoE router", f"load_balancing={transformer.moe_router_load_balancing_type} "
+                                       f"aux_loss_coeff={transformer.moe_aux_loss_coeff:g} "
+                                       f"z_loss_coeff={transformer.moe_z_loss_coeff or 0:g} "
+                                       f"dtype={transformer.moe_router_dtype or 'the model dtype'}"))
     rows.append(("CUDA connections", f"CUDA_DEVICE_MAX_CONNECTIONS={cuda_connections or 'unset (CUDA default 8)'}"
                  if cuda else "not applicable (no CUDA)"))
     width = max(len(name) for name, _ in rows)

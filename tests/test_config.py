@@ -14,8 +14,11 @@ from config.sections import SFTConfig
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
     "model.recompute", "model.recompute_modules", "model.recompute_method", "model.recompute_num_layers",
+    "model.moe_aux_loss_coeff", "model.moe_aux_loss_type", "model.moe_z_loss_coeff", "model.moe_router_dtype",
+    "model.moe_freeze_router",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.use_megatron_fsdp",
     "parallel.use_distributed_optimizer",
+    "parallel.ep", "parallel.etp", "model.moe_dispatcher",
     "optim.lr", "optim.min_lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
     "optim.override_optimizer_config", "ddp.override_ddp_config",

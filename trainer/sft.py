@@ -15,7 +15,7 @@ from ckpt import checkpoint
 from config import cli, process
 from config.sections import DEFAULT_REWARD, SFTConfig
 from data import batches, prompts as prompt_data, rewards, sft as sft_data
-from model import build, parallel
+from model import build, moe, parallel
 from trainer import evaluation, metrics
 from trainer.metrics import log
 
@@ -86,7 +86,8 @@ def forward_step(data_iterator, model):
     """One microbatch through the model; with labels, megatron-core returns the per-token loss [batch, seq]."""
     batch = next(data_iterator)
     per_token_loss = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                           attention_mask=batch["attention_mask"], labels=batch["labels"])
+                           attention_mask=batch["attention_mask"], labels=batch["labels"],
+                           padding_mask=moe.routing_padding_mask(batch, model))
     return per_token_loss, functools.partial(masked_token_loss, batch["loss_mask"])
 
 
@@ -113,6 +114,7 @@ def train_step(policy, microbatches: list[dict], seq_len: int) -> tuple[float, f
     for chunk in policy.chunks:
         chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
+    policy.routing_figures.start_step()
     loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
     _, grad_norm, _ = policy.optimizer.step()
     policy.lr_schedule.step(increment=1)
@@ -144,10 +146,12 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
 
 def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],
              seq_len: int, seconds: float, epoch: int) -> dict:
-    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, and MFU/memory on GPUs."""
+    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, MoE routing (`model.moe`), and
+    MFU/memory on GPUs. Collective."""
     input_tokens = policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
     row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": policy.optimizer.param_groups[0]["lr"],
-           "grad_norm": grad_norm, "tokens_per_s": input_tokens / seconds, "step_time_s": seconds, "epoch": epoch}
+           "grad_norm": grad_norm, "tokens_per_s": input_tokens / seconds, "step_time_s": seconds, "epoch": epoch,
+           **policy.routing_figures.step_figures()}
     if peak := metrics.peak_flops():
         flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
         row["mfu"] = flops / (peak * runtime.world_size)

@@ -33,10 +33,11 @@ LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo
 
 
 def replicated_checksum(policy) -> str:
-    """SHA-256 of this rank's parameters that tensor parallelism does not split (each TP peer holds them whole)."""
+    """SHA-256 of this rank's parameters that tensor parallelism does not split (each TP peer holds them whole); expert
+    weights are left out (with expert parallelism the TP peers may hold different experts)."""
     digest = hashlib.sha256()
     for name, param in policy.chunks[0].named_parameters():
-        if not getattr(param, "tensor_model_parallel", False):
+        if not getattr(param, "tensor_model_parallel", False) and getattr(param, "allreduce", True):
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()

@@ -104,12 +104,18 @@ def _fsdp_state_dict(chunks: list, optimizer, is_loading: bool) -> tuple[dict, s
     with one zero-gradient step.) Also returns the names of the optimizer entries `_complete_optimizer_state` added.
     """
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict, handle_fp8_extra_state_case
 
     state = {}
     for index, chunk in enumerate(chunks):
-        state[f"model{index}"] = chunk.state_dict()
-        handle_fp8_extra_state_case(state[f"model{index}"])  # TE's FP8 scaling metadata is not a weight
+        model_state = chunk.state_dict()
+        handle_fp8_extra_state_case(model_state)  # TE's FP8 scaling metadata is not a weight
+        # Under expert parallelism each rank numbers its own experts from 0, so two ranks' experts would share a key
+        # and one would overwrite the other (measured at EP=2: the resumed run left the straight one at the first step
+        # after the resume). Their global numbers keep them apart, as the optimizer's keys already are, and as
+        # Megatron-Bridge's own fsdp_dtensor checkpoints do.
+        num_experts = chunk.config.num_moe_experts
+        state[f"model{index}"] = handle_experts_in_state_dict(model_state, num_experts) if num_experts else model_state
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_SHARDING)
     added = _complete_optimizer_state(state["optimizer"], optimizer)
     # Megatron-FSDP shards unevenly over DP: every DTensor learns its chunk's global offset, one
@@ -150,18 +156,24 @@ def _complete_optimizer_state(optimizer_state: dict, optimizer) -> set:
 def _estimated_save_bytes(policy, adapters_only: bool) -> int:
     """Bytes of one checkpoint: the saved weights in their dtype (with LoRA the adapters only) plus 12 bytes per
     trained parameter (the optimizer's fp32 main copy and Adam's two moments; measured: 16.3 bytes per parameter of
-    the fp32 tiny model). Collective: this rank's model shard, summed over every rank, over the data-parallel copies."""
+    the fp32 tiny model). Collective: this rank's model shard, summed over every rank, each parameter over its copies:
+    the data-parallel ranks hold copies of a dense parameter, the expert-data-parallel ranks of an expert's (with
+    expert parallelism, fewer: the expert-parallel ranks hold different experts)."""
     from megatron.core import parallel_state
 
-    parameters = [param for chunk in policy.chunks for param in chunk.parameters()]
-    trained = [param for param in parameters if param.requires_grad]
-    saved = trained if adapters_only else parameters
-    local = sum(param.numel() * param.element_size() for param in saved) + 12 * sum(param.numel() for param in trained)
-    total = torch.tensor([float(local)], dtype=torch.float64)
+    copies = {True: parallel_state.get_data_parallel_world_size(),  # megatron's `allreduce` flag: False for experts
+              False: parallel_state.get_expert_data_parallel_world_size()}
+    local = 0.0
+    for chunk in policy.chunks:
+        for param in chunk.parameters():
+            saved = param.numel() * param.element_size() if (param.requires_grad or not adapters_only) else 0
+            trained = 12 * param.numel() if param.requires_grad else 0
+            local += (saved + trained) / copies[getattr(param, "allreduce", True)]
+    total = torch.tensor([local], dtype=torch.float64)
     if dist.is_initialized():
         total = total.cuda() if torch.cuda.is_available() else total
         dist.all_reduce(total)
-    return int(total.item() / parallel_state.get_data_parallel_world_size())
+    return int(total.item())
 
 
 # ---------------------------------------------------------------- loading them

@@ -141,20 +141,50 @@ def test_generation_under_ep_runs_the_same_forwards_on_every_rank(shared_launch)
     assert results["forwards"][0] == results["forwards"][1] == 6  # the prefill and five decode steps
 
 
+# Megatron-FSDP at EP=2: SFT straight, and stopped at step 2 then resumed, in one process group (as the LoRA worker
+# resumes; the GRPO resume above is the fresh-process one). Small batches: only bit-equality is asserted.
+FSDP_SFT = ["--model.path=tiny-moe", "--parallel.ep=2", "--parallel.use_megatron_fsdp=true", "--train.steps=4",
+            "--train.global_batch_size=16", "--train.micro_batch_size=8", "--train.eval_samples=0",
+            "--ckpt.save_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def resumed(shared_launch, tmp_path_factory) -> dict:
+    """One launch after the shared one: GRPO's resume in fresh processes, and the Megatron-FSDP SFT runs at EP=2."""
+    out = worker_output(shared_launch[__name__])
+    root = tmp_path_factory.mktemp("moe-resume")
+    grpo_split, grpo_argv = out / "grpo" / "split", json.loads((out / "results.json").read_text())["grpo_argv"]
+    fsdp = {run: root / "fsdp" / run for run in ("straight", "split")}
+    torchrun_commands([{"module": "trainer.grpo", "argv": [*grpo_argv, f"--train.out_dir={grpo_split}",
+                                                          "--resume-from-checkpoint", "latest"]},
+                       {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['straight']}"]},
+                       {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
+                                                         "--train.exit_interval=2"]},
+                       {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
+                                                         "--resume-from-checkpoint", "latest"]}], root)
+    return {"grpo": {"straight": out / "grpo" / "straight", "split": grpo_split}, "fsdp": fsdp}
+
+
 @pytest.mark.distributed
-def test_grpo_at_ep2_resumes_bit_for_bit(shared_launch, tmp_path):
+def test_grpo_at_ep2_resumes_bit_for_bit(resumed):
     """GRPO on tiny-moe at EP=2 with the distributed optimizer (expert state sharded over the expert-data-parallel
     group, dense state over the data-parallel group): 2 steps, a resume in fresh processes (as a resumed job is), 2 more
     equal 4 straight, bit for bit: every metrics row (rewards, losses, gradient norms, held-out figures) and the final
     parameters, every expert of both ranks, as the HF export gathers them."""
-    out = worker_output(shared_launch[__name__])
-    split_dir, command = out / "grpo" / "split", json.loads((out / "results.json").read_text())["grpo_argv"]
-    torchrun_commands([{"module": "trainer.grpo", "argv": [*command, f"--train.out_dir={split_dir}",
-                                                          "--resume-from-checkpoint", "latest"]}], tmp_path)
-    straight, split = metrics(out / "grpo" / "straight"), metrics(split_dir)
-    print("GRPO tiny-moe EP=2 straight:", [(row["step"], row.get("loss"), row.get("grad_norm")) for row in straight])
-    assert [row["step"] for row in straight] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
-    assert split == straight
-    assert all(row["loss"] != 0 and row["grad_norm"] > 0 for row in straight[1:])  # every step trained
-    exported = [(directory / "hf" / "model.safetensors").read_bytes() for directory in (out / "grpo" / "straight", split_dir)]
-    assert exported[0] == exported[1]
+    straight, split = (resumed["grpo"][run] for run in ("straight", "split"))
+    rows = metrics(straight)
+    print("GRPO tiny-moe EP=2 straight:", [(row["step"], row.get("loss"), row.get("grad_norm")) for row in rows])
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
+    assert metrics(split) == rows
+    assert all(row["loss"] != 0 and row["grad_norm"] > 0 for row in rows[1:])  # every step trained
+    assert (split / "hf" / "model.safetensors").read_bytes() == (straight / "hf" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.distributed
+def test_megatron_fsdp_at_ep2_resumes_bit_for_bit(resumed):
+    """Megatron-FSDP's checkpoints key each expert by its global number (`ckpt.state`): with each rank's own numbering,
+    both ranks' experts 0-3 shared keys and the resumed run differed from the straight one at its first step."""
+    straight, split = (resumed["fsdp"][run] for run in ("straight", "split"))
+    assert [row["step"] for row in metrics(straight)] == [1, 2, 3, 4]
+    assert metrics(split) == metrics(straight)
+    assert (split / "hf" / "model.safetensors").read_bytes() == (straight / "hf" / "model.safetensors").read_bytes()

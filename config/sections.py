@@ -334,6 +334,12 @@ class TrainerConfig:
         _require(experts % parallel.ep == 0,
                  f"`parallel.ep={parallel.ep}` must divide the model's {experts} experts per layer (each expert-parallel "
                  f"rank holds experts / ep of them). Change `--parallel.ep` to a divisor of {experts}.")
+        # Read in megatron-core 0.19.2's MoELayer.forward, which raises on a training forward in that case.
+        _require(parallel.tp == 1 or parallel.sequence_parallel,
+                 f"`parallel.sequence_parallel=false` with `parallel.tp={parallel.tp}` on a Mixture-of-Experts model: "
+                 "megatron-core 0.19.2 refuses to train an MoE layer with tensor parallelism but without sequence "
+                 "parallelism (MoELayer.forward raises: each tensor-parallel rank would route the whole sequence). Use the default "
+                 "`--parallel.sequence_parallel=true`, or `--parallel.tp=1`.")
         width = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
         etp = parallel.expert_tensor_parallel_size
         _require(not width or width % etp == 0,

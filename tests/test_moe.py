@@ -65,6 +65,8 @@ def test_good_expert_layouts_pass_the_start_up_checks(tmp_path):
     ({"num_local_experts": 8, "intermediate_size": 100}, ["--parallel.etp=3"], 12,
      "`parallel.etp=3` (3 ranks per expert) must divide each expert's hidden width, 100"),
     ({"n_routed_experts": 8, "moe_intermediate_size": 96}, ["--parallel.ep=8"], 8, None),
+    ({"num_experts": 8, "moe_intermediate_size": 96}, ["--parallel.tp=2", "--parallel.sequence_parallel=false"], 8,
+     "`parallel.sequence_parallel=false` with `parallel.tp=2` on a Mixture-of-Experts model"),
     ({}, ["--parallel.ep=2"], 8, "`parallel.ep=2` and `parallel.etp=0` split the experts of a Mixture-of-Experts model, "
                                  "and `model.path="),
     ({}, ["--parallel.etp=2"], 8, "is a dense model"),

@@ -45,9 +45,6 @@ def attempt(worker: dict, step):
         return FAILED
 
 
-TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
-
-
 def release_models() -> None:
     """Free every model the finished work trained, and every process group but the default one (see above). Run
     `import_bridge` first. Not after a Megatron-FSDP run: a later one in the same process reaches the old
@@ -55,6 +52,8 @@ def release_models() -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer import TransformerConfig
+
+    from model.build import TRAINING_HOOKS
 
     for thing in gc.get_objects():
         if isinstance(thing, DistributedDataParallel):

@@ -170,8 +170,8 @@ def resumed(shared_launch, tmp_path_factory) -> dict:
 @pytest.mark.distributed
 def test_grpo_at_ep2_resumes_bit_for_bit(resumed):
     """GRPO on tiny-moe at EP=2 with the distributed optimizer (expert state sharded over the expert-data-parallel
-    group, dense state over the data-parallel group): 2 steps, a resume in fresh processes (as a resumed job is), 2 more
-    equal 4 straight, bit for bit: every metrics row (rewards, losses, gradient norms, held-out figures) and the final
+    group, dense state over the data-parallel group): 2 steps, a resume in a later launch (new processes, as a resumed
+    job has), 2 more equal 4 straight, bit for bit: every metrics row (rewards, losses, gradient norms, held-out figures) and the final
     parameters, every expert of both ranks, as the HF export gathers them."""
     straight, split = (resumed["grpo"][run] for run in ("straight", "split"))
     rows = metrics(straight)

@@ -33,7 +33,8 @@ def shared_worker(out) -> list[str]:
 def test_recorded_routes_match_a_training_forward_and_replay_forces_them(shared_launch):
     """fp32: a training forward's routers choose what the rollout recorded for every fed token and layer (ties aside),
     and its log-probs of the sampled tokens equal the sampler's; replaying other routes makes every router use exactly
-    them (its own choice differing from most), with each rank's slice of the sequence under sequence parallelism."""
+    them (its own choice differing from most), with each rank's slice of the sequence under sequence parallelism; with
+    ids appended after a turn's end (tool messages), those too."""
     for tp in (2, 1):
         result = json.loads((worker_output(shared_launch[__name__]) / f"tp{tp}.json").read_text())
         print(f"routing TP={tp}:", result)
@@ -46,6 +47,9 @@ def test_recorded_routes_match_a_training_forward_and_replay_forces_them(shared_
         assert result["own_differ"] <= 0.01 * result["own_compared"]
         assert result["logprob_gap_max"] < 1e-4
         assert result["replay_exact"] and result["forced_differ"] >= 0.5 * result["forced_compared"]
+        # Multi-turn: the ids appended after a turn's end (a tool message) were recorded when fed, like every other id.
+        turns = result["multi_turn"]
+        assert turns["continued_rows"] >= 2 and turns["compared"] > 0 and turns["differ"] <= 0.01 * turns["compared"]
 
 
 @pytest.fixture(scope="module")

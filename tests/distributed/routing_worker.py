@@ -88,6 +88,39 @@ def check(chunks: list, vocab: int, tp: int) -> dict:
                                       for route, row in zip(completions.routes, rows))}
 
 
+def continued(chunks: list, vocab: int, tp: int) -> dict:
+    """Multi-turn: ids appended after a turn's end id (as a tool's message is) are routed when fed, and a training
+    forward over the whole trajectory routes them, and every other fed id, as the rollout did."""
+    routes = Routes(chunks)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    end_ids = tuple(range(3, vocab, 3))  # a third of the vocabulary ends a turn
+    given = {}
+
+    def continue_rows(requests):
+        appended = []
+        for row, completion, left in requests:
+            if row in given or left <= 4:
+                appended.append(None)
+                continue
+            given[row] = len(completion)
+            appended.append([11, 12, 13])
+        return appended
+
+    completions = generate.generate(chunks, prompts, max_new_tokens=NEW_TOKENS, end_ids=end_ids, vocab_size=vocab,
+                                    samples=2, temperature=1.0, seed=3, continue_rows=continue_rows, routes=routes)
+    rows = [prompts[index // 2] + completion for index, completion in enumerate(completions)]
+    examples = [batches.Example(row, [1] * len(row)) for row in rows]
+    seq_len = batches.padded_length(examples, 64, tp)
+    batch = batches.collate(examples, seq_len, 0)
+    taken, routed = input_aligned_routes(completions.routes, seq_len)
+    routes.load(taken, routed, replay=False)
+    with torch.no_grad():
+        chunks[0](input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
+    differ, compared = routes.take_mismatch()
+    routes.clear()
+    return {"continued_rows": len(given), "differ": differ, "compared": compared}
+
+
 def run(args) -> None:
     path = ensure_tiny_checkpoint(name="tiny-moe")
     bridge = build.auto_bridge(path)
@@ -98,5 +131,6 @@ def run(args) -> None:
                                             transformer_overrides={"sequence_parallel": tp > 1})
         chunks = build.build_chunks(provider)
         result = check(chunks, vocab, tp)
+        result["multi_turn"] = continued(chunks, vocab, tp)
         if torch.distributed.get_rank() == 0:
             Path(args.out, f"tp{tp}.json").write_text(json.dumps(result))

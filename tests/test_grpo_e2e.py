@@ -103,7 +103,7 @@ def test_recipes_set_what_their_papers_name():
     assert (rloo.baseline, rloo.scale_rewards) == ("leave_one_out", False)
     # The spelled-out default is the default.
     assert parse_args(GRPOConfig, ["--config", "grpo"], "trainer.grpo")[0] == GRPOConfig()
-    with pytest.raises(UserError, match=r"not one of the bundled recipes \(dapo, dr_grpo, grpo, gspo, rloo, sft_tools, tools\)"):
+    with pytest.raises(UserError, match=r"not one of the bundled recipes \(dapo, dr_grpo, grpo, gspo, rloo, sft_moe, sft_tools, tools\)"):
         parse_args(GRPOConfig, ["--config", "ppo"], "trainer.grpo")
 
 

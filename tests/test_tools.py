@@ -15,7 +15,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig
 from data import rewards, tool_runner, tools
 from data.prompts import prompts_from_conversations
-from model import tiny
+from model import generate, tiny
 from tests import tool_fixtures
 from trainer import grpo_sampling as grpo, rollout as rollout_data
 
@@ -169,7 +169,7 @@ class ScriptedGenerator:
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns, self.requests = tokenizer, turns, []
 
-    def generate(self, prompts, *, samples, max_new_tokens, sampling, continue_rows):
+    def generate(self, prompts, *, samples, max_new_tokens, sampling, continue_rows, record_routes=False):
         end = self.tokenizer.convert_tokens_to_ids(END)
         completions = []
         for row in range(len(prompts) * samples):
@@ -185,6 +185,8 @@ class ScriptedGenerator:
                     break
                 completion += appended
             completions.append(completion)
+        completions = generate.Completions(completions)
+        completions.logprobs = [[0.0] * len(completion) for completion in completions]  # a dense policy's: no routes
         return completions
 
 

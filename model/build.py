@@ -205,6 +205,7 @@ def build_chunks(provider, ddp_config=None) -> list:
     """
     from megatron.core.transformer.module import Float16Module
 
+    moe.start_metrics_tracker()
     chunks = provider.provide_distributed_model(
         wrap_with_ddp=False,
         use_cpu_initialization=not torch.cuda.is_available(),

@@ -24,6 +24,15 @@ def routers(chunks: list) -> list:
     return [module for chunk in chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
 
 
+def start_metrics_tracker() -> None:
+    """A fresh process-wide tracker for a model being built: megatron-core sizes each record's per-layer entry by the
+    first model that records it, so a later model with more layers in the same process (GRPO after its SFT, a test's
+    shared launch) would index past it."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+
+
 def freeze_routers(chunks: list) -> None:
     """Routers that never train (NeMo-RL's freeze_moe_router): their weights take no gradient, so neither DDP's buffers
     nor the optimizer hold them, and they stay bit for bit what was loaded. Call before the DDP wrap."""

@@ -25,15 +25,14 @@ import contextlib
 
 import torch
 
+from model import moe
+
 
 class Routes:
     """The MoE routers of one model (chunks), in layer order: record their routes, load routes to replay or compare."""
 
     def __init__(self, chunks: list):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self.routers = [module for chunk in chunks for module in chunk.modules()
-                        if isinstance(module, TopKRouter) and module.router_replay is not None]
+        self.routers = [router for router in moe.routers(chunks) if router.router_replay is not None]
         self.topk = self.routers[0].topk if self.routers else 0
         self.differ = self.compared = 0  # mismatch counts since the last `take_mismatch`
         for router in self.routers:

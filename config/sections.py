@@ -605,12 +605,27 @@ class GRPOConfig(TrainerConfig):
     def _model_path_exists_now(self) -> bool:
         return super()._model_path_exists_now() and not self.starts_from_default_sft()
 
+    def validate_model_shape(self, model_path: Path) -> None:
+        """The shared checks, and routing replay against the pipeline schedule's recomputed backward."""
+        super().validate_model_shape(model_path)
+        model = self.model
+        recomputes_router = model.recompute == "full" or (model.recompute == "selective" and "moe" in model.recompute_modules)
+        _require(not (self.parallel.pp > 1 and self.grpo.routing_replay and recomputes_router
+                      and hf_expert_count(read_hf_config(model_path, "model.path"))),
+                 f"`grpo.routing_replay=true` with `parallel.pp={self.parallel.pp}` and `model.recompute={model.recompute}` "
+                 "(which recomputes the routers in backward): the pipeline schedule runs later microbatches' forwards "
+                 "before a microbatch's backward, so its recomputed routers would replay a later microbatch's routes. "
+                 "Set `--model.recompute=none` (or selective without `moe`), `--parallel.pp=1`, or "
+                 "`--grpo.routing_replay=false`.")
+
     def validate(self, world_size: int) -> None:
         """The shared checks and GRPO's own (the default start's SFT is checked by `trainer.default_start`)."""
         parallel, grpo, data = self.parallel, self.grpo, self.data
-        _require(parallel.pp == 1 and parallel.vpp == 1,
-                 "GRPO samples its rollouts with the policy itself, which needs the whole model on every rank: "
-                 "set `parallel.pp=1` and `parallel.vpp=1` (tensor and data parallelism are fine).")
+        _require(parallel.vpp == 1,
+                 f"GRPO samples its rollouts with the policy itself, one forward at a time through the pipeline stages, "
+                 f"and that runs one model chunk per rank: `parallel.vpp={parallel.vpp}` (interleaved virtual stages) would "
+                 f"send every decode step around the ranks `parallel.vpp` times for no gain, since generation does not "
+                 f"fill the pipeline. Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine).")
         _require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
         _require(grpo.n_samples >= 2,
                  f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")

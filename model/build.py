@@ -365,8 +365,8 @@ class Policy:
 
     @property
     def can_generate(self) -> bool:
-        """Generation needs the whole model on every rank: no pipeline stages."""
-        return self.provider.pipeline_model_parallel_size == 1
+        """Generation runs one model chunk per rank through the pipeline stages: no virtual pipeline stages."""
+        return len(self.chunks) == 1
 
     @functools.cached_property
     def generator(self):

@@ -200,8 +200,9 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
 
     Where the layers mask pads (`masks_pads`), columns that every live row was given are fed in one forward.
 
-    Needs pipeline size 1; TP-aware. Every tensor-parallel rank must call it with the same prompts and seed
-    (they sample identically, and so finish and compact identically). With `group` (the data-parallel group)
+    One model chunk per rank (no virtual pipeline stages); TP- and PP-aware. Every tensor- and pipeline-parallel rank
+    of a model replica must call it with the same prompts and seed (tensor-parallel ranks sample identically; the last
+    pipeline stage samples and sends each step's ids to the other stages), so they finish and compact identically. With `group` (the data-parallel group)
     the ranks of the group agree on when every row has ended (and, unpadded, on the widths), so each runs the same
     number of forwards whatever its own prompts (a rank whose rows have all ended keeps one row going). Padding
     stays per rank where it can, so a rank's completions do not depend on the other ranks' prompts.
@@ -210,10 +211,11 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     from megatron.core.inference.utils import InferenceMode
 
     if len(chunks) != 1:
-        raise ValueError("generation runs on a single model chunk (pipeline-parallel size 1)")
+        raise ValueError("generation runs on a single model chunk per rank (no virtual pipeline stages)")
     end_ids = torch.tensor([end_ids] if isinstance(end_ids, int) else list(end_ids), dtype=torch.long)  # [ends]
     filler = int(end_ids[0]) if len(end_ids) else 0  # written after a row has ended
     model = chunks[0]
+    stages = parallel.PipelineStages.of_this_rank()
     device = next(unwrap(model).parameters()).device
     end_ids = end_ids.to(device)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [prompts]
@@ -266,23 +268,24 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 mask = future[None, None] | (is_pad[:, None, None, :position] & ~is_pad[:, None, previous:position, None])
             if previous > 0:
                 context.enable_decode_mode()
-            logits = model(input_ids=window, position_ids=positions, attention_mask=mask, inference_context=context,
-                           runtime_gather_output=True)  # [rows, 1, padded vocab]
+            logits = _stage_forward(model, stages, window, position_ids=positions, attention_mask=mask,
+                                    inference_context=context)  # [rows, 1, padded vocab]; None before the last stage
             context.sequence_len_offset += window.size(1)
             if routes:
                 taken[:, previous:position] = routes.recorded(*window.shape).to(taken.dtype)
-            last = logits[:, -1, :vocab_size]  # [rows, vocab]
             if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
                 copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
-                tokens, is_pad, ends, last = tokens[copies], is_pad[copies], ends[copies], last[copies]
+                tokens, is_pad, ends = tokens[copies], is_pad[copies], ends[copies]
+                logits = None if logits is None else logits[copies]
                 logprobs, taken = logprobs[copies], taken[copies]
                 forced_end, stop = forced_end[copies], stop[copies]
                 _keep_cache_rows(context, copies)
             previous = position
-            next_tokens = sample_next(last, temperature, top_p, top_k, generator)
+            next_tokens, next_logprobs = _sample(logits, stages, tokens.size(0), device, vocab_size, temperature,
+                                                 top_p, top_k, generator)
             forced = position < forced_end  # [rows]
             tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
-            logprobs[:, position] = torch.where(forced | done, 0.0, sampled_logprobs(last, next_tokens, temperature))
+            logprobs[:, position] = torch.where(forced | done, 0.0, next_logprobs)
             ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
             if continue_rows is not None and bool(ended.any()):
                 ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, max_new_tokens)
@@ -309,6 +312,8 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 given = int((forced_end - position).clamp(min=0).masked_fill(done, total).min())
                 position += _agree(min(given, total - 1 - position), group, torch.distributed.ReduceOp.MIN)
     model.train(was_training)
+    if stages is not None and not stages.first:
+        unwrap(model).set_input_tensor(None)
     output[output_rows] = tokens
     output_stop[output_rows] = stop
     output_logprobs[output_rows], output_taken[output_rows] = logprobs, taken
@@ -322,6 +327,42 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     if routes:
         completions.routes = [output_taken[row, start:stop].cpu() for row, (start, _, stop) in enumerate(spans)]
     return completions
+
+
+def _stage_forward(model, stages, window: torch.Tensor, **inputs):
+    """The policy's forward of `window` ([rows, new tokens]): its logits [rows, 1, padded vocab] (megatron-core's
+    inference mode keeps only the last position). With pipeline stages, the previous stage's hidden states
+    [new tokens, rows, hidden] come in and this stage's go out to the next: the logits on the last stage only (None on
+    the others). Each stage's KV cache holds its own layers."""
+    if stages is None:
+        return model(input_ids=window, runtime_gather_output=True, **inputs)
+    config = unwrap(model).config
+    dtype = config.pipeline_dtype or config.params_dtype  # what megatron-core's schedule exchanges between stages
+    if not stages.first:
+        hidden = stages.receive((window.size(1), window.size(0), config.hidden_size), dtype, window.device)
+        unwrap(model).set_input_tensor(hidden)
+    output = model(input_ids=window, runtime_gather_output=True, **inputs)
+    if stages.last:
+        return output
+    stages.send(output.to(dtype))
+    return None
+
+
+def _sample(logits, stages, rows: int, device, vocab_size: int, temperature: float, top_p: float, top_k: int,
+            generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's next id and the sampler's log-prob of it ([rows] each): sampled where the logits are (the last
+    pipeline stage) and sent from there to the other stages, exactly (ids and fp32 log-probs travel as fp64)."""
+    if logits is not None:
+        last = logits[:, -1, :vocab_size]  # [rows, vocab]
+        ids = sample_next(last, temperature, top_p, top_k, generator)
+        logprobs = sampled_logprobs(last, ids, temperature)
+        if stages is None:
+            return ids, logprobs
+        both = torch.stack([ids.double(), logprobs.double()])  # [2, rows]
+    else:
+        both = torch.empty(2, rows, dtype=torch.float64, device=device)
+    both = stages.from_last(both)
+    return both[0].long(), both[1].float()
 
 
 def sampled_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -199,11 +199,12 @@ def all_reduce_int(value: int, op, group=None) -> int:
     return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())
 
 
-def tensor_parallel_shared(compute, *args):
-    """`compute(*args)` run on the first rank of this rank's tensor-parallel group only, its (picklable) result sent
-    to the others: user code that may differ between calls (a tool, a reward: a clock, a network call) then gives
-    every shard of one model replica the same value. Without tensor parallelism it is just the call. Collective over
-    the tensor-parallel group.
+def model_parallel_shared(compute, *args):
+    """`compute(*args)` run on the first rank of this rank's model-parallel group only (the tensor- and
+    pipeline-parallel ranks of one model replica), its (picklable) result sent to the others: user code that may
+    differ between calls (a tool, a reward: a clock, a network call) then gives every shard and stage of one replica
+    the same value, and runs once per replica. Without tensor or pipeline parallelism it is just the call. Collective
+    over the model-parallel group.
 
     Every exception reaches every rank of the group, so no peer waits for a result that never comes: a UserError is
     raised with its message on every rank; any other exception from `compute`, or a result that cannot be pickled,
@@ -211,15 +212,16 @@ def tensor_parallel_shared(compute, *args):
     `compute`, the exception's type and message, and where the traceback is."""
     from megatron.core import parallel_state
 
-    if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if not dist.is_initialized() or parallel_state.get_model_parallel_group().size() == 1:
         return compute(*args)
-    source = parallel_state.get_tensor_model_parallel_src_rank()
+    group = parallel_state.get_model_parallel_group()
+    source = dist.get_process_group_ranks(group)[0]
     box, result, error = [None], None, None
     if dist.get_rank() == source:
         result, error, pickled = _compute_for_peers(compute, args)
         box = [pickled]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    dist.broadcast_object_list(box, src=source, group=parallel_state.get_tensor_model_parallel_group(), device=device)
+    dist.broadcast_object_list(box, src=source, group=group, device=device)
     if error is not None:
         raise error
     if dist.get_rank() == source:
@@ -256,11 +258,12 @@ def _shared_failure(compute, error: Exception, problem: str, fix: str = "") -> U
     """The paragraph every tensor-parallel rank raises for `error` on the computing rank; logs the traceback there,
     once. Call it in the `except` block that caught `error`."""
     rank = dist.get_rank()
-    log.exception("%s failed on global rank %d, which runs it for its tensor-parallel group", _qualified_name(compute),
+    log.exception("%s failed on global rank %d, which runs it for its model-parallel group", _qualified_name(compute),
                   rank)
     detail = " ".join(str(error).split()).rstrip(".") or "(no message)"
-    failure = UserError(f"{problem} on global rank {rank}, the rank of its tensor-parallel group that runs it for the "
-                        f"others: {type(error).__name__}: {detail}. Its full traceback is logged on that rank (logger "
+    failure = UserError(f"{problem} on global rank {rank}, the rank of its model-parallel group (the tensor- and "
+                        f"pipeline-parallel ranks of one model replica) that runs it for the others: "
+                        f"{type(error).__name__}: {detail}. Its full traceback is logged on that rank (logger "
                         f"{log.name!r}); every rank of the group stops with this message rather than wait for the "
                         f"result.{fix}")
     failure.__cause__ = error
@@ -273,17 +276,64 @@ def _qualified_name(function) -> str:
     return f"{function.__module__}.{qualified}" if qualified else repr(function)
 
 
+@dataclass(frozen=True)
+class PipelineStages:
+    """This rank's place in its pipeline, for forwards outside megatron-core's schedule (generation): one forward at a
+    time passes stage to stage (no microbatch pipelining), as megatron-core's own static-batching inference does.
+    Each tensor-parallel rank talks to the same tensor-parallel rank of the next and previous stages."""
+
+    first: bool
+    last: bool
+    group: object  # the pipeline group: one rank per stage, this rank's tensor-parallel rank
+    previous_rank: int  # global ranks
+    next_rank: int
+    last_rank: int
+
+    @classmethod
+    def of_this_rank(cls) -> "PipelineStages | None":
+        """The stages of megatron's parallel state; None at pipeline size 1."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        return cls(parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                   parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                   parallel_state.get_pipeline_model_parallel_group(),
+                   parallel_state.get_pipeline_model_parallel_prev_rank(),
+                   parallel_state.get_pipeline_model_parallel_next_rank(),
+                   parallel_state.get_pipeline_model_parallel_last_rank())
+
+    def receive(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The previous stage's output (its shape and dtype known to both sides)."""
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=self.previous_rank)
+        return tensor
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """This stage's output to the next stage."""
+        dist.send(tensor.contiguous(), dst=self.next_rank)
+
+    def from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's `tensor` on every stage (the others pass a tensor of its shape and dtype)."""
+        dist.broadcast(tensor, src=self.last_rank, group=self.group)
+        return tensor
+
+
 def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:
-    """Global-batch (loss sum, token count) from the microbatch outputs, made known to every rank.
-
-    Only the last pipeline stage holds losses: it sums over data-parallel ranks and then
-    broadcasts along the pipeline so rank 0 (first stage) can log it.
-    """
-    from megatron.core import parallel_state
-
+    """Global-batch (loss sum, token count) from the microbatch outputs, made known to every rank (`last_stage_sum`)."""
     totals = torch.zeros(2, dtype=torch.float64)
     for item in losses_reduced:
         totals += item["loss"].detach().to("cpu", torch.float64)
+    loss_sum, tokens = last_stage_sum(totals.tolist())
+    return loss_sum, tokens
+
+
+def last_stage_sum(values: list[float]) -> list[float]:
+    """A few numbers only the last pipeline stage holds (the losses of megatron-core's schedule), summed over its
+    data-parallel ranks and made known to every stage, so rank 0 (first stage) can log them. Collective."""
+    from megatron.core import parallel_state
+
+    totals = torch.tensor(values, dtype=torch.float64)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         totals = _all_reduce(totals, parallel_state.get_data_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -291,4 +341,4 @@ def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, f
         dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
         totals = totals.cpu()
-    return totals[0].item(), totals[1].item()
+    return totals.tolist()

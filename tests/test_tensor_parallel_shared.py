@@ -1,4 +1,4 @@
-"""`model.parallel.tensor_parallel_shared` at TP=2 on 2 CPU processes: whatever fails on the computing rank (an
+"""`model.parallel.model_parallel_shared` at TP=2 on 2 CPU processes: whatever fails on the computing rank (an
 exception, a result pickle refuses, a UserError) stops every rank of the group with the same one-paragraph UserError,
 within seconds, instead of leaving the other rank waiting in the broadcast (STYLE rule 16).
 

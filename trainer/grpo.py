@@ -11,7 +11,7 @@ The variant, exactly (defaults in brackets):
   as token ids into the same KV cache and left out of the loss (mask 0); the reward scores the last turn, plus the
   environment's own reward. `trainer/rollout.py` states the rules; `max_new_tokens` bounds the whole episode.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
-  answer, computed on the first rank of each tensor-parallel group and sent to the others; a reward function that
+  answer, computed on the first rank of each model-parallel group (tensor and pipeline ranks) and sent to the others; a reward function that
   raises (or returns no finite number) scores 0 and is counted (`reward_errors`), its first failure of each kind
   logged with the completion; failing on every completion of a step stops the run with a paragraph, unless
   `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer`

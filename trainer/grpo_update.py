@@ -64,12 +64,24 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 
 @torch.no_grad()
-def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor:
-    """Per-token log-probs of a collated batch's labels under a model, forward only and in eval mode: pi_old and pi_ref
-    are the policy that sampled (dropout off, as in generation), not a random dropout draw of it."""
-    with build.eval_mode(chunks[0]) as model:
-        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
-        return token_logprobs(logits, batch["labels"], temperature)  # [batch, seq]
+def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor | None:
+    """Per-token log-probs [batch, seq] of a collated batch's labels under a model, forward only and in eval mode:
+    pi_old and pi_ref are the policy that sampled (dropout off, as in generation), not a random dropout draw of it.
+    Through megatron-core's pipeline schedule, so with pipeline stages they exist on the last stage only (None on the
+    others), where the loss that reads them runs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def logprobs_step(data_iterator, model):
+        microbatch = next(data_iterator)
+        logits = model(input_ids=microbatch["tokens"], position_ids=microbatch["position_ids"], attention_mask=None)
+        return logits, lambda output, non_loss_data=True: token_logprobs(output, microbatch["labels"], temperature)
+
+    with build.eval_mode(chunks[0]):
+        outputs = get_forward_backward_func()(
+            forward_step_func=logprobs_step, data_iterator=iter([batch]), model=chunks, num_microbatches=1,
+            seq_length=batch["tokens"].size(1), micro_batch_size=batch["tokens"].size(0), forward_only=True,
+            collect_non_loss_data=True)
+    return outputs[0] if outputs else None
 
 
 def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
@@ -88,7 +100,7 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     logprobs = token_logprobs(logits, batch["labels"], settings.temperature)  # [batch, seq]
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).
-    old_logprobs = logprobs.detach() if batch["old_logprobs"] is None else batch["old_logprobs"]  # [batch, seq]
+    old_logprobs = batch["old_logprobs"] if batch["pi_old_recomputed"] else logprobs.detach()  # [batch, seq]
     log_ratio = settings.importance_ratio(logprobs, old_logprobs, mask)  # [batch, seq]
     per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, batch["advantages"], settings.clip_low,
                                                        settings.clip_high, settings.dual_clip)
@@ -114,7 +126,7 @@ def forward_step(settings: LossSettings, routes, data_iterator, model):
     vocab-parallel logits [batch, seq, vocab shard] go to the loss."""
     batch = next(data_iterator)
     if "routes" in batch:  # compared here only when this forward has the sampling weights (no separate pi_old pass)
-        routes.load(batch["routes"], batch["routed"], settings.routing_replay, compare=batch["old_logprobs"] is None)
+        routes.load(batch["routes"], batch["routed"], settings.routing_replay, compare=not batch["pi_old_recomputed"])
     logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
                    padding_mask=moe.routing_padding_mask(batch, model))
     return logits, functools.partial(policy_loss, batch, settings)
@@ -167,6 +179,7 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device)
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         if recompute_old and "routes" in batch:
             policy.routes.load(batch["routes"], batch["routed"], config.grpo.routing_replay, compare=True)
+        batch["pi_old_recomputed"] = recompute_old
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
         batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature, config.grpo.routing_replay)
         microbatches.append(batch)
@@ -217,7 +230,7 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
             for output in outputs:
                 totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(output["gap_max"]))
-    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = parallel.data_parallel_sum(totals.tolist())
+    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = parallel.last_stage_sum(totals.tolist())
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
             **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),

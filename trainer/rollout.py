@@ -21,9 +21,10 @@ turns, kept as token ids from the first to the last:
 - only sampled tokens are trained (`Episode.sampled`): appended ones get loss mask 0, so no log-prob, KL or entropy
   term, and every token-counting normaliser of the loss counts sampled tokens only.
 
-Under tensor parallelism the user's code (tools, environments, and the reward) runs on the first rank of the
-tensor-parallel group only, and its results are sent to the others (`model.parallel.tensor_parallel_shared`), so a
-tool that answers differently each call never splits the peers that hold one model's shards.
+Under tensor and pipeline parallelism the user's code (tools, environments, and the reward) runs on the first rank of
+the model-parallel group only, and its results are sent to the others (`model.parallel.model_parallel_shared`), so a
+tool runs once per model replica, and one that answers differently each call never splits the peers that hold one
+model's shards and stages.
 """
 
 import collections
@@ -105,7 +106,7 @@ class Rollout:
     def run(self, generator, prompts: list, *, samples: int, max_new_tokens: int, sampling: generate.Sampling,
             record_routes: bool = False) -> tuple[list[Episode], float]:
         """`samples` episodes of each prompt (a prompt's consecutively) and the seconds spent in tools. Collective like
-        `Generator.generate`, and over the tensor-parallel group with tools. `record_routes`: a Mixture-of-Experts
+        `Generator.generate`, and over the model-parallel group with tools. `record_routes`: a Mixture-of-Experts
         policy's episodes keep their routes (`Episode.routes`)."""
         if self.toolset is None:
             completions = generator.generate([prompt.ids for prompt in prompts], samples=samples,
@@ -116,7 +117,7 @@ class Rollout:
             return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}),
                             logprobs=logprobs, routes=taken)
                     for prompt, ids, text, logprobs, taken in zip(rows, completions, texts, completions.logprobs, routes)], 0.0
-        prompt_ids, skipped_prompts = parallel.tensor_parallel_shared(self._start, prompts, samples)
+        prompt_ids, skipped_prompts = parallel.model_parallel_shared(self._start, prompts, samples)
         self.counts = [collections.Counter() for _ in range(len(prompts) * samples)]
         for index in skipped_prompts:
             self.counts[index * samples]["prompts_too_long"] += 1  # once per prompt, on its group's first episode
@@ -126,7 +127,7 @@ class Rollout:
                                          continue_rows=self._continue_rows, record_routes=record_routes)
         routes = completions.routes or [None] * len(completions)
         rows = [index for index in range(len(prompts)) for _ in range(samples)]
-        finals = parallel.tensor_parallel_shared(self._finish, completions)
+        finals = parallel.model_parallel_shared(self._finish, completions)
         episodes = []
         for row, (prompt_index, ids) in enumerate(zip(rows, completions)):
             sampled = [1] * len(ids)
@@ -168,7 +169,7 @@ class Rollout:
 
     def _continue_rows(self, requests: list[tuple[int, list[int], int]]) -> list[list[int] | None]:
         """`Generator.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""
-        records, seconds = parallel.tensor_parallel_shared(self._advance, requests)
+        records, seconds = parallel.model_parallel_shared(self._advance, requests)
         self.tool_seconds += seconds
         appended = []
         for (row, _, _), (ids, start, counts) in zip(requests, records):
@@ -255,7 +256,7 @@ class Rollout:
 def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards.Scores:
     """The reward function's scores of each episode's answer, plus its environment's reward (added); an episode is
     correct by the environment's verdict where its reward() gives one, else by the reward function's full marks; a
-    skipped episode scores 0. Computed on the first tensor-parallel rank and shared, so a reward that varies between
+    skipped episode scores 0. Computed on the first model-parallel rank and shared, so a reward that varies between
     calls cannot split the peers."""
     def compute():
         scores = rewards.score(reward, [episode.answer for episode in episodes],
@@ -265,7 +266,7 @@ def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards
         scores.correct = [not episode.skipped and (correct if episode.environment_correct is None else episode.environment_correct)
                           for correct, episode in zip(scores.correct, episodes)]
         return scores
-    return parallel.tensor_parallel_shared(compute)
+    return parallel.model_parallel_shared(compute)
 
 
 def totals(episodes: list[Episode]) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Run by tests/test_tensor_parallel_shared.py in the shared launch (shared_launch.py, 2 processes): what each rank of a
-tensor-parallel group of 2 gets from `model.parallel.tensor_parallel_shared` when the computing rank fails.
+"""Run by tests/test_model_parallel_shared.py in the shared launch (shared_launch.py, 2 processes): what each rank of a
+tensor-parallel group of 2 gets from `model.parallel.model_parallel_shared` when the computing rank fails.
 
 No model: megatron's parallel state alone, with TP=2 over the launch's gloo group. Its groups are made with a
 30-second timeout, so a rank left waiting in the broadcast fails that check in 30 s instead of hanging the launch.
@@ -83,7 +83,7 @@ def run(args) -> None:
         for case in CASES:
             before, start = counter.count, time.perf_counter()
             try:
-                outcome = {"value": parallel.tensor_parallel_shared(case)}
+                outcome = {"value": parallel.model_parallel_shared(case)}
             except Exception as error:
                 outcome = {"error": type(error).__name__, "message": str(error)}
             outcome |= {"seconds": time.perf_counter() - start, "tracebacks_logged": counter.count - before}

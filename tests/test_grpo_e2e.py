@@ -68,7 +68,7 @@ def test_key_set_is_frozen():
     (["--train.global_batch_size=100"], "must be a multiple of `grpo.n_samples=8`"),
     (["--train.global_batch_size=8"], "whose number of prompts divides over the data-parallel size 2"),
     (["--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8` x `train.micro_batch_size=64`"),
-    (["--parallel.pp=2"], "set `parallel.pp=1`"),
+    (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine)"),
 ])
 def test_start_up_errors_name_the_key(argv, expected):
     config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
@@ -222,7 +222,7 @@ FRAGILE_REWARD = (
     "    if len(completion) % 2:\n"
     "        raise ValueError('cannot handle odd lengths')\n"
     "    return 0.0\n")
-RESUME_LAYOUTS = {"ddp": [], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
+RESUME_LAYOUTS = {"ddp": [], "pp": ["--parallel.pp=2"], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
 
 
 def lora_command(sft_checkpoint, out_dir) -> dict:
@@ -263,9 +263,9 @@ def shared_runs(sft_checkpoint, tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
-def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(shared_runs):
+def test_resume_repeats_the_straight_run_exactly_under_ddp_pipeline_stages_and_megatron_fsdp(shared_runs):
     """2N steps straight vs N, `--resume-from-checkpoint latest`, N more: identical rewards, losses and held-out
-    figures (sampling included), under DDP and under Megatron-FSDP, whose every forward gathers parameters over the
+    figures (sampling included), under DDP, at two pipeline stages and under Megatron-FSDP, whose every forward gathers parameters over the
     data-parallel ranks (generation and evaluation run the same forwards on both ranks). From the same weights and
     seeds, FSDP's first step samples exactly DDP's completions.
 
@@ -278,11 +278,13 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sha
     fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "reward_errors", "truncated_rate",
               "eval_accuracy", "eval_answer_accuracy", "sampling_rounds", "kept_group_rate", "zero_advantage_groups")
     rows = {f"{name}/{run}": [tuple(row.get(key) for key in fields) for row in metrics(tmp_path / name / run)]
-            for name in ("ddp", "fsdp") for run in ("straight", "split")}
+            for name in RESUME_LAYOUTS for run in ("straight", "split")}
     print("GRPO straight vs resumed:", rows)
     straight = rows["ddp/straight"]
     assert [row[0] for row in straight] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
     assert rows["ddp/split"] == straight and rows["fsdp/split"] == rows["fsdp/straight"]
+    # Pipeline stages (PP=2, one replica): rollouts pass every forward stage to stage, the loss is the last stage's.
+    assert rows["pp/split"] == rows["pp/straight"] and [row[0] for row in rows["pp/straight"]] == [0, 1, 2, 3, 4]
     # The held-out baseline and step 1's rollouts (the same weights and seeds): the same completions, so the same
     # rewards, raising completions and truncations (losses and gradients are reduced differently, so only close).
     sampled = [1, 6, 7, 8, 9, 10, 11, 12]
@@ -300,6 +302,7 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_and_megatron_fsdp(sha
     assert sum(row[6] for row in steps) >= 16 and all(0 <= row[1] < 1 for row in steps)
     assert (tmp_path / "ddp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "fsdp" / "split" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "pp" / "split" / "hf" / "model.safetensors").is_file()
 
 
 def run_single_process(args: list[str]) -> subprocess.CompletedProcess:

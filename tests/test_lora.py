@@ -20,7 +20,7 @@ from tests.conftest import worker_output
 ])
 def test_bad_lora_settings_are_refused_before_any_model_is_built(argv, expected):
     loops = ((SFTConfig, "trainer.sft"), (GRPOConfig, "trainer.grpo"))
-    for config_class, program in loops[:1] if "--parallel.pp=2" in argv else loops:  # GRPO refuses any PP first
+    for config_class, program in loops:
         config, _ = parse_args(config_class, argv, program)
         with pytest.raises(UserError) as error:
             config.validate(world_size=2)

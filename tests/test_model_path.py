@@ -28,6 +28,24 @@ def check_parity(ranks: dict[int, dict], world_size: int) -> None:
     assert main["round_trip_tied"] is True
 
 
+def check_generation(ranks: dict[int, dict]) -> None:
+    """Greedy generation equals transformers' token for token; sampling is reproducible, seeded, grouped; every rank
+    of the launch (tensor-, pipeline- and data-parallel) got the same completions; end ids and truncation."""
+    for rank in ranks.values():
+        assert rank["greedy_equal"] is True, "greedy generation must match transformers.generate token for token"
+        assert rank["sampling_reproducible"] is True
+        assert rank["sampling_seed_matters"] is True
+        # A stop token some rows reach early: the batch is compacted to the live rows, and every row still
+        # matches transformers (measured stop lengths: [1, 16, 16]).
+        assert rank["greedy_equal_with_early_stops"] is True
+        assert min(rank["stop_lengths"]) < max(rank["stop_lengths"])
+        assert rank["samples_greedy_repeat"] is True and rank["samples_reproducible"] is True
+        assert rank["samples_differ_within_groups"] > len(rank["sampled"]) // 4  # groups are sampled, not copied
+        assert rank["sampled"] == ranks[0]["sampled"]  # tensor-, pipeline- and data-parallel ranks sample identically
+        assert rank["end_ids"] is True and rank["stops_at_second_end_id"] is True
+        assert rank["truncated"] == rank["truncated_by_hand"] and 1 <= sum(rank["truncated"]) < len(rank["truncated"])
+
+
 def shared_worker(out) -> list[str]:
     """TP=2, then TP=1 (two data-parallel ranks), in the 2-process shared launch (conftest's `shared_launch`)."""
     return [WORKER, "--tp", "2,1", "--out", str(out)]
@@ -43,19 +61,7 @@ def layouts(shared_launch):
 def test_parity_round_trip_and_generation(tp, layouts):
     ranks = results(layouts / f"tp{tp}")
     check_parity(ranks, 2)
-    for rank in ranks.values():
-        assert rank["greedy_equal"] is True, "greedy generation must match transformers.generate token for token"
-        assert rank["sampling_reproducible"] is True
-        assert rank["sampling_seed_matters"] is True
-        # A stop token some rows reach early: the batch is compacted to the live rows, and every row still
-        # matches transformers (measured stop lengths: [1, 16, 16]).
-        assert rank["greedy_equal_with_early_stops"] is True
-        assert min(rank["stop_lengths"]) < max(rank["stop_lengths"])
-        assert rank["samples_greedy_repeat"] is True and rank["samples_reproducible"] is True
-        assert rank["samples_differ_within_groups"] > len(rank["sampled"]) // 4  # groups are sampled, not copied
-        assert rank["sampled"] == ranks[0]["sampled"]  # tensor-parallel (and data-parallel) ranks sample identically
-        assert rank["end_ids"] is True and rank["stops_at_second_end_id"] is True
-        assert rank["truncated"] == rank["truncated_by_hand"] and 1 <= sum(rank["truncated"]) < len(rank["truncated"])
+    check_generation(ranks)
 
 
 @pytest.mark.distributed
@@ -69,4 +75,6 @@ def test_parity_pipeline_parallel_across_two_simulated_nodes(tmp_path):
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-6000:]
-    check_parity(results(worker_output(tmp_path) / "tp1"), 2)
+    ranks = results(worker_output(tmp_path) / "tp1")
+    check_parity(ranks, 2)
+    check_generation(ranks)  # each decode step's forward passed from one node's stage to the other's

@@ -1,6 +1,6 @@
 """`torchrun -m trainer.grpo` with tools, end to end on CPU: multi-turn rollouts under DDP, Megatron-FSDP (the ranks run
-different numbers of turns), TP=2 with a tool that answers differently at every call, LoRA, and 2 + resume + 2 steps
-against 4 straight.
+different numbers of turns), TP=2 with a tool that answers differently at every call, LoRA, two pipeline stages, and
+2 + resume + 2 steps against 4 straight (DDP and PP=2).
 
 The policy is the default SFT's export with `tests.tool_fixtures.DIGITS_SCHEMA` as its tokenizer's `response_schema`:
 every number it writes is read as a call `digits(number=N)`, so every episode is multi-turn without a model trained on
@@ -28,8 +28,9 @@ def metrics(out_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(default_sft, tmp_path_factory) -> dict:
-    """Two launches: DDP straight and split at step 2, TP=2 with the clock tool, LoRA, then Megatron-FSDP straight (last:
-    a process cannot free FSDP's groups for the next run); the split run resumed in fresh processes."""
+    """Two launches: DDP straight and split at step 2, TP=2 with the clock tool, LoRA, PP=2 straight and split at step
+    2, then Megatron-FSDP straight (last: a process cannot free FSDP's groups for the next run); the split runs resumed
+    in fresh processes."""
     root = tmp_path_factory.mktemp("tool-runs")
     model = root / "model"
     shutil.copytree(default_sft / "hf", model)
@@ -49,10 +50,13 @@ def runs(default_sft, tmp_path_factory) -> dict:
                        command("tp2", "--grpo.environment=tests.tool_fixtures:Clock", "--parallel.tp=2", "--train.steps=2",
                                "--grpo.n_samples=2", "--train.global_batch_size=8", "--train.micro_batch_size=4"),
                        command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2"),
+                       command("pp", *digits, "--parallel.pp=2", "--train.steps=4"),
+                       command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--train.exit_interval=2"),
                        command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")], root, env={"PYTHONPATH": str(REPO)})
-    torchrun_commands([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest")], root,
-                      env={"PYTHONPATH": str(REPO)})
-    return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "fsdp")} | {"root": root}
+    torchrun_commands([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest"),
+                       command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint",
+                               "latest")], root, env={"PYTHONPATH": str(REPO)})
+    return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "pp", "pp-split", "fsdp")} | {"root": root}
 
 
 def table(rows: list[dict], fields=FIELDS) -> list[tuple]:
@@ -97,6 +101,17 @@ def test_a_tool_that_answers_differently_each_call_never_splits_tensor_parallel_
     print("tools, TP=2:", table(tp2))
     assert [row["step"] for row in tp2] == [0, 1, 2]
     assert all(row["tool_call_rate"] > 0.5 and row["tool_errors"] == 0 for row in tp2[1:])
+
+
+def test_pipeline_stages_run_tools_and_resume_exactly(runs):
+    """PP=2: the two ranks are one replica's two stages, so each episode's tool runs once, on the first stage, and its
+    ids reach both; every turn's forwards pass stage to stage. 2 + resume + 2 steps repeat 4 straight ones bit for bit."""
+    pp = runs["pp"]
+    print("tools, PP=2:", table(pp))
+    assert [row["step"] for row in pp] == [0, 1, 2, 3, 4]
+    assert all(row["tool_call_rate"] > 0.5 and row["turns_per_episode"] > 1.1 and row["tool_errors"] == 0 for row in pp[1:])
+    assert len({row["loss"] for row in pp[1:]}) == 4 and all(row["grad_norm"] > 0 for row in pp[1:])
+    assert table(runs["pp-split"]) == table(pp)
 
 
 def test_lora_trains_with_tools(runs):

@@ -108,39 +108,39 @@ def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamesp
         print(f"[parity] TP={tp} PP={pp} rank {runtime.rank}: max |logits - transformers| = "
               f"{result['max_abs_logit_diff']:.3g}", flush=True)
 
-    if pp == 1:
-        kwargs = dict(max_new_tokens=16, end_ids=tokenizer.eos_token_id, vocab_size=vocab)
-        result["greedy_equal"] = generate.generate(chunks, prompts, **kwargs) == reference_completions
-        first = generate.generate(chunks, prompts, temperature=1.0, top_p=0.9, top_k=50, seed=11, **kwargs)
-        second = generate.generate(chunks, prompts, temperature=1.0, top_p=0.9, top_k=50, seed=11, **kwargs)
-        other = generate.generate(chunks, prompts, temperature=1.0, seed=12, **kwargs)
-        result["sampling_reproducible"] = first == second
-        result["sampling_seed_matters"] = first != other
-        stopped = generate.generate(chunks, prompts, **{**kwargs, "end_ids": stop})
-        result["stop_lengths"] = [len(completion) for completion in stopped]
-        result["greedy_equal_with_early_stops"] = stopped == stopped_completions
-        # samples=N: one prefill per prompt, its N rows in a row; greedy rows repeat the prompt's completion.
-        grouped = generate.generate(chunks, prompts, samples=3, **{**kwargs, "end_ids": stop})
-        result["samples_greedy_repeat"] = grouped == [completion for completion in stopped for _ in range(3)]
-        sampled = [generate.generate(chunks, prompts, samples=4, temperature=1.0, seed=5, **{**kwargs, "end_ids": stop})
-                   for _ in range(2)]
-        result["samples_reproducible"] = sampled[0] == sampled[1]
-        result["samples_differ_within_groups"] = sum(len({tuple(row) for row in sampled[0][i : i + 4]})
-                                                     for i in range(0, len(sampled[0]), 4))
-        result["sampled"] = sampled[0]
-        # A checkpoint whose generation_config.json declares two end ids (as Qwen2.5-Instruct's does): generation
-        # stops at either, here at the second; a completion that reaches the budget without one is truncated.
-        declared = out / f"two-end-ids-rank{runtime.rank}"
-        declared.mkdir()
-        (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, stop]}))
-        end_ids = generate.end_token_ids(declared, tokenizer)
-        generator = generate.Generator(chunks, vocab, end_ids)
-        two_ends = generator.generate(prompts, max_new_tokens=16)
-        result["end_ids"] = list(end_ids) == [tokenizer.eos_token_id, stop]
-        result["stops_at_second_end_id"] = two_ends == stopped_completions
-        result["truncated"] = [generator.truncated(completion, 16) for completion in two_ends]
-        result["truncated_by_hand"] = [len(completion) == 16 and completion[-1] not in (tokenizer.eos_token_id, stop)
-                                       for completion in two_ends]
+    # Generation at PP=2 passes each forward stage to stage; every rank gets the same completions.
+    kwargs = dict(max_new_tokens=16, end_ids=tokenizer.eos_token_id, vocab_size=vocab)
+    result["greedy_equal"] = generate.generate(chunks, prompts, **kwargs) == reference_completions
+    first = generate.generate(chunks, prompts, temperature=1.0, top_p=0.9, top_k=50, seed=11, **kwargs)
+    second = generate.generate(chunks, prompts, temperature=1.0, top_p=0.9, top_k=50, seed=11, **kwargs)
+    other = generate.generate(chunks, prompts, temperature=1.0, seed=12, **kwargs)
+    result["sampling_reproducible"] = first == second
+    result["sampling_seed_matters"] = first != other
+    stopped = generate.generate(chunks, prompts, **{**kwargs, "end_ids": stop})
+    result["stop_lengths"] = [len(completion) for completion in stopped]
+    result["greedy_equal_with_early_stops"] = stopped == stopped_completions
+    # samples=N: one prefill per prompt, its N rows in a row; greedy rows repeat the prompt's completion.
+    grouped = generate.generate(chunks, prompts, samples=3, **{**kwargs, "end_ids": stop})
+    result["samples_greedy_repeat"] = grouped == [completion for completion in stopped for _ in range(3)]
+    sampled = [generate.generate(chunks, prompts, samples=4, temperature=1.0, seed=5, **{**kwargs, "end_ids": stop})
+               for _ in range(2)]
+    result["samples_reproducible"] = sampled[0] == sampled[1]
+    result["samples_differ_within_groups"] = sum(len({tuple(row) for row in sampled[0][i : i + 4]})
+                                                 for i in range(0, len(sampled[0]), 4))
+    result["sampled"] = sampled[0]
+    # A checkpoint whose generation_config.json declares two end ids (as Qwen2.5-Instruct's does): generation
+    # stops at either, here at the second; a completion that reaches the budget without one is truncated.
+    declared = out / f"two-end-ids-rank{runtime.rank}"
+    declared.mkdir()
+    (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, stop]}))
+    end_ids = generate.end_token_ids(declared, tokenizer)
+    generator = generate.Generator(chunks, vocab, end_ids)
+    two_ends = generator.generate(prompts, max_new_tokens=16)
+    result["end_ids"] = list(end_ids) == [tokenizer.eos_token_id, stop]
+    result["stops_at_second_end_id"] = two_ends == stopped_completions
+    result["truncated"] = [generator.truncated(completion, 16) for completion in two_ends]
+    result["truncated_by_hand"] = [len(completion) == 16 and completion[-1] not in (tokenizer.eos_token_id, stop)
+                                   for completion in two_ends]
 
     export_dir = out / "export"
     build.export_hf(bridge, chunks, export_dir)

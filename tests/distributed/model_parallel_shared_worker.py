@@ -1,5 +1,6 @@
 """Run by tests/test_model_parallel_shared.py in the shared launch (shared_launch.py, 2 processes): what each rank of a
-tensor-parallel group of 2 gets from `model.parallel.model_parallel_shared` when the computing rank fails.
+tensor-parallel group of 2 gets from `model.parallel.model_parallel_shared` when the computing rank fails; then, at
+PP=2 (the two ranks one replica's two pipeline stages), what each stage gets (`<out>/pp2-rank<R>.json`).
 
 No model: megatron's parallel state alone, with TP=2 over the launch's gloo group. Its groups are made with a
 30-second timeout, so a rank left waiting in the broadcast fails that check in 30 s instead of hanging the launch.
@@ -69,13 +70,21 @@ def parse(argv: list[str]):
 
 
 def run(args) -> None:
-    """Run every case at TP=2 and write this rank's outcomes."""
+    """Run every case at TP=2, then at PP=2, and write this rank's outcomes."""
+    rank = dist.get_rank()
+    for layout, prefix in (({"tensor_model_parallel_size": 2}, ""), ({"pipeline_model_parallel_size": 2}, "pp2-")):
+        results = run_cases(layout)
+        print(f"[model-parallel shared] {prefix}rank {rank}: {json.dumps(results)}", flush=True)
+        Path(args.out, f"{prefix}rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_cases(layout: dict) -> dict:
+    """Every case under megatron's parallel state laid out as `layout`: per case, this rank's outcome."""
     from megatron.core import parallel_state
 
     # The launch made the gloo process group; parallel.init_distributed would lay out the groups with megatron's
     # 30-minute timeout, which a hang in a test must not wait for.
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
-                                             distributed_timeout_minutes=HANG_TIMEOUT_MINUTES)
+    parallel_state.initialize_model_parallel(**layout, distributed_timeout_minutes=HANG_TIMEOUT_MINUTES)
     counter = CountTracebacks()
     logging.getLogger(parallel.__name__).addHandler(counter)
     results = {}
@@ -91,6 +100,4 @@ def run(args) -> None:
     finally:
         logging.getLogger(parallel.__name__).removeHandler(counter)
         parallel_state.destroy_model_parallel()
-    rank = dist.get_rank()
-    print(f"[tp shared] rank {rank}: {json.dumps(results)}", flush=True)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    return results

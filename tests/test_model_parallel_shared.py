@@ -1,8 +1,8 @@
-"""`model.parallel.model_parallel_shared` at TP=2 on 2 CPU processes: whatever fails on the computing rank (an
+"""`model.parallel.model_parallel_shared` at TP=2 (and PP=2) on 2 CPU processes: whatever fails on the computing rank (an
 exception, a result pickle refuses, a UserError) stops every rank of the group with the same one-paragraph UserError,
 within seconds, instead of leaving the other rank waiting in the broadcast (STYLE rule 16).
 
-The worker (tests/distributed/tp_shared_worker.py) runs every case in the shared launch (conftest's `shared_launch`);
+The worker (tests/distributed/model_parallel_shared_worker.py) runs every case in the shared launch (conftest's `shared_launch`);
 its groups time out after 30 s, so a rank left waiting fails its case rather than hang the launch.
 """
 
@@ -12,13 +12,13 @@ import pytest
 
 from tests.conftest import worker_output
 
-WORKER = "tp_shared_worker"  # shared_launch.py imports a worker by its file name
+WORKER = "model_parallel_shared_worker"  # shared_launch.py imports a worker by its file name
 QUICK_SECONDS = 10  # each case takes milliseconds; a rank left waiting takes the worker's 30-s group timeout
 
 
 def shared_worker(out) -> list[str]:
     """Every case in one worker, in the shared launch (conftest's `shared_launch`)."""
-    return ["tests/distributed/tp_shared_worker.py", f"--out={out}"]
+    return ["tests/distributed/model_parallel_shared_worker.py", f"--out={out}"]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,16 @@ def test_a_user_error_reaches_every_rank_as_it_is(ranks):
 
 def test_after_the_failures_every_rank_gets_the_computed_value(ranks):
     assert [rank["returns_the_rank"]["value"] for rank in ranks] == [{"computed_on": 0}] * 2
+
+
+def test_pipeline_stages_of_one_replica_share_one_computation(shared_launch):
+    """At PP=2 the two ranks are one model replica's two stages: the user's code runs on the first stage only, and a
+    failure there stops both stages with the same paragraph."""
+    out = worker_output(shared_launch[__name__])
+    stages = [json.loads((out / f"pp2-rank{rank}.json").read_text()) for rank in range(2)]
+    assert [stage["returns_the_rank"]["value"] for stage in stages] == [{"computed_on": 0}] * 2
+    failed = [stage["raises_runtime_error"] for stage in stages]
+    assert failed[0]["error"] == failed[1]["error"] == "UserError" and failed[0]["message"] == failed[1]["message"]
+    assert "the tensor- and pipeline-parallel ranks of one model replica" in failed[0]["message"]
+    assert (failed[0]["tracebacks_logged"], failed[1]["tracebacks_logged"]) == (1, 0)
+    assert max(stage["seconds"] for stage in failed) < QUICK_SECONDS

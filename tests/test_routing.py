@@ -67,6 +67,15 @@ def replay_runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.distributed
+def test_each_pipeline_stage_records_its_own_layers_routes(shared_launch):
+    """At PP=2 the rollout's forwards pass stage to stage; each stage's routers record their layers' routes, which
+    are exactly PP=1's for those layers, over the same sampled completions."""
+    out = worker_output(shared_launch[__name__])
+    stages = [json.loads((out / f"pp2-rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(stage["same_completions"] and stage["same_routes"] and stage["layers"] >= 1 for stage in stages)
+
+
 def test_grpo_logs_the_gap_and_replay_closes_it_in_bf16(replay_runs):
     """bf16 rounds the sampler's (cached, one token at a time) and the training forward's (whole sequence) sums
     differently: some routes flip and log-probs differ. Replaying the rollout's routes keeps the experts, so the

@@ -8,7 +8,8 @@ training-side forward over prompt + completion, right-padded as GRPO collates it
   and the sampler's log-probs against this forward's;
 - replaying other routes (a random top-k set per token): every router's routing map must be exactly those sets, and the
   router's own choice differs from most of them.
-Rank 0 of each layout writes `<out>/tp<N>.json`.
+Rank 0 of each layout writes `<out>/tp<N>.json`. Then PP=2: each stage's recorded routes must be its own layers' slice
+of PP=1's, over the same completions (`<out>/pp2-rank<R>.json`).
 """
 
 import argparse
@@ -134,3 +135,22 @@ def run(args) -> None:
         result["multi_turn"] = continued(chunks, vocab, tp)
         if torch.distributed.get_rank() == 0:
             Path(args.out, f"tp{tp}.json").write_text(json.dumps(result))
+    whole = staged_generation(chunks, vocab)  # PP=1: every layer's routes
+    parallel.init_distributed(ParallelConfig(pp=2), seed=0)
+    provider = build.configure_provider(bridge, dtype="fp32", tp=1, pp=2, vpp=None, seq_length=64)
+    staged = staged_generation(build.build_chunks(provider), vocab)
+    stage = torch.distributed.get_rank()  # PP=2 on 2 processes: rank r is stage r
+    layers = staged["routes"][0].size(1)
+    Path(args.out, f"pp2-rank{stage}.json").write_text(json.dumps({
+        "same_completions": staged["completions"] == whole["completions"], "layers": layers,
+        "same_routes": all(torch.equal(mine, every[:, stage * layers : (stage + 1) * layers])
+                           for mine, every in zip(staged["routes"], whole["routes"]))}))
+
+
+def staged_generation(chunks: list, vocab: int) -> dict:
+    """Sampled completions with recorded routes: at PP=2 each stage records its own layers'."""
+    tokens = torch.randint(3, vocab, (3, 10), generator=torch.Generator().manual_seed(2))
+    prompts = [tokens[0, :6].tolist(), tokens[1, :10].tolist(), tokens[2, :3].tolist()]
+    completions = generate.generate(chunks, prompts, max_new_tokens=NEW_TOKENS, end_ids=(), vocab_size=vocab,
+                                    samples=2, temperature=1.0, seed=5, routes=Routes(chunks))
+    return {"completions": list(completions), "routes": completions.routes}

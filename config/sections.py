@@ -545,9 +545,6 @@ class TrainerConfig:
                  "weights, and Megatron-FSDP's sharded checkpoints and parameter gathers have not been verified with "
                  "adapters here. Use `--parallel.use_megatron_fsdp=false` (the distributed optimizer shards the "
                  "adapters' optimizer state, and the frozen base needs none).")
-        _require(parallel.pp == 1,
-                 f"`peft.method=lora` with pipeline parallelism (`parallel.pp={parallel.pp}`) is not supported yet: "
-                 "use `--parallel.pp=1` (tensor and data parallelism work with LoRA).")
 
     def _validate_log(self) -> None:
         _require(not self.log.wandb or have_wandb(),

@@ -16,7 +16,6 @@ from tests.conftest import worker_output
     (["--peft.method=lora", "--peft.target_modules=[linear_qkv,q_proj]"], "unknown: ['q_proj']"),
     (["--peft.method=lora", "--peft.dropout=1"], "`peft.dropout` must be in [0, 1)"),
     (["--peft.method=lora", "--parallel.use_megatron_fsdp=true"], "with `parallel.use_megatron_fsdp=true` is not supported"),
-    (["--peft.method=lora", "--parallel.pp=2"], "with pipeline parallelism (`parallel.pp=2`) is not supported yet"),
 ])
 def test_bad_lora_settings_are_refused_before_any_model_is_built(argv, expected):
     loops = ((SFTConfig, "trainer.sft"), (GRPOConfig, "trainer.grpo"))
@@ -54,7 +53,7 @@ def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transform
 
     from model.tiny import ensure_tiny_checkpoint
 
-    for layout in ("tp1", "tp2"):
+    for layout in ("tp1", "tp2", "pp2"):
         result, straight, split = results[layout], out / layout / "straight", out / layout / "split"
         trainer = torch.load(straight / "trainer_logits.pt")
         merged = transformers.AutoModelForCausalLM.from_pretrained(straight / "hf", dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
 """`torchrun -m trainer.grpo` with tools, end to end on CPU: multi-turn rollouts under DDP, Megatron-FSDP (the ranks run
-different numbers of turns), TP=2 with a tool that answers differently at every call, LoRA, two pipeline stages, and
+different numbers of turns), TP=2 with a tool that answers differently at every call, LoRA at two pipeline stages, two pipeline stages, and
 2 + resume + 2 steps against 4 straight (DDP and PP=2).
 
 The policy is the default SFT's export with `tests.tool_fixtures.DIGITS_SCHEMA` as its tokenizer's `response_schema`:
@@ -49,7 +49,8 @@ def runs(default_sft, tmp_path_factory) -> dict:
                        command("split", *digits, "--train.steps=4", "--train.exit_interval=2"),
                        command("tp2", "--grpo.environment=tests.tool_fixtures:Clock", "--parallel.tp=2", "--train.steps=2",
                                "--grpo.n_samples=2", "--train.global_batch_size=8", "--train.micro_batch_size=4"),
-                       command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2"),
+                       command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2",
+                               "--parallel.pp=2"),  # LoRA GRPO at PP=1: test_grpo_e2e.py
                        command("pp", *digits, "--parallel.pp=2", "--train.steps=4"),
                        command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--train.exit_interval=2"),
                        command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")], root, env={"PYTHONPATH": str(REPO)})
@@ -115,6 +116,7 @@ def test_pipeline_stages_run_tools_and_resume_exactly(runs):
 
 
 def test_lora_trains_with_tools(runs):
+    """LoRA at two pipeline stages, with tools: the adapters of each stage's layers train and export."""
     lora = runs["lora"]
     print("tools, LoRA:", table(lora))
     assert [row["step"] for row in lora] == [0, 1, 2]

@@ -1,12 +1,12 @@
 """Run by tests/test_lora.py in the shared launch (shared_launch.py, 2 processes): LoRA SFT through the entry point's
-`main`, at TP=1 (DP=2, the distributed optimizer) and TP=2.
+`main`, at TP=1 (DP=2, the distributed optimizer), TP=2 and PP=2.
 
 Per layout: 6 steps straight, then 3 steps (`train.exit_interval`) and a resume to 6, into another directory. After
 the straight run, with the trained policy still in memory:
 - every base tensor is bit-identical to a fresh build from the checkpoint (only adapters trained);
 - with the adapters switched off the logits equal the fresh build's exactly (GRPO's KL reference);
-- rank 0 saves the trainer's logits of a batch, which the test compares with `hf/` (merged) in transformers and
-  with base + `hf_adapter/` in peft.
+- the first rank with the logits (the last pipeline stage) saves the trainer's logits of a batch, which the test
+  compares with `hf/` (merged) in transformers and with base + `hf_adapter/` in peft.
 Rank 0 writes `<out>/results.json`.
 """
 
@@ -19,20 +19,23 @@ import torch
 from config import cli
 from config.sections import SFTConfig
 from model import build, parallel
+from tests.distributed.parity_worker import megatron_logits
 from trainer import sft
 
 COMMON = ["--peft.method=lora", "--model.dtype=fp32", "--train.steps=6", "--train.global_batch_size=8",
           "--train.micro_batch_size=2", "--train.eval_samples=8", "--train.eval_interval=3", "--optim.lr=1e-2",
           "--optim.warmup_steps=1", "--ckpt.save_interval=3", "--data.max_seq_len=64"]
-# TP=1 runs two data-parallel ranks under the distributed optimizer (the adapters' state sharded over them).
-LAYOUTS = {"tp1": ["--parallel.tp=1", "--parallel.use_distributed_optimizer=true"], "tp2": ["--parallel.tp=2"]}
+# TP=1 runs two data-parallel ranks under the distributed optimizer (the adapters' state sharded over them); PP=2
+# puts each half of the layers, with its adapters, on one rank.
+LAYOUTS = {"tp1": ["--parallel.tp=1", "--parallel.use_distributed_optimizer=true"], "tp2": ["--parallel.tp=2"],
+           "pp2": ["--parallel.pp=2"]}
 
 
-def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits of a batch (tensor-parallel shards gathered), [batch, seq, vocab]."""
-    positions = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits of a batch (tensor-parallel shards gathered), [batch, seq, vocab], through the pipeline
+    schedule: on the last pipeline stage (None on the others)."""
     with torch.no_grad():
-        return chunks[0](input_ids=tokens, position_ids=positions, attention_mask=None, runtime_gather_output=True)
+        return megatron_logits(chunks, tokens)
 
 
 def base_tensors(chunks: list) -> dict[str, torch.Tensor]:
@@ -41,23 +44,36 @@ def base_tensors(chunks: list) -> dict[str, torch.Tensor]:
             if ".adapter." not in name}
 
 
-def check(policy, out_dir: Path, vocab: int, is_main: bool) -> dict:
-    """The straight run's policy against a fresh build, and its exports against transformers and peft."""
+def check(policy, out_dir: Path, vocab: int) -> dict:
+    """The straight run's policy against a fresh build, and its exports against transformers and peft. Each rank checks
+    its own base tensors; the logits are checked where they exist (the last pipeline stage). Collective: every rank's
+    findings, combined."""
     fresh = build.build_chunks(policy.provider)
     trained, untouched = base_tensors(policy.chunks), base_tensors(fresh)
     tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-    ours = logits(policy.chunks, tokens)[..., :vocab]
+    ours = logits(policy.chunks, tokens)
     with policy.adapters_disabled():
-        adapters_off = logits(policy.chunks, tokens)[..., :vocab]
+        adapters_off = logits(policy.chunks, tokens)
+    base = logits(fresh, tokens)
     result = {"base_names_equal": sorted(trained) == sorted(untouched),
               "base_bit_identical": all(torch.equal(trained[name], untouched[name]) for name in untouched),
-              "adapters_off_equals_base": torch.equal(adapters_off, logits(fresh, tokens)[..., :vocab]),
-              "adapters_change_logits": not torch.equal(ours, adapters_off),
               "trainable": sorted({name.split(".adapter.")[-1] for name, param in policy.chunks[0].named_parameters()
                                    if param.requires_grad})}
-    if is_main:  # compared in the test's own process: transformers loaded after megatron's set-up breaks Qwen2's rotary
+    if ours is not None:
+        ours, adapters_off, base = ours[..., :vocab], adapters_off[..., :vocab], base[..., :vocab]
+        result |= {"adapters_off_equals_base": torch.equal(adapters_off, base),
+                   "adapters_change_logits": not torch.equal(ours, adapters_off)}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (result, ours is not None))
+    holder = next(rank for rank, (_, holds) in enumerate(everyone) if holds)
+    if torch.distributed.get_rank() == holder:  # compared in the test's own process: transformers loaded after
+        # megatron's set-up breaks Qwen2's rotary
         torch.save({"tokens": tokens, "logits": ours}, out_dir / "trainer_logits.pt")
-    return result
+    combined = {}
+    for rank_result, _ in everyone:
+        for key, value in rank_result.items():
+            combined[key] = combined.get(key, value) if isinstance(value, list) else combined.get(key, True) and value
+    return combined
 
 
 def parse(argv: list[str]):
@@ -75,7 +91,7 @@ def run(args) -> None:
         argv = [*COMMON, *layout, f"--train.out_dir={straight}"]
         policy = sft.main(argv)
         parallel.init_distributed(cli.parse_args(SFTConfig, argv, "trainer.sft")[0].parallel, seed=0)  # main tore it down
-        results[name] = check(policy, straight, policy.vocab_size, is_main)
+        results[name] = check(policy, straight, policy.vocab_size)
         del policy
         sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--train.exit_interval=3"])
         sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--resume-from-checkpoint", "latest"])

@@ -4,18 +4,18 @@ The variant, exactly (defaults in brackets):
 - Rollouts: each step takes `train.global_batch_size / grpo.n_samples` prompts (a seeded shuffle per epoch);
   every data-parallel rank samples `grpo.n_samples` [8] completions for each of its share from the current
   policy (`grpo.temperature` [1.0], `grpo.top_p`, `grpo.top_k`, at most `grpo.max_new_tokens`, stopping at
-  any end id the model declares: the tokenizer's EOS and generation_config's) with megatron-core's KV cache.
+  any end id the model declares: the tokenizer's EOS and generation_config's) with megatron-core's KV cache; with
+  pipeline stages each forward passes stage to stage and the last stage samples for all (`model/generate.py`).
   The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from
   (train.seed, s), so a run, and a resume, is reproducible.
 - Tools (`grpo.tools`, `grpo.environment`): an episode is then several turns, the tool messages between them appended
   as token ids into the same KV cache and left out of the loss (mask 0); the reward scores the last turn, plus the
   environment's own reward. `trainer/rollout.py` states the rules; `max_new_tokens` bounds the whole episode.
 - Reward: `grpo.reward(completion, reference)` [arithmetic] plus `grpo.format_bonus` [0] for a `#### N`
-  answer, computed on the first rank of each model-parallel group (tensor and pipeline ranks) and sent to the others; a reward function that
-  raises (or returns no finite number) scores 0 and is counted (`reward_errors`), its first failure of each kind
-  logged with the completion; failing on every completion of a step stops the run with a paragraph, unless
-  `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer`
-  N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
+  answer, computed on the first rank of each model-parallel group (tensor and pipeline ranks) and sent to the
+  others; a reward function that raises (or returns no finite number) scores 0 and is counted (`reward_errors`),
+  its first failure of each kind logged with the completion; failing on every completion of a step stops the run
+  with a paragraph, unless `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer` N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
   budget.
 - Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose accuracy (the reward function's full marks;
   `grpo.filter_metric=reward`: the shaped reward) is all equal are dropped and another round of prompts is sampled,

@@ -15,8 +15,8 @@ The variant, exactly (defaults in brackets):
   answer, computed on the first rank of each model-parallel group (tensor and pipeline ranks) and sent to the
   others; a reward function that raises (or returns no finite number) scores 0 and is counted (`reward_errors`),
   its first failure of each kind logged with the completion; failing on every completion of a step stops the run
-  with a paragraph, unless `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer` N > 0 (DAPO), a completion longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the
-  budget.
+  with a paragraph, unless `grpo.tolerate_reward_errors`. With `grpo.overlong_buffer` N > 0 (DAPO), a completion
+  longer than max_new_tokens - N loses reward linearly, `grpo.overlong_penalty` at the budget.
 - Dynamic sampling (`grpo.dynamic_sampling`, DAPO): groups whose accuracy (the reward function's full marks;
   `grpo.filter_metric=reward`: the shaped reward) is all equal are dropped and another round of prompts is sampled,
   at most `grpo.max_sampling_rounds` [4] rounds a step, until each rank's share of the batch is groups kept (a batch

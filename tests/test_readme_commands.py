@@ -8,12 +8,13 @@ import pytest
 
 from tests.conftest import GSM8K, REPO, torchrun_commands
 
-# Two steps, a few held-out prompts; GRPO also a small batch (2 prompts x 8 samples, in micro-batches of 2 so that
-# the recipes' 4 updates a step divide it at DP=2), so the commands' own models, data, lengths and keys run, not
-# their full scale.
+# Two steps, a few held-out prompts, a small batch (SFT: 16 rows; GRPO: 2 prompts x 8 samples), in micro-batches of 2
+# (so that the GRPO recipes' 4 updates a step divide it at DP=2): the commands' own models, data, lengths, precision
+# and keys run, not their full scale (two steps of the README's bf16 SFT at its own batch took 32-37 s each on CPU).
 # Commands writing to one directory (two SFT examples use the default `outputs/sft`) replace each other, as a reader
 # would be told to.
-SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.overwrite_output_dir=true"],
+SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
+                         "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
          "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
                           "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"]}
 

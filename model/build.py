@@ -136,6 +136,12 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
     provider.gradient_accumulation_fusion = HAVE_TRANSFORMER_ENGINE and torch.cuda.is_available()
     provider.use_cpu_initialization = not torch.cuda.is_available()
+    # gloo: the pipeline schedule's stage-to-stage exchanges one by one, in megatron-core's paired order, not as one
+    # batch. gloo matches a batch's sends and receives between two ranks in the order they are listed, so at PP=2
+    # (the previous stage is also the next) the interleaved schedule's activation and gradient, exchanged together,
+    # arrived swapped: PP=2 x VPP=2 trained on wrong values (step-1 loss 1.005 against 0.030 for the same batch at
+    # VPP=1); unbatched, the losses are equal. NCCL's batches are grouped, and unaffected.
+    provider.batch_p2p_comm = torch.cuda.is_available()
     # Local attention's fused softmax is a CUDA extension built with apex, not shipped with megatron-core;
     # without it the fused path fails at import, so use megatron's PyTorch softmax (the same computation).
     provider.masked_softmax_fusion = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None

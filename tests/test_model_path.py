@@ -66,7 +66,8 @@ def test_parity_round_trip_and_generation(tp, layouts):
 
 @pytest.mark.distributed
 def test_parity_pipeline_parallel_across_two_simulated_nodes(tmp_path):
-    """PP=2 over two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1): the multi-node path users run."""
+    """PP=2 over two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1): the multi-node path users run; and
+    the training loss with virtual pipeline stages equal to without."""
     endpoint = f"127.0.0.1:{free_port()}"
     worker = {"script": WORKER, "argv": ["--pp", "2", "--out", str(tmp_path)], "out": str(tmp_path)}
     command = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -78,3 +79,8 @@ def test_parity_pipeline_parallel_across_two_simulated_nodes(tmp_path):
     ranks = results(worker_output(tmp_path) / "tp1")
     check_parity(ranks, 2)
     check_generation(ranks)  # each decode step's forward passed from one node's stage to the other's
+    # Virtual pipeline stages (2 per rank, interleaved 1F1B): the same training loss as without (measured before the
+    # fix: 4135.7 against 4290.1, gloo having swapped activations and gradients exchanged together).
+    for rank in range(2):
+        losses = json.loads((worker_output(tmp_path) / f"vpp-rank{rank}.json").read_text())
+        assert losses["1"] == losses["2"], losses

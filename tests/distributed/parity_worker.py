@@ -87,7 +87,26 @@ def run(args, expected: SimpleNamespace) -> None:
         out = Path(args.out) / f"tp{tp}"
         out.mkdir(parents=True, exist_ok=True)
         runtime = measure(expected.path, expected.tokenizer, tp, args.pp, out, expected)
+    if args.pp > 1:
+        losses = {vpp: training_losses(expected.path, args.pp, vpp) for vpp in (1, 2)}
+        Path(args.out, f"vpp-rank{runtime.rank}.json").write_text(json.dumps(losses))
     parallel.shutdown(runtime)
+
+
+def training_losses(path, pp: int, vpp: int) -> list[float]:
+    """(loss sum, tokens) of one forward and backward of 4 microbatches through the pipeline schedule (1F1B, or
+    interleaved at vpp > 1, whose activations and gradients cross between the stages together)."""
+    from data import batches
+    from trainer.sft import run_microbatches
+
+    parallel.init_distributed(ParallelConfig(pp=pp, vpp=vpp), seed=7)
+    provider = build.configure_provider(build.auto_bridge(path), dtype="fp32", tp=1, pp=pp, vpp=vpp if vpp > 1 else None,
+                                        seq_length=64, transformer_overrides={"calculate_per_token_loss": True})
+    chunks = build.build_chunks(provider)
+    generator = torch.Generator().manual_seed(0)
+    examples = [batches.Example(torch.randint(3, 200, (20,), generator=generator).tolist(), [1] * 20) for _ in range(16)]
+    microbatches = [batches.collate(examples[start : start + 4], 32, 0) for start in range(0, 16, 4)]
+    return list(run_microbatches(chunks, microbatches, 32, forward_only=False))
 
 
 def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamespace):

@@ -56,9 +56,13 @@ def release_models() -> None:
     from model.build import TRAINING_HOOKS
 
     for thing in gc.get_objects():
-        if isinstance(thing, DistributedDataParallel):
+        try:
+            is_ddp, is_config = isinstance(thing, DistributedDataParallel), isinstance(thing, TransformerConfig)
+        except ReferenceError:  # a weak proxy whose object is gone (the interleaved pipeline schedule leaves some)
+            continue
+        if is_ddp:
             thing.grad_accs.clear()
-        elif isinstance(thing, TransformerConfig):
+        elif is_config:
             for hook in TRAINING_HOOKS:
                 setattr(thing, hook, None)
     gc.collect()

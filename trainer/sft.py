@@ -132,11 +132,17 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     # so all ranks run the same number of batches and the DP sums stay collective.
     share = data.eval[runtime.dp_rank :: runtime.dp_size]
     micro = config.train.micro_batch_size
+    # The interleaved schedule (virtual pipeline stages) takes at least PP microbatches a call, all of one shape: there
+    # each batch goes in as one-row microbatches, and a last batch of fewer than PP rows joins the one before it.
+    interleaved = config.parallel.pp if len(policy.chunks) > 1 else 0
+    starts = list(range(0, len(share), micro))
+    if interleaved and len(starts) > 1 and len(share) - starts[-1] < interleaved:
+        starts.pop()
     loss_sum, tokens = 0.0, 0.0
-    for start in range(0, len(share), micro):
-        group = share[start : start + micro]
-        microbatches, seq_len = collate_microbatches(group, [list(range(len(group)))], config,
-                                                     policy.tokenizer.pad_token_id, runtime.device)
+    for start, end in zip(starts, [*starts[1:], len(share)]):
+        group = share[start:end]
+        rows = [[row] for row in range(len(group))] if interleaved else [list(range(len(group)))]
+        microbatches, seq_len = collate_microbatches(group, rows, config, policy.tokenizer.pad_token_id, runtime.device)
         batch_loss, batch_tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=True)
         loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
     accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,

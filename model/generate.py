@@ -202,8 +202,8 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
 
     One model chunk per rank (no virtual pipeline stages); TP- and PP-aware. Every tensor- and pipeline-parallel rank
     of a model replica must call it with the same prompts and seed (tensor-parallel ranks sample identically; the last
-    pipeline stage samples and sends each step's ids to the other stages), so they finish and compact identically. With `group` (the data-parallel group)
-    the ranks of the group agree on when every row has ended (and, unpadded, on the widths), so each runs the same
+    pipeline stage samples and sends each step's ids to the other stages), so they finish and compact identically.
+    With `group` (the data-parallel group) the ranks of the group agree on when every row has ended (and, unpadded, on the widths), so each runs the same
     number of forwards whatever its own prompts (a rank whose rows have all ended keeps one row going). Padding
     stays per rank where it can, so a rank's completions do not depend on the other ranks' prompts.
     """

@@ -255,7 +255,7 @@ def _compute_for_peers(compute, args) -> tuple[object, UserError | None, bytes]:
 
 
 def _shared_failure(compute, error: Exception, problem: str, fix: str = "") -> UserError:
-    """The paragraph every tensor-parallel rank raises for `error` on the computing rank; logs the traceback there,
+    """The paragraph every model-parallel rank raises for `error` on the computing rank; logs the traceback there,
     once. Call it in the `except` block that caught `error`."""
     rank = dist.get_rank()
     log.exception("%s failed on global rank %d, which runs it for its model-parallel group", _qualified_name(compute),

@@ -29,8 +29,8 @@ def step_prompt_indices(num_prompts: int, prompts_per_step: int, step: int, seed
 
 
 def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
-    """Sampling seed of one step's generation round on one data-parallel rank (tensor- and pipeline-parallel ranks share it, as
-    generation requires); round 0 is every step's, later rounds are dynamic sampling's."""
+    """Sampling seed of one step's generation round on one data-parallel rank (tensor- and pipeline-parallel ranks
+    share it, as generation requires); round 0 is every step's, later rounds are dynamic sampling's."""
     suffix = f":{round_index}" if round_index else ""
     digest = hashlib.sha256(f"rollout:{seed}:{step}:{dp_rank}{suffix}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

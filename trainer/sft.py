@@ -138,6 +138,10 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     starts = list(range(0, len(share), micro))
     if interleaved and len(starts) > 1 and len(share) - starts[-1] < interleaved:
         starts.pop()
+    if interleaved and len(share) < interleaved:  # the same on every rank: the shares are equal
+        log.warning("held-out loss skipped: %d held-out rows per data-parallel rank, and virtual pipeline stages need "
+                    "at least parallel.pp=%d; raise train.eval_samples", len(share), interleaved)
+        starts = []
     loss_sum, tokens = 0.0, 0.0
     for start, end in zip(starts, [*starts[1:], len(share)]):
         group = share[start:end]
@@ -147,7 +151,7 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
         loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
     accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,
                                            max_new_tokens=config.data.max_seq_len // 2)
-    return {"eval_loss": loss_sum / max(tokens, 1), **accuracy}
+    return {**({"eval_loss": loss_sum / max(tokens, 1)} if starts else {}), **accuracy}
 
 
 def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],

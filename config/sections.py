@@ -152,7 +152,7 @@ class DataConfig:
     messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; the last assistant turn is the response)"})
     max_seq_len: int = field(default=128, metadata={"help": "tokens per sample, longer ones are cut from the right (GRPO: prompt + completion; longer prompts are skipped and counted)"})
     pack: bool = field(default=False, metadata={"help": "SFT: pack several samples per row (positions restart, no cross-sample attention)"})
-    cache: bool = field(default=True, metadata={"help": "SFT: keep the tokenized examples in $TRAINER_CACHE_DIR (default ~/.cache/megatron-trainer) and reuse them while the data, tokenizer, chat template and data.max_seq_len are unchanged"})
+    cache: bool = field(default=True, metadata={"help": "keep tokenized data in $TRAINER_CACHE_DIR (default ~/.cache/megatron-trainer) and reuse it while the data, tokenizer and chat template are unchanged: SFT's examples (and data.max_seq_len), GRPO's prompts"})
 
 
 @dataclass

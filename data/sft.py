@@ -448,27 +448,66 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
 CACHE_FOLDER = "sft-examples"
 
 
-def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
-    """A digest of everything `build_examples` reads, or None for a slow tokenizer (which has no one text of its state).
-
-    The conversations and their tools, the report's row numbering so far, `max_seq_len`, the whole fast tokenizer
-    (vocabulary, merges, normalisation, added tokens), its chat template and special tokens, the first conversation as
-    that template renders it now (a template that prints today's date renders differently tomorrow), and the source of
-    this module and of `data.batches` (a change to the tokenization code is a new key)."""
+def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
+    """What a cache key must cover of a fast tokenizer (None for a slow one, which has no one text of its state): its
+    chat template and special tokens, a sample as that template renders it now (a template that prints today's date
+    renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), and the source
+    of this module and of `data.batches` (a change to the tokenization code is a new key)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
+    return [json.dumps({"chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
+                        "rendering": rendered_sample}, sort_keys=True, default=str),
+            tokenizer.backend_tokenizer.to_str(), pathlib.Path(__file__).read_text(),
+            pathlib.Path(__file__).with_name("batches.py").read_text()]
+
+
+def cache_key(state: dict, tokenizer, rendered_sample: str, *sources: str) -> str | None:
+    """A digest of `state` (JSON), the tokenizer (`tokenizer_digest_parts`) and `sources`; None for a slow tokenizer."""
+    parts = tokenizer_digest_parts(tokenizer, rendered_sample)
+    if parts is None:
+        return None
+    digest = hashlib.sha256()
+    for part in (json.dumps(state, sort_keys=True, default=str), *parts, *sources):
+        digest.update(hashlib.sha256(part.encode()).digest())
+    return digest.hexdigest()[:32]
+
+
+def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
+    """A digest of everything `build_examples` reads, or None for a slow tokenizer: the conversations and their tools,
+    the report's row numbering so far, `max_seq_len`, and the tokenizer (`tokenizer_digest_parts`, the first
+    conversation rendered)."""
     state = {"conversations": conversations, "tools": [conversation_tools(messages) for messages in conversations],
              "max_seq_len": max_seq_len, "rows_read": report.rows_read,
              "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
-             "first_drops": report.first_drops, "truncated": report.truncated,
-             "chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
-             "first_rendering": chat_text(conversations[0], tokenizer, conversation_tools(conversations[0]))
-             if conversations else ""}
-    digest = hashlib.sha256()
-    for part in (json.dumps(state, sort_keys=True, default=str), tokenizer.backend_tokenizer.to_str(),
-                 pathlib.Path(__file__).read_text(), pathlib.Path(__file__).with_name("batches.py").read_text()):
-        digest.update(hashlib.sha256(part.encode()).digest())
-    return digest.hexdigest()[:32]
+             "first_drops": report.first_drops, "truncated": report.truncated}
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    first = chat_text(conversations[0], tokenizer, conversation_tools(conversations[0])) if conversations else ""
+    return cache_key(state, tokenizer, first)
+
+
+def read_cached(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
+    """The JSON stored under `key`, or None when it is missing or damaged (the caller builds it again)."""
+    try:
+        return json.loads((cache_dir / folder / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -> None:
+    """Store `stored` under `key`, atomically: every process may write the same entry, and nodes may share the cache. A
+    cache that cannot be written is left out with a warning."""
+    path = cache_dir / folder / f"{key}.json"
+    staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(json.dumps(stored))
+        os.replace(staging, path)
+    except OSError as error:
+        log.warning("tokenized data not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
+                    "directory to silence this", error)
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
 
 
 def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,
@@ -481,33 +520,24 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
     key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
     if key is None:
         return build_examples(conversations, tokenizer, max_seq_len, report)
-    path = cache_dir / CACHE_FOLDER / f"{key}.json"
+    stored = read_cached(cache_dir, CACHE_FOLDER, key)
     try:
-        stored = json.loads(path.read_text())
         examples = [Example(input_ids, loss_mask) for input_ids, loss_mask in stored["examples"]]
         restored = stored["report"]
-    except (OSError, ValueError, KeyError, TypeError):
+        kept_rows, truncated = restored["kept_rows"], restored["truncated"]
+        dropped, first_drops = collections.Counter(dict(restored["dropped"])), [tuple(drop) for drop in restored["first_drops"]]
+    except (KeyError, TypeError, ValueError):
         pass  # not cached yet, or damaged: tokenize
     else:
-        report.kept_rows, report.truncated = restored["kept_rows"], restored["truncated"]
-        report.dropped_by_reason = collections.Counter(dict(restored["dropped"]))
-        report.first_drops = [tuple(drop) for drop in restored["first_drops"]]
-        log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)", path)
+        report.kept_rows, report.truncated, report.dropped_by_reason, report.first_drops = kept_rows, truncated, dropped, first_drops
+        log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)",
+                 cache_dir / CACHE_FOLDER / f"{key}.json")
         return examples
     examples = build_examples(conversations, tokenizer, max_seq_len, report)
-    stored = {"examples": [[example.input_ids, example.loss_mask] for example in examples],
-              "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
-                         "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}}
-    staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")  # nodes may share the cache
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(json.dumps(stored))
-        os.replace(staging, path)
-    except OSError as error:
-        log.warning("tokenized examples not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
-                    "directory to silence this", error)
-        with contextlib.suppress(OSError):
-            staging.unlink(missing_ok=True)
+    write_cached(cache_dir, CACHE_FOLDER, key,
+                 {"examples": [[example.input_ids, example.loss_mask] for example in examples],
+                  "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
+                             "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}})
     return examples
 
 

@@ -208,6 +208,53 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
 
 
+def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_template(tokenizer, tmp_path, monkeypatch):
+    """GRPO's prompt ids from the cache equal a fresh rendering; other tools or another chat template are new entries;
+    a damaged entry is rendered again; functions offered as tools are never cached. The key renders the first prompt (a
+    template may print today's date), the rest are read."""
+    import data.sft as sft_data
+    from data import prompts as prompt_data
+
+    conversations, _ = to_conversations([{"question": f"{n} + {n}?", "answer": f"#### {2 * n}"} for n in range(6)])
+    schema = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}}
+
+    def ids(cache=tmp_path, tools=None):
+        return [prompt.ids for prompt in prompt_data.prompts_from_conversations(conversations, tokenizer, tools, cache)]
+
+    fresh, with_tools = ids(cache=None), ids(cache=None, tools=[schema])
+    assert fresh != with_tools and not (tmp_path / "prompts").exists()
+    assert ids() == fresh and ids(tools=[schema]) == with_tools  # written
+    assert len(list((tmp_path / "prompts").iterdir())) == 2
+    rendered = []
+    render = sft_data.chat_text
+    monkeypatch.setattr(sft_data, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
+    assert ids() == fresh and ids(tools=[schema]) == with_tools  # read: only the first prompt rendered, for the key
+    assert len(rendered) == 2
+    monkeypatch.undo()
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = original.replace("<|im_start|>", "<|im_start|> ")
+        assert ids() != fresh
+    finally:
+        tokenizer.chat_template = original
+    entries = sorted((tmp_path / "prompts").iterdir())
+    assert len(entries) == 3
+    for entry in entries:
+        entry.write_text('{"ids": [[1')  # cut short
+    assert ids() == fresh
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    assert ids(tools=[add]) == ids(cache=None, tools=[add]) and len(list((tmp_path / "prompts").iterdir())) == 3
+
+
 # --- configuration mistakes -----------------------------------------------------------------------
 
 

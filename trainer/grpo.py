@@ -103,7 +103,8 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
         tool_data.check_template(tokenizer, toolset.schemas, tool_data.end_texts(tokenizer, end_ids))
     episode_sampler = rollout.Rollout.from_config(config, tokenizer, toolset, end_ids)
     load = functools.partial(prompt_data.load_prompts, config.data, tokenizer, max_new_tokens=config.grpo.max_new_tokens,
-                             tools=episode_sampler.schemas or None)
+                             tools=episode_sampler.schemas or None,
+                             cache_dir=process.cache_dir() if config.data.cache else None)
     train_prompts = load(config.data.path, "train")
     tool_data.check_filter_reads_accuracy(toolset, config.grpo, train_prompts[0].row)
     eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],

@@ -7,6 +7,7 @@ This is the one place where parallelism is applied to the model and where the la
 import contextlib
 import dataclasses
 import functools
+import gc
 import importlib.util
 import logging
 import os
@@ -68,7 +69,18 @@ def auto_bridge(hf_path: str | Path):
     logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
     from megatron.bridge import AutoBridge
 
+    freeze_imported_objects()
     return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
+
+
+def freeze_imported_objects() -> None:
+    """Move the objects made so far (about a million, nearly all from importing torch, megatron-core, Megatron-Bridge and
+    transformers, alive for the process's life) out of the garbage collector's sight, once per process. Each full
+    collection during training scanned them all: a short GRPO run took 3.3 s against 4.3 s without this (median of 3,
+    alternating in one process). Objects made later are collected as usual."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 def layer_spec_name(attention: str = "auto") -> str:

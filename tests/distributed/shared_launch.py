@@ -82,6 +82,11 @@ def import_bridge() -> None:
     lora.allow_import_without_te()
     import megatron.bridge  # noqa: F401
 
+    from model.build import freeze_imported_objects
+
+    # As a loop does after the same import: `release_models`' object scan and collections then skip the imports' objects.
+    freeze_imported_objects()
+
 
 def main() -> None:
     import_bridge()

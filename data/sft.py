@@ -476,12 +476,12 @@ def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: 
     """A digest of everything `build_examples` reads, or None for a slow tokenizer: the conversations and their tools,
     the report's row numbering so far, `max_seq_len`, and the tokenizer (`tokenizer_digest_parts`, the first
     conversation rendered)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
     state = {"conversations": conversations, "tools": [conversation_tools(messages) for messages in conversations],
              "max_seq_len": max_seq_len, "rows_read": report.rows_read,
              "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
              "first_drops": report.first_drops, "truncated": report.truncated}
-    if not getattr(tokenizer, "is_fast", False):
-        return None
     first = chat_text(conversations[0], tokenizer, conversation_tools(conversations[0])) if conversations else ""
     return cache_key(state, tokenizer, first)
 

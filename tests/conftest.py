@@ -1,5 +1,6 @@
 """Shared test helpers: an isolated model cache, and launching the real entry points under torchrun."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -54,13 +55,72 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = 
 def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, timeout: int = 900,
                       env: dict | None = None) -> list[dict]:
     """Run several `trainer.*` commands (`{"module": ..., "argv": [...]}`, see tests/distributed/commands_worker.py) in one
-    launch, one after another in one process group: torchrun's start-up is paid once. Returns, per command, its step-1
-    row and its log lines (SFT commands first, as they run)."""
+    launch, one after another in one process group: torchrun's start-up is paid once. Returns, per command as listed,
+    its step-1 row and its log lines."""
     listing, results = tmp_path / f"commands-{len(commands)}-{free_port()}.json", tmp_path / "results.json"
     listing.write_text(json.dumps(commands))
     torchrun(["tests/distributed/commands_worker.py", "--commands", str(listing), "--out", str(results)], nproc=nproc,
              timeout=timeout, env=env)
     return json.loads(results.read_text())
+
+
+def launch(commands: list[dict], nproc: int = 2, env: dict | None = None, timeout: int = 900) -> dict:
+    """What a module's `launches` generator yields: commands for one launch of `torchrun_commands` (see `joint_launches`,
+    which sends back their results, as listed)."""
+    return {"commands": commands, "nproc": nproc, "env": env or {}, "timeout": timeout}
+
+
+def merged_environment(requests: list[dict]) -> dict:
+    """One launch's environment for several modules' requests: their PYTHONPATH entries joined; any other variable
+    must be the same in each."""
+    paths, env = [], {}
+    for request in requests:
+        for key, value in request["env"].items():
+            if key == "PYTHONPATH":
+                paths += [path for path in value.split(os.pathsep) if path not in paths]
+            elif env.setdefault(key, value) != value:
+                raise ValueError(f"two modules' launches set {key} differently: {env[key]!r} and {value!r}")
+    return env | ({"PYTHONPATH": os.pathsep.join(paths)} if paths else {})
+
+
+@pytest.fixture(scope="session")
+def joint_launches(request, tmp_path_factory) -> dict[str, object]:
+    """The `trainer.*` commands of every selected test module that defines a generator `launches(FIXTURES...)`, run in as
+    few torchrun launches as their order allows: each generator yields `launch(...)` requests and gets their results
+    back, and doing what it needs between them (killing a save, copying a checkpoint) as a user's jobs would. Round by
+    round, the requests of every module (its first, then its second, ...) run together, one launch per process count.
+    A resumed run still gets fresh processes: it is in a later round than the run it resumes. So `pytest
+    tests/test_x.py` alone runs only that module's commands, in as many launches as before. Returns, per module name,
+    what its generator returned (or the failure its tests report)."""
+    import inspect
+
+    modules = {item.module.__name__: item.module for item in request.session.items
+               if getattr(item, "module", None) and "joint_launches" in getattr(item, "fixturenames", ())}
+    generators, asks, outcome = {}, {}, {}
+    for name, module in modules.items():
+        fixtures = {parameter: request.getfixturevalue(parameter)
+                    for parameter in inspect.signature(module.launches).parameters}
+        generators[name] = module.launches(**fixtures)
+    sends = {name: None for name in generators}
+    for round_index in itertools.count():
+        for name in list(sends):
+            try:
+                asks[name] = generators[name].send(sends.pop(name))
+            except StopIteration as finished:
+                outcome[name] = finished.value
+                asks.pop(name, None)
+        if not asks:
+            return outcome
+        root = tmp_path_factory.mktemp(f"joint-round{round_index}")
+        for nproc in sorted({ask["nproc"] for ask in asks.values()}):
+            names = [name for name, ask in asks.items() if ask["nproc"] == nproc]
+            commands = [command for name in names for command in asks[name]["commands"]]
+            results = torchrun_commands(commands, root, nproc=nproc, timeout=sum(asks[name]["timeout"] for name in names),
+                                        env=merged_environment([asks[name] for name in names]))
+            for name in names:
+                count = len(asks[name]["commands"])
+                sends[name], results = results[:count], results[count:]
+        asks.clear()
 
 
 SHARED_LAUNCH = "tests/distributed/shared_launch.py"

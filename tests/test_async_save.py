@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from ckpt import checkpoint
-from tests.conftest import REPO, TORCHRUN, free_port, torchrun_commands, torchrun_env
+from tests.conftest import REPO, TORCHRUN, free_port, launch, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -74,8 +74,9 @@ def kill_mid_save(out_dir) -> dict:
     return seen
 
 
-@pytest.fixture(scope="module")
-def runs(default_sft, tmp_path_factory) -> dict:
+def launches(default_sft, tmp_path_factory):
+    """The runs, in conftest's `joint_launches`: the straight ones and the split GRPO run, then a run killed mid-save,
+    then the resumes (fresh processes)."""
     root = tmp_path_factory.mktemp("async-save")
     grpo = [*PLAIN_DDP, f"--model.path={default_sft / 'hf'}", "--train.steps=4", "--train.global_batch_size=32",
             "--train.micro_batch_size=16", "--train.eval_samples=0", "--grpo.kl_coef=0.05"]
@@ -86,14 +87,19 @@ def runs(default_sft, tmp_path_factory) -> dict:
     def grpo_run(name, *extra):
         return {"module": "trainer.grpo", "argv": [*grpo, f"--train.out_dir={root / name}", *extra]}
 
-    torchrun_commands([sft("sft-async"), sft("sft-sync", "--ckpt.async_save=false"), grpo_run("grpo-straight"),
-                       grpo_run("grpo-split", "--train.exit_interval=2")], root)
+    yield launch([sft("sft-async"), sft("sft-sync", "--ckpt.async_save=false"), grpo_run("grpo-straight"),
+                  grpo_run("grpo-split", "--train.exit_interval=2")])
     killed = kill_mid_save(root / "sft-killed")
     time.sleep(2)  # a writer left behind would still be writing now
     killed["writers_alive"] = [writer.pid for writer in killed.pop("writers", []) if alive(writer)]
     resume = ("--resume-from-checkpoint", "latest")
-    killed["resumed"] = torchrun_commands([sft("sft-killed", *resume), grpo_run("grpo-split", *resume)], root)
+    killed["resumed"] = yield launch([sft("sft-killed", *resume), grpo_run("grpo-split", *resume)])
     return {"root": root, "killed": killed}
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 def test_async_saves_equal_sync_saves_and_resume_exactly_in_sft_and_grpo(runs):

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TORCHRUN, free_port, torchrun, torchrun_commands, torchrun_env
+from tests.conftest import REPO, TORCHRUN, free_port, launch, torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -76,15 +76,14 @@ def command(run: list[str], out_dir, *extra: str) -> dict:
     return {"module": "trainer.sft", "argv": [*run[2:], f"--train.out_dir={out_dir}", *extra]}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Both tests' runs, in the order a user's jobs would make them; returns what was seen between the launches."""
+def launches(tmp_path_factory):
+    """Both tests' runs, in the order a user's jobs would make them (conftest's `joint_launches`); returns what was seen
+    between the launches."""
     root = tmp_path_factory.mktemp("resume")
     ddp, fsdp, seen = root / "ddp", root / "fsdp", {"root": root}
     # 1. Straight runs, and Megatron's convention: save and exit 0 at train.exit_interval.
-    torchrun_commands([command(RUN, ddp / "straight"), command(RUN, ddp / "resumed", "--train.exit_interval=15"),
-                       command(FSDP_RUN, fsdp / "straight"), command(FSDP_RUN, fsdp / "resumed", "--train.exit_interval=6")],
-                      root)
+    yield launch([command(RUN, ddp / "straight"), command(RUN, ddp / "resumed", "--train.exit_interval=15"),
+                  command(FSDP_RUN, fsdp / "straight"), command(FSDP_RUN, fsdp / "resumed", "--train.exit_interval=6")])
     for layout in (ddp, fsdp):
         seen[layout.name, "stopped"] = checkpoints(layout / "resumed"), max(losses(layout / "resumed"))
         shutil.copytree(layout / "resumed" / "checkpoints", layout / "dp1" / "checkpoints")  # for the DP change
@@ -104,15 +103,20 @@ def runs(tmp_path_factory) -> dict:
 
     # 4. Resume again (fresh processes) to the end; then the finished run once more.
     resume = ("--resume-from-checkpoint", "latest")
-    seen["resumes"] = torchrun_commands([command(RUN, ddp / "resumed", *resume), command(RUN, ddp / "resumed", *resume),
-                                         command(FSDP_RUN, fsdp / "resumed", *resume)], root)
+    seen["resumes"] = yield launch([command(RUN, ddp / "resumed", *resume), command(RUN, ddp / "resumed", *resume),
+                                    command(FSDP_RUN, fsdp / "resumed", *resume)])
 
     # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism), and an overwritten earlier run, on one process.
     shutil.copytree(ddp / "straight", ddp / "overwritten")
-    torchrun_commands([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
-                       command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
-                       command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], root, nproc=1)
+    yield launch([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
+                  command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
+                  command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], nproc=1)
     return seen
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):

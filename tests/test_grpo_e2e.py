@@ -17,7 +17,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
-from tests.conftest import REPO, torchrun, torchrun_commands
+from tests.conftest import REPO, launch, torchrun
 from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
@@ -237,12 +237,12 @@ def lora_command(sft_checkpoint, out_dir) -> dict:
                      f"--train.out_dir={out_dir}"]}
 
 
-@pytest.fixture(scope="module")
-def shared_runs(sft_checkpoint, tmp_path_factory) -> dict:
-    """The eager 2-process GRPO runs of the resume and LoRA tests, in three launches (torchrun's start-up is paid per
-    launch): the straight runs, the split runs stopped at step 2 and the LoRA run in one; the split runs resumed, in
-    fresh processes as a resumed job is, in the other; then the pipeline layout's reference, PP=1 on one process.
-    Returns each command's result (log lines, step-1 row)."""
+def launches(default_sft, tmp_path_factory):
+    """The eager GRPO runs of the resume and LoRA tests, in three launches (conftest's `joint_launches`): the straight
+    runs, the split runs stopped at step 2 and the LoRA run in one; the split runs resumed, in fresh processes as a
+    resumed job is, in the next; then the pipeline layout's reference, PP=1 on one process. Returns each command's
+    result (log lines, step-1 row)."""
+    sft_checkpoint = default_sft / "hf"
     root = tmp_path_factory.mktemp("grpo-runs")
     (root / "fragile_reward.py").write_text(FRAGILE_REWARD)
     env = {"PYTHONPATH": f"{root}:{REPO}"}
@@ -255,15 +255,19 @@ def shared_runs(sft_checkpoint, tmp_path_factory) -> dict:
         return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}
                 for name, layout in RESUME_LAYOUTS.items()]
 
-    first = torchrun_commands([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
-                               lora_command(sft_checkpoint, root / "lora")], root, env=env)
+    first = yield launch([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
+                          lora_command(sft_checkpoint, root / "lora")], env=env)
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in RESUME_LAYOUTS)
-    torchrun_commands(resume_commands("split", "--resume-from-checkpoint", "latest"), root, env=env)
+    yield launch(resume_commands("split", "--resume-from-checkpoint", "latest"), env=env)
     # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two).
-    torchrun_commands([{"module": "trainer.grpo", "argv": [*small, f"--train.out_dir={root / 'pp1'}"]}], root, nproc=1,
-                      env=env)
+    yield launch([{"module": "trainer.grpo", "argv": [*small, f"--train.out_dir={root / 'pp1'}"]}], nproc=1, env=env)
     return {"root": root, "lora_log": first[-1]["log"], "split_exported_at_step_2": split_exported_at_step_2}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 @pytest.mark.distributed

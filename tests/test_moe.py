@@ -11,7 +11,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from tests.conftest import torchrun_commands, worker_output
+from tests.conftest import launch, worker_output
 
 # Relative agreement of SFT's per-step losses at EP=2 and EP=1 (both DP=2). Measured: 0 to 3e-7 (see the test).
 LOSS_TOLERANCE = 1e-5
@@ -150,14 +150,13 @@ FSDP_SFT = ["--model.path=tiny-moe", "--parallel.ep=2", "--parallel.use_megatron
             "--ckpt.save_interval=1"]
 
 
-@pytest.fixture(scope="module")
-def resumed(shared_launch, tmp_path_factory) -> dict:
-    """One launch after the shared one: GRPO's resume in fresh processes, and the Megatron-FSDP SFT runs at EP=2."""
+def launches(shared_launch, tmp_path_factory):
+    """One launch after the shared one (conftest's `joint_launches`): GRPO's resume in fresh processes, and the Megatron-FSDP SFT runs at EP=2."""
     out = worker_output(shared_launch[__name__])
     root = tmp_path_factory.mktemp("moe-resume")
     grpo_split, grpo_argv = out / "grpo" / "split", json.loads((out / "results.json").read_text())["grpo_argv"]
     fsdp = {run: root / "fsdp" / run for run in ("straight", "split")}
-    torchrun_commands([{"module": "trainer.grpo", "argv": [*grpo_argv, f"--train.out_dir={grpo_split}",
+    yield launch([{"module": "trainer.grpo", "argv": [*grpo_argv, f"--train.out_dir={grpo_split}",
                                                           "--resume-from-checkpoint", "latest"]},
                        {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['straight']}"]},
                        {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
@@ -165,6 +164,11 @@ def resumed(shared_launch, tmp_path_factory) -> dict:
                        {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
                                                          "--resume-from-checkpoint", "latest"]}], root)
     return {"grpo": {"straight": out / "grpo" / "straight", "split": grpo_split}, "fsdp": fsdp}
+
+
+@pytest.fixture(scope="module")
+def resumed(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 @pytest.mark.distributed

@@ -20,7 +20,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data.batches import Example, collate
 from model import rules
-from tests.conftest import torchrun_commands
+from tests.conftest import launch
 
 EXPERTS, TOP_K = 8, 2  # tiny-moe (model/tiny.py MOE_MODEL_CONFIG): the busiest expert gets at most EXPERTS / TOP_K x the mean
 
@@ -104,9 +104,8 @@ def test_batches_mark_padding_for_the_routers():
 SMALL = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.eval_samples=0", "--data.max_seq_len=64"]
 
 
-@pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict:
-    """Per run: its out_dir, metrics rows and log (one 2-process launch)."""
+def launches(tmp_path_factory):
+    """Per run: its out_dir, metrics rows and log (one 2-process launch, in conftest's `joint_launches`)."""
     root = tmp_path_factory.mktemp("moe-settings")
     frozen = ["--model.path=tiny-moe", "--parallel.tp=2", "--model.moe_freeze_router=true", "--model.moe_z_loss_coeff=1e-3",
               "--train.steps=3", f"--train.out_dir={root / 'frozen'}", *SMALL]
@@ -118,13 +117,18 @@ def moe_runs(tmp_path_factory) -> dict:
             "--model.path=tiny-moe", "--train.steps=1", f"--train.out_dir={root / 'grpo'}", "--train.global_batch_size=16",
             "--grpo.n_samples=4", "--train.micro_batch_size=8", "--grpo.max_new_tokens=8", "--train.eval_samples=0"]},
     }
-    results = torchrun_commands(list(commands.values()), root)
+    results = yield launch(list(commands.values()))
     runs = {}
-    for name, result in zip(commands, results):  # SFT commands first, in order, then GRPO's: as listed
+    for name, result in zip(commands, results):
         out_dir = root / ("frozen" if name.startswith("frozen") else name)
         rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
         runs[name] = {"out_dir": out_dir, "rows": rows, "log": result["log"]}
     return runs
+
+
+@pytest.fixture(scope="module")
+def moe_runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 @pytest.mark.distributed

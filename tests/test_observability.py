@@ -19,7 +19,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import SFTConfig
-from tests.conftest import EAGER, REPO, free_port, torchrun
+from tests.conftest import EAGER, REPO, free_port, launch
 from trainer import plots
 
 pytestmark = pytest.mark.distributed
@@ -79,24 +79,28 @@ def wandb_records(out_dir) -> list:
     return records
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory):
-    """The short SFT run, with TensorBoard and W&B (offline) on."""
-    out_dir = tmp_path_factory.mktemp("sft")
-    torchrun([*SFT, f"--train.out_dir={out_dir}", "--log.tensorboard=true", "--log.wandb=true",
-              "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"], nproc=2,
-             env={**EAGER, "WANDB_MODE": "offline"})
-    return out_dir
+def launches(tmp_path_factory):
+    """The short SFT run, with TensorBoard and W&B (offline) on; then a short GRPO run (one process) from its output,
+    with TensorBoard on (in conftest's `joint_launches`). Returns both output directories."""
+    sft_dir, grpo_dir = tmp_path_factory.mktemp("sft"), tmp_path_factory.mktemp("grpo")
+    yield launch([{"module": "trainer.sft", "env": {"WANDB_MODE": "offline"},
+                   "argv": [*SFT[2:], f"--train.out_dir={sft_dir}", "--log.tensorboard=true", "--log.wandb=true",
+                            "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"]}])
+    yield launch([{"module": "trainer.grpo", "argv": [
+        f"--model.path={sft_dir / 'hf'}", "--train.steps=3", "--train.global_batch_size=16", "--train.micro_batch_size=8",
+        "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2", "--log.tensorboard=true",
+        f"--train.out_dir={grpo_dir}"]}], nproc=1)
+    return sft_dir, grpo_dir
 
 
 @pytest.fixture(scope="module")
-def grpo_run(sft_run, tmp_path_factory):
-    """A short GRPO run (one process) from the SFT run's output, with TensorBoard on."""
-    out_dir = tmp_path_factory.mktemp("grpo")
-    torchrun(["-m", "trainer.grpo", f"--model.path={sft_run / 'hf'}", "--train.steps=3", "--train.global_batch_size=16",
-              "--train.micro_batch_size=8", "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2",
-              "--log.tensorboard=true", f"--train.out_dir={out_dir}"], nproc=1, env=EAGER)
-    return out_dir
+def sft_run(joint_launches):
+    return joint_launches[__name__][0]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(joint_launches):
+    return joint_launches[__name__][1]
 
 
 # ---------------------------------------------------------------- loggers

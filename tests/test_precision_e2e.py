@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import torchrun, torchrun_commands, worker_output
+from tests.conftest import launch, torchrun, worker_output
 
 pytestmark = pytest.mark.distributed
 
@@ -73,9 +73,8 @@ def sft(out_dir: Path, *extra: str) -> dict:
     return {"module": "trainer.sft", "argv": [*extra, f"--train.out_dir={out_dir}"]}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Every variant trained once: {name: Run}. A shared launch that fails fails the tests of its runs with its output.
+def launches(tmp_path_factory):
+    """Every variant trained once (conftest's `joint_launches`): {name: Run}. A shared launch that fails fails the tests of its runs with its output.
 
     The precision-aware run (its own launch) that fails after writing its metrics still yields its losses; its test
     checks its exit status, so a broken double does not hide the figures of the others.
@@ -83,9 +82,9 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("precision-runs")
     two = [sft(root / name, *SAME_RUN, *extra) for name, extra in PRECISION_RUNS.items()]
     two += [sft(root / name, *DATA_PARALLEL_RUN, *extra) for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 2]
-    torchrun_commands(two, root, nproc=2)
-    torchrun_commands([sft(root / name, *DATA_PARALLEL_RUN, *extra)
-                       for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 1], root, nproc=1)
+    yield launch(two, nproc=2)
+    yield launch([sft(root / name, *DATA_PARALLEL_RUN, *extra)
+                  for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 1], nproc=1)
     results = {name: Run(root / name, step_losses(root / name), 0, "") for name in [*PRECISION_RUNS, *DATA_PARALLEL_RUNS]}
     process = torchrun([DOUBLE_WORKER, *SAME_RUN, *PRECISION_AWARE, f"--train.out_dir={root / 'precision_aware_bf16'}"],
                        nproc=2, timeout=900, check=False)
@@ -103,6 +102,11 @@ def runs(tmp_path_factory) -> dict:
         print(f"\n{name:32s} exit {run.exit_code}  " + " ".join(f"{loss:.5f}" for loss in run.losses)
               + f"   max rel diff vs ddp_fp32 {difference:.2e}")
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 def completed(run) -> None:

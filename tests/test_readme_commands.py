@@ -3,10 +3,11 @@ reader's paths replaced by test fixtures (a tiny checkpoint for `/models/...`, s
 files, a small YAML for `run.yaml`). So no documented command can rot."""
 
 import shlex
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K, REPO, torchrun_commands
+from tests.conftest import GSM8K, REPO, launch
 
 # Two steps, a few held-out prompts, a small batch (SFT: 16 rows; GRPO: 2 prompts x 8 samples), in micro-batches of 2
 # (so that the GRPO recipes' 4 updates a step divide it at DP=2): the commands' own models, data, lengths, precision
@@ -63,30 +64,37 @@ def test_the_docs_have_the_commands_users_copy():
     assert modules.count("trainer.sft") >= 3 and modules.count("trainer.grpo") >= 2, modules
 
 
-@pytest.fixture
-def fixtures(tmp_path) -> dict[str, str]:
-    """The reader's paths in the README -> files made here from the tiny checkpoint and the real GSM8K."""
+def fixtures(root: Path) -> dict[str, str]:
+    """The reader's paths in the README -> files made under `root` from the tiny checkpoint and the real GSM8K."""
     from model.tiny import ensure_tiny_checkpoint
 
-    gsm8k = tmp_path / "gsm8k"
+    gsm8k = root / "gsm8k"
     gsm8k.mkdir()
     for split, rows in (("train", 600), ("test", 16)):
         lines = (GSM8K / f"{split}.jsonl").read_text().splitlines()[:rows]
         (gsm8k / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "run.yaml").write_text("data: {path: arithmetic}\ntrain: {global_batch_size: 64, micro_batch_size: 4}\n")
+    (root / "run.yaml").write_text("data: {path: arithmetic}\ntrain: {global_batch_size: 64, micro_batch_size: 4}\n")
     return {"/models/Qwen2.5-0.5B": str(ensure_tiny_checkpoint()), "train.jsonl": str(gsm8k / "train.jsonl"),
-            "openai/gsm8k": str(gsm8k), "run.yaml": str(tmp_path / "run.yaml")}
+            "openai/gsm8k": str(gsm8k), "run.yaml": str(root / "run.yaml")}
+
+
+def launches(tmp_path_factory):
+    """Every documented command, two steps each, in one launch (conftest's `joint_launches`); returns the commands and
+    their results."""
+    root = tmp_path_factory.mktemp("readme")
+    paths, commands = fixtures(root), every_documented_command()
+    work = root / "work"  # the reader's current directory: relative outputs (runs/, outputs/) land here
+    work.mkdir()
+    for command in commands:
+        command["argv"] = [paths.get(token, token) for token in command["argv"]]
+        command.update(cwd=str(work), smoke=SMOKE[command["module"]])
+    results = yield launch(commands)
+    return commands, results
 
 
 @pytest.mark.distributed
-def test_every_readme_torchrun_command_logs_step_one(fixtures, tmp_path):
-    commands = every_documented_command()
-    work = tmp_path / "work"  # the reader's current directory: relative outputs (runs/, outputs/) land here
-    work.mkdir()
-    for command in commands:
-        command["argv"] = [fixtures.get(token, token) for token in command["argv"]]
-        command.update(cwd=str(work), smoke=SMOKE[command["module"]])
-    results = torchrun_commands(commands, tmp_path)
+def test_every_readme_torchrun_command_logs_step_one(joint_launches):
+    commands, results = joint_launches[__name__]
     assert len(results) == len(commands)
     for result in results:
         print(f"README command ran: {result['line']}\n    step 1: loss {result['step1'] and result['step1']['loss']}")

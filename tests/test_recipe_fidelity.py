@@ -26,7 +26,7 @@ from config.sections import GRPOConfig, SFTConfig
 from data import rewards
 from data.arithmetic import generate_problems
 from model.parallel import free_port
-from tests.conftest import REPO, TORCHRUN, torchrun_commands, torchrun_env
+from tests.conftest import REPO, TORCHRUN, launch, torchrun_env
 from trainer import grpo_sampling as grpo
 
 # Reward functions of the runs below, imported by the trainer as `fidelity_rewards:NAME`.
@@ -165,9 +165,8 @@ def test_a_stop_signal_is_caught_from_the_moment_the_command_line_is_parsed():
 # ---------------------------------------------------------------- torchrun
 
 
-@pytest.fixture(scope="module")
-def runs(default_sft, tmp_path_factory) -> dict:
-    """One 2-process launch: the export redo, DAPO at DP=2 and at DP=1 (TP=2) and GSPO on 10 prompts, the failing
+def launches(default_sft, tmp_path_factory):
+    """One 2-process launch (conftest's `joint_launches`): the export redo, DAPO at DP=2 and at DP=1 (TP=2) and GSPO on 10 prompts, the failing
     rewards, TP=2 with a noisy reward, a node-local output directory."""
     root = tmp_path_factory.mktemp("fidelity")
     (root / "fidelity_rewards.py").write_text(REWARDS)
@@ -192,7 +191,7 @@ def runs(default_sft, tmp_path_factory) -> dict:
     nodes = [root / "node0", root / "node1"]
     for node in nodes:
         node.mkdir()
-    results = torchrun_commands([
+    results = yield launch([
         {"module": "trainer.sft", "argv": [f"--train.out_dir={exported}", "--resume-from-checkpoint", "latest"]},
         grpo_command("dapo2", "--config", "dapo", *ten),
         grpo_command("dapo1", "--config", "dapo", *ten, "--parallel.tp=2"),
@@ -203,8 +202,13 @@ def runs(default_sft, tmp_path_factory) -> dict:
                      "--parallel.sequence_parallel=false", checksums=True),
         {"module": "trainer.grpo", "argv": [*brief, "--train.out_dir=node-local"], "cwd_per_rank": [str(node) for node in nodes],
          "expect_error": True},
-    ], root, env=env)
+    ], env=env)
     return {"root": root, "default_sft": default_sft, "results": results}
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 def result(runs, name: str) -> dict:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import torchrun_commands, worker_output
+from tests.conftest import launch, worker_output
 from trainer.grpo_update import input_aligned_routes, label_aligned
 
 
@@ -52,21 +52,25 @@ def test_recorded_routes_match_a_training_forward_and_replay_forces_them(shared_
         assert turns["continued_rows"] >= 2 and turns["compared"] > 0 and turns["differ"] <= 0.01 * turns["compared"]
 
 
-@pytest.fixture(scope="module")
-def replay_runs(tmp_path_factory) -> dict:
-    """GRPO on tiny-moe in bf16 with routing replay on and off (the latter with TIS), one step each, one launch."""
+def launches(tmp_path_factory):
+    """GRPO on tiny-moe in bf16 with routing replay on and off (the latter with TIS), one step each, one launch (in
+    conftest's `joint_launches`)."""
     root = tmp_path_factory.mktemp("replay-runs")
     common = ["--model.path=tiny-moe", "--model.dtype=bf16", "--train.steps=1", "--train.global_batch_size=32",
               "--train.micro_batch_size=16", "--train.eval_samples=0", "--ckpt.save_interval=0"]
     runs = {"replay": ["--grpo.routing_replay=true"],
             "own": ["--grpo.routing_replay=false", "--grpo.rollout_correction=tis"]}
-    torchrun_commands([{"module": "trainer.grpo", "argv": [*common, *extra, f"--train.out_dir={root / name}"]}
-                       for name, extra in runs.items()], root)
+    yield launch([{"module": "trainer.grpo", "argv": [*common, *extra, f"--train.out_dir={root / name}"]}
+                  for name, extra in runs.items()])
     return {name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
             for name in runs}
 
 
-@pytest.mark.distributed
+@pytest.fixture(scope="module")
+def replay_runs(joint_launches) -> dict:
+    return joint_launches[__name__]
+
+
 @pytest.mark.distributed
 def test_each_pipeline_stage_records_its_own_layers_routes(shared_launch):
     """At PP=2 the rollout's forwards pass stage to stage; each stage's routers record their layers' routes, which

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from tests import tool_fixtures
-from tests.conftest import REPO, torchrun_commands
+from tests.conftest import REPO, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -26,9 +26,8 @@ def metrics(out_dir) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(default_sft, tmp_path_factory) -> dict:
-    """Two launches: DDP straight and split at step 2, TP=2 with the clock tool, LoRA, PP=2 straight and split at step
+def launches(default_sft, tmp_path_factory):
+    """Two launches (conftest's `joint_launches`): DDP straight and split at step 2, TP=2 with the clock tool, LoRA, PP=2 straight and split at step
     2, then Megatron-FSDP straight (last: a process cannot free FSDP's groups for the next run); the split runs resumed
     in fresh processes."""
     root = tmp_path_factory.mktemp("tool-runs")
@@ -45,19 +44,25 @@ def runs(default_sft, tmp_path_factory) -> dict:
     def command(name: str, *extra: str) -> dict:
         return {"module": "trainer.grpo", "argv": [*common, f"--train.out_dir={root / name}", *extra]}
 
-    torchrun_commands([command("ddp", *digits, "--train.steps=4"),
-                       command("split", *digits, "--train.steps=4", "--train.exit_interval=2"),
-                       command("tp2", "--grpo.environment=tests.tool_fixtures:Clock", "--parallel.tp=2", "--train.steps=2",
-                               "--grpo.n_samples=2", "--train.global_batch_size=8", "--train.micro_batch_size=4"),
-                       command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2",
-                               "--parallel.pp=2"),  # LoRA GRPO at PP=1: test_grpo_e2e.py
-                       command("pp", *digits, "--parallel.pp=2", "--train.steps=4"),
-                       command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--train.exit_interval=2"),
-                       command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")], root, env={"PYTHONPATH": str(REPO)})
-    torchrun_commands([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest"),
-                       command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint",
-                               "latest")], root, env={"PYTHONPATH": str(REPO)})
+    yield launch([command("ddp", *digits, "--train.steps=4"),
+                  command("split", *digits, "--train.steps=4", "--train.exit_interval=2"),
+                  command("tp2", "--grpo.environment=tests.tool_fixtures:Clock", "--parallel.tp=2", "--train.steps=2",
+                          "--grpo.n_samples=2", "--train.global_batch_size=8", "--train.micro_batch_size=4"),
+                  command("lora", *digits, "--peft.method=lora", "--optim.lr=1e-3", "--train.steps=2",
+                          "--parallel.pp=2"),  # LoRA GRPO at PP=1: test_grpo_e2e.py
+                  command("pp", *digits, "--parallel.pp=2", "--train.steps=4"),
+                  command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--train.exit_interval=2"),
+                  command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")],
+                 env={"PYTHONPATH": str(REPO)})
+    yield launch([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest"),
+                  command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint", "latest")],
+                 env={"PYTHONPATH": str(REPO)})
     return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "pp", "pp-split", "fsdp")} | {"root": root}
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
 
 
 def table(rows: list[dict], fields=FIELDS) -> list[tuple]:

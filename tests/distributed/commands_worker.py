@@ -3,15 +3,18 @@ ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (G
 
 Each command (a JSON object: `module`, `argv`, and optionally `cwd` or `cwd_per_rank`, `env`, `world_size`, `smoke`,
 `expect_error`, `checksums`) is first validated as written (at `world_size`, default this launch's), then run with its `smoke`
-arguments appended (the README test's two-step settings). Rank 0 writes, per command, the first metrics row of step 1
+arguments appended (the README test's two-step settings), in its own directory and environment. Rank 0 writes, per
+command and in the order listed (after each command, so a failure keeps what ran before it), the first metrics row of step 1
 it logged, what the command logged (the lines a `torchrun -m trainer.X` launch of it alone would print), with
 `expect_error` the one-paragraph error it stopped with (as `run_cli` prints it), and with `checksums` every rank's
-checksum of the parameters tensor parallelism replicates (norms, biases: each TP rank holds them whole). After each command what it built is
-freed with its process groups (shared_launch.release_models), as its own process's exit would, until a command has
-used Megatron-FSDP.
+checksum of the parameters tensor parallelism replicates (norms, biases: each TP rank holds them whole). SFT commands
+run before GRPO's, and Megatron-FSDP's after both. After each command what it built is freed with its process groups
+(shared_launch.release_models), as its own process's exit would, except after a Megatron-FSDP run: a later one in the
+process reaches its groups again.
 """
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -43,23 +46,35 @@ def replicated_checksum(policy) -> str:
     return digest.hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--commands", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    commands = json.loads(Path(args.commands).read_text())
-    import_bridge()
-    # The process group outlives every command (each loop keeps a group it did not create, as GRPO's default start does).
-    dist.init_process_group("gloo")
-    results, fsdp_used = [], False
-    for command in sorted(commands, key=lambda command: command["module"] != "trainer.sft"):
-        # `cwd_per_rank`: each rank starts elsewhere, so a relative path names another directory on each (as a
-        # node-local directory does on each node).
-        os.chdir(command["cwd_per_rank"][dist.get_rank()] if "cwd_per_rank" in command else command.get("cwd", os.getcwd()))
-        os.environ.update(command.get("env", {}))
-        smoke = command.get("smoke", [])
-        config_class, loop = LOOPS[command["module"]]
+def uses_megatron_fsdp(command: dict) -> bool:
+    """Whether the command trains under Megatron-FSDP (read from its config as written, in its own directory)."""
+    config_class, _ = LOOPS[command["module"]]
+    with working_directory(command):
+        config, _ = cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])
+    return config.parallel.use_megatron_fsdp
+
+
+@contextlib.contextmanager
+def working_directory(command: dict):
+    """In the command's directory (`cwd`, or per rank `cwd_per_rank`: a relative path then names another directory on
+    each rank, as a node-local directory does on each node), with its `env`; both restored afterwards, so no command
+    sees another's."""
+    start, environment = os.getcwd(), dict(os.environ)
+    os.chdir(command["cwd_per_rank"][dist.get_rank()] if "cwd_per_rank" in command else command.get("cwd", start))
+    os.environ.update(command.get("env", {}))
+    try:
+        yield
+    finally:
+        os.chdir(start)
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def run_command(command: dict) -> dict:
+    """Validate the command as written, run it with its smoke arguments; its result (see the module's docstring)."""
+    smoke = command.get("smoke", [])
+    config_class, loop = LOOPS[command["module"]]
+    with working_directory(command):
         config, _ = cli.parse_args(config_class, command["argv"], command["module"])
         config.validate(command.get("world_size", dist.get_world_size()))  # as written: e.g. the README's own process count
         captured = logging.StreamHandler(io.StringIO())  # beside the console's: the loops' loggers propagate to the root
@@ -74,22 +89,38 @@ def main() -> None:
         finally:
             logging.getLogger().removeHandler(captured)
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
-        fsdp_used = fsdp_used or config.parallel.use_megatron_fsdp
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        line = command.get("line", shlex.join([command["module"], *command["argv"]]))
-        checksums = None
-        if command.get("checksums"):
-            checksums = [None] * dist.get_world_size()
-            dist.all_gather_object(checksums, replicated_checksum(policy))
-        results.append({"line": line, "step1": next((row for row in rows if row["step"] == 1), None),
-                        "log": captured.stream.getvalue(), "error": error, "checksums": checksums})
-        del policy
+    checksums = None
+    if command.get("checksums"):
+        checksums = [None] * dist.get_world_size()
+        dist.all_gather_object(checksums, replicated_checksum(policy))
+    return {"line": command.get("line", shlex.join([command["module"], *command["argv"]])),
+            "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue(),
+            "error": error, "checksums": checksums}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--commands", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    commands = json.loads(Path(args.commands).read_text())
+    import_bridge()
+    # The process group outlives every command (each loop keeps a group it did not create, as GRPO's default start does).
+    dist.init_process_group("gloo")
+    # Megatron-FSDP's runs last (its groups cannot be freed for a later run), and SFT before GRPO (GRPO's may read an
+    # SFT's output), otherwise as listed. Results are written as listed, after each command (a failure keeps those before).
+    fsdp = [uses_megatron_fsdp(command) for command in commands]
+    order = sorted(range(len(commands)), key=lambda index: (fsdp[index], commands[index]["module"] != "trainer.sft"))
+    results = [None] * len(commands)
+    for index in order:
+        results[index] = run_command(commands[index])
         dist.barrier()
-        if not fsdp_used:
+        if not fsdp[index]:
             release_models()
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
+        if dist.get_rank() == 0:
+            Path(args.out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

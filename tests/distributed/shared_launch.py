@@ -22,6 +22,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -93,16 +94,22 @@ def main() -> None:
     workers = json.loads(Path(sys.argv[1]).read_text())
     modules = [importlib.import_module(Path(worker["script"]).stem) for worker in workers]  # this directory is on sys.path
     parsed = [module.parse(worker["argv"]) for module, worker in zip(modules, workers)]
+    started = time.perf_counter()
     prepared = [attempt(worker, lambda: module.prepare(args)) if hasattr(module, "prepare") else None
                 for worker, module, args in zip(workers, modules, parsed)]
     # One group for every worker (a second gloo group in one launch fails to connect); the loops and
     # `parallel.shutdown` leave up a group they did not create.
     dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        print(f"[shared launch] the workers' prepare took {time.perf_counter() - started:.1f} s", flush=True)
     for worker, module, args, ready in zip(workers, modules, parsed, prepared):
+        started = time.perf_counter()
         if ready is not FAILED:
             attempt(worker, lambda: module.run(args, ready) if hasattr(module, "prepare") else module.run(args))
         dist.barrier()
         release_models()
+        if dist.get_rank() == 0:
+            print(f"[shared launch] {worker['script']} took {time.perf_counter() - started:.1f} s", flush=True)
     dist.destroy_process_group()
 
 

@@ -64,7 +64,7 @@ def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, time
     return json.loads(results.read_text())
 
 
-def launch(commands: list[dict], nproc: int = 2, env: dict | None = None, timeout: int = 900) -> dict:
+def launch(commands: list[dict], *, nproc: int = 2, env: dict | None = None, timeout: int = 900) -> dict:
     """What a module's `launches` generator yields: commands for one launch of `torchrun_commands` (see `joint_launches`,
     which sends back their results, as listed)."""
     return {"commands": commands, "nproc": nproc, "env": env or {}, "timeout": timeout}
@@ -83,44 +83,61 @@ def merged_environment(requests: list[dict]) -> dict:
     return env | ({"PYTHONPATH": os.pathsep.join(paths)} if paths else {})
 
 
+class Outcomes(dict):
+    """Per module, what its `launches` generator returned; a module whose generator or launch failed gets the failure
+    raised to its tests (and only to them)."""
+
+    def __getitem__(self, name: str):
+        outcome = super().__getitem__(name)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
 @pytest.fixture(scope="session")
-def joint_launches(request, tmp_path_factory) -> dict[str, object]:
+def joint_launches(request, tmp_path_factory) -> Outcomes:
     """The `trainer.*` commands of every selected test module that defines a generator `launches(FIXTURES...)`, run in as
-    few torchrun launches as their order allows: each generator yields `launch(...)` requests and gets their results
-    back, and doing what it needs between them (killing a save, copying a checkpoint) as a user's jobs would. Round by
+    few torchrun launches as their order allows: each generator yields `launch(...)` requests, gets their results
+    back, and does what it needs between them (killing a save, copying a checkpoint) as a user's jobs would. Round by
     round, the requests of every module (its first, then its second, ...) run together, one launch per process count.
-    A resumed run still gets fresh processes: it is in a later round than the run it resumes. So `pytest
-    tests/test_x.py` alone runs only that module's commands, in as many launches as before. Returns, per module name,
-    what its generator returned (or the failure its tests report)."""
+    A resumed run still gets fresh processes: it is in a later round than the run it resumes. `pytest tests/test_x.py`
+    alone runs only that module's commands, in as many launches as before. Returns, per module name, what its
+    generator returned."""
     import inspect
 
     modules = {item.module.__name__: item.module for item in request.session.items
                if getattr(item, "module", None) and "joint_launches" in getattr(item, "fixturenames", ())}
-    generators, asks, outcome = {}, {}, {}
+    generators, outcomes = {}, Outcomes()
     for name, module in modules.items():
         fixtures = {parameter: request.getfixturevalue(parameter)
                     for parameter in inspect.signature(module.launches).parameters}
         generators[name] = module.launches(**fixtures)
-    sends = {name: None for name in generators}
+    sends = {name: None for name in generators}  # what each generator gets next: a launch's results, or its failure
     for round_index in itertools.count():
-        for name in list(sends):
+        asks = {}
+        for name, sent in sends.items():
+            generator = generators[name]
             try:
-                asks[name] = generators[name].send(sends.pop(name))
+                asks[name] = generator.throw(sent) if isinstance(sent, BaseException) else generator.send(sent)
             except StopIteration as finished:
-                outcome[name] = finished.value
-                asks.pop(name, None)
+                outcomes[name] = finished.value
+            except (Exception, pytest.fail.Exception) as failure:  # this module's failure, not the others'
+                outcomes[name] = failure
         if not asks:
-            return outcome
-        root = tmp_path_factory.mktemp(f"joint-round{round_index}")
+            return outcomes
+        root, sends = tmp_path_factory.mktemp(f"joint-round{round_index}"), {}
         for nproc in sorted({ask["nproc"] for ask in asks.values()}):
             names = [name for name, ask in asks.items() if ask["nproc"] == nproc]
-            commands = [command for name in names for command in asks[name]["commands"]]
-            results = torchrun_commands(commands, root, nproc=nproc, timeout=sum(asks[name]["timeout"] for name in names),
-                                        env=merged_environment([asks[name] for name in names]))
+            try:
+                results = torchrun_commands([command for name in names for command in asks[name]["commands"]], root,
+                                            nproc=nproc, timeout=sum(asks[name]["timeout"] for name in names),
+                                            env=merged_environment([asks[name] for name in names]))
+            except pytest.fail.Exception as failure:
+                sends |= {name: failure for name in names}
+                continue
             for name in names:
                 count = len(asks[name]["commands"])
                 sends[name], results = results[:count], results[count:]
-        asks.clear()
 
 
 SHARED_LAUNCH = "tests/distributed/shared_launch.py"

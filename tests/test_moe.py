@@ -162,7 +162,7 @@ def launches(shared_launch, tmp_path_factory):
                        {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
                                                          "--train.exit_interval=2"]},
                        {"module": "trainer.sft", "argv": [*FSDP_SFT, f"--train.out_dir={fsdp['split']}",
-                                                         "--resume-from-checkpoint", "latest"]}], root)
+                                                         "--resume-from-checkpoint", "latest"]}])
     return {"grpo": {"straight": out / "grpo" / "straight", "split": grpo_split}, "fsdp": fsdp}
 
 

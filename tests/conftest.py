@@ -59,8 +59,12 @@ def torchrun_commands(commands: list[dict], tmp_path: Path, nproc: int = 2, time
     its step-1 row and its log lines."""
     listing, results = tmp_path / f"commands-{len(commands)}-{free_port()}.json", tmp_path / "results.json"
     listing.write_text(json.dumps(commands))
-    torchrun(["tests/distributed/commands_worker.py", "--commands", str(listing), "--out", str(results)], nproc=nproc,
-             timeout=timeout, env=env)
+    launched = torchrun(["tests/distributed/commands_worker.py", "--commands", str(listing), "--out", str(results)],
+                        nproc=nproc, timeout=timeout, env=env, check=False)
+    if launched.returncode != 0:
+        tracebacks = "\n".join(f"--- {path.name}: {path.read_text()}" for path in sorted(tmp_path.glob("results.json.error.rank*")))
+        pytest.fail(f"the commands' launch exited {launched.returncode}\n{tracebacks}\n--- stdout\n{launched.stdout[-6000:]}\n"
+                    f"--- stderr\n{launched.stderr[-6000:]}")
     return json.loads(results.read_text())
 
 
@@ -83,6 +87,15 @@ def merged_environment(requests: list[dict]) -> dict:
     return env | ({"PYTHONPATH": os.pathsep.join(paths)} if paths else {})
 
 
+def uses_megatron_fsdp(command: dict) -> bool:
+    """Whether a `trainer.*` command trains under Megatron-FSDP (its config as written)."""
+    from config import cli
+    from config.sections import GRPOConfig, SFTConfig
+
+    config_class = SFTConfig if command["module"] == "trainer.sft" else GRPOConfig
+    return cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])[0].parallel.use_megatron_fsdp
+
+
 class Outcomes(dict):
     """Per module, what its `launches` generator returned; a module whose generator or launch failed gets the failure
     raised to its tests (and only to them)."""
@@ -99,7 +112,9 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
     """The `trainer.*` commands of every selected test module that defines a generator `launches(FIXTURES...)`, run in as
     few torchrun launches as their order allows: each generator yields `launch(...)` requests, gets their results
     back, and does what it needs between them (killing a save, copying a checkpoint) as a user's jobs would. Round by
-    round, the requests of every module (its first, then its second, ...) run together, one launch per process count.
+    round, the requests of every module (its first, then its second, ...) run together, one launch per process count,
+    and the Megatron-FSDP runs in one of their own (a process cannot free Megatron-FSDP's groups for the next run: in one
+    launch after 54 other runs, the ninth FSDP run lost a rank; alone in one launch, the nine passed).
     A resumed run still gets fresh processes: it is in a later round than the run it resumes. `pytest tests/test_x.py`
     alone runs only that module's commands, in as many launches as before. Returns, per module name, what its
     generator returned."""
@@ -125,19 +140,27 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
                 outcomes[name] = failure
         if not asks:
             return outcomes
-        root, sends = tmp_path_factory.mktemp(f"joint-round{round_index}"), {}
+        sends, results = {}, {}  # results: (module, index of its command) -> result
         for nproc in sorted({ask["nproc"] for ask in asks.values()}):
-            names = [name for name, ask in asks.items() if ask["nproc"] == nproc]
-            try:
-                results = torchrun_commands([command for name in names for command in asks[name]["commands"]], root,
-                                            nproc=nproc, timeout=sum(asks[name]["timeout"] for name in names),
-                                            env=merged_environment([asks[name] for name in names]))
-            except pytest.fail.Exception as failure:
-                sends |= {name: failure for name in names}
-                continue
-            for name in names:
-                count = len(asks[name]["commands"])
-                sends[name], results = results[:count], results[count:]
+            for fsdp in (False, True):
+                batch = [(name, index, command) for name, ask in asks.items() if ask["nproc"] == nproc
+                         and name not in sends  # not a module whose other launch failed
+                         for index, command in enumerate(ask["commands"]) if uses_megatron_fsdp(command) == fsdp]
+                names = sorted({name for name, _, _ in batch})
+                if not batch:
+                    continue
+                try:
+                    done = torchrun_commands([command for _, _, command in batch],
+                                             tmp_path_factory.mktemp(f"joint-round{round_index}-{nproc}"), nproc=nproc,
+                                             timeout=sum(asks[name]["timeout"] for name in names),
+                                             env=merged_environment([asks[name] for name in names]))
+                except pytest.fail.Exception as failure:
+                    sends |= {name: failure for name in names}
+                    continue
+                results |= {(name, index): result for (name, index, _), result in zip(batch, done)}
+        for name, ask in asks.items():
+            if name not in sends:
+                sends[name] = [results[name, index] for index in range(len(ask["commands"]))]
 
 
 SHARED_LAUNCH = "tests/distributed/shared_launch.py"

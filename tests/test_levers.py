@@ -14,7 +14,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from config import sections
 from config.cli import parse_args

@@ -146,7 +146,7 @@ def test_family_without_a_cpu_path_is_refused_at_start_up(family, family_results
     no_crash(ranks)
     for rank in ranks.values():
         for key in ("conversion_refused", "sft_refused"):
-            assert f"`model.path=" in rank[key] and REFUSED[family] in rank[key], rank[key]
+            assert "`model.path=" in rank[key] and REFUSED[family] in rank[key], rank[key]
     assert family_results[family]["train_losses"] == []
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shlex
+import traceback
 from pathlib import Path
 
 import hashlib
@@ -115,7 +116,12 @@ def main() -> None:
     order = sorted(range(len(commands)), key=lambda index: (fsdp[index], commands[index]["module"] != "trainer.sft"))
     results = [None] * len(commands)
     for index in order:
-        results[index] = run_command(commands[index])
+        try:
+            results[index] = run_command(commands[index])
+        except BaseException:  # each rank's own traceback, for the test's failure message (torchrun's output keeps one)
+            Path(f"{args.out}.error.rank{dist.get_rank()}.txt").write_text(
+                f"{shlex.join([commands[index]['module'], *commands[index]['argv']])}\n{traceback.format_exc()}")
+            raise
         dist.barrier()
         if not fsdp[index]:
             release_models()

@@ -16,7 +16,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from config import cli

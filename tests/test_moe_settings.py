@@ -1,7 +1,7 @@
 """Mixture-of-Experts router settings and routing figures (issue 39, parts 2 and 3).
 
 Pure tests: the `model.moe_*` keys become megatron-core's router settings (on its real TransformerConfig), their
-start-up refusals, and the padding mask the routers get. One 2-process launch (`torchrun_commands`) runs tiny-moe SFT
+start-up refusals, and the padding mask the routers get. One 2-process launch (conftest's `joint_launches`) runs tiny-moe SFT
 at TP=2 with sequence parallelism, a frozen router and the z-loss, stopped after 2 steps and resumed for a third; the
 dense default for a step; and a GRPO step on tiny-moe. It checks the frozen router is bit-identical to the checkpoint's
 after 3 steps while every other weight moved, the figures and their plausible ranges, and their absence where no

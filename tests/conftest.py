@@ -116,7 +116,7 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
     and the Megatron-FSDP runs in one of their own (a process cannot free Megatron-FSDP's groups for the next run: in one
     launch after 54 other runs, the ninth FSDP run lost a rank; alone in one launch, the nine passed).
     A resumed run still gets fresh processes: it is in a later round than the run it resumes. `pytest tests/test_x.py`
-    alone runs only that module's commands, in as many launches as before. Returns, per module name, what its
+    alone runs only that module's commands (its FSDP runs apart from the others). Returns, per module name, what its
     generator returned."""
     import inspect
 

@@ -7,10 +7,9 @@ arguments appended (the README test's two-step settings), in its own directory a
 command and in the order listed (after each command, so a failure keeps what ran before it), the first metrics row of step 1
 it logged, what the command logged (the lines a `torchrun -m trainer.X` launch of it alone would print), with
 `expect_error` the one-paragraph error it stopped with (as `run_cli` prints it), and with `checksums` every rank's
-checksum of the parameters tensor parallelism replicates (norms, biases: each TP rank holds them whole). SFT commands
-run before GRPO's, and Megatron-FSDP's after both. After each command what it built is freed with its process groups
-(shared_launch.release_models), as its own process's exit would, except after a Megatron-FSDP run: a later one in the
-process reaches its groups again.
+checksum of the parameters tensor parallelism replicates (norms, biases: each TP rank holds them whole). After each
+command what it built is freed with its process groups (shared_launch.release_models), as its own process's exit would,
+until a command has used Megatron-FSDP: a later run in the process reaches its groups again.
 """
 
 import argparse
@@ -47,14 +46,6 @@ def replicated_checksum(policy) -> str:
     return digest.hexdigest()
 
 
-def uses_megatron_fsdp(command: dict) -> bool:
-    """Whether the command trains under Megatron-FSDP (read from its config as written, in its own directory)."""
-    config_class, _ = LOOPS[command["module"]]
-    with working_directory(command):
-        config, _ = cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])
-    return config.parallel.use_megatron_fsdp
-
-
 @contextlib.contextmanager
 def working_directory(command: dict):
     """In the command's directory (`cwd`, or per rank `cwd_per_rank`: a relative path then names another directory on
@@ -71,8 +62,9 @@ def working_directory(command: dict):
         os.environ.update(environment)
 
 
-def run_command(command: dict) -> dict:
-    """Validate the command as written, run it with its smoke arguments; its result (see the module's docstring)."""
+def run_command(command: dict) -> tuple[dict, bool]:
+    """Validate the command as written, run it with its smoke arguments; its result (see the module's docstring), and
+    whether it trained under Megatron-FSDP."""
     smoke = command.get("smoke", [])
     config_class, loop = LOOPS[command["module"]]
     with working_directory(command):
@@ -96,9 +88,9 @@ def run_command(command: dict) -> dict:
     if command.get("checksums"):
         checksums = [None] * dist.get_world_size()
         dist.all_gather_object(checksums, replicated_checksum(policy))
-    return {"line": command.get("line", shlex.join([command["module"], *command["argv"]])),
-            "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue(),
-            "error": error, "checksums": checksums}
+    return ({"line": command.get("line", shlex.join([command["module"], *command["argv"]])),
+             "step1": next((row for row in rows if row["step"] == 1), None), "log": captured.stream.getvalue(),
+             "error": error, "checksums": checksums}, config.parallel.use_megatron_fsdp)
 
 
 def main() -> None:
@@ -110,20 +102,20 @@ def main() -> None:
     import_bridge()
     # The process group outlives every command (each loop keeps a group it did not create, as GRPO's default start does).
     dist.init_process_group("gloo")
-    # Megatron-FSDP's runs last (its groups cannot be freed for a later run), and SFT before GRPO (GRPO's may read an
-    # SFT's output), otherwise as listed. Results are written as listed, after each command (a failure keeps those before).
-    fsdp = [uses_megatron_fsdp(command) for command in commands]
-    order = sorted(range(len(commands)), key=lambda index: (fsdp[index], commands[index]["module"] != "trainer.sft"))
-    results = [None] * len(commands)
+    # SFT before GRPO (GRPO's may read an SFT's output), otherwise as listed. Results are written as listed, after each
+    # command (a failure keeps those before).
+    order = sorted(range(len(commands)), key=lambda index: commands[index]["module"] != "trainer.sft")
+    results, fsdp_used = [None] * len(commands), False
     for index in order:
         try:
-            results[index] = run_command(commands[index])
+            results[index], fsdp = run_command(commands[index])
         except BaseException:  # each rank's own traceback, for the test's failure message (torchrun's output keeps one)
             Path(f"{args.out}.error.rank{dist.get_rank()}.txt").write_text(
                 f"{shlex.join([commands[index]['module'], *commands[index]['argv']])}\n{traceback.format_exc()}")
             raise
+        fsdp_used = fsdp_used or fsdp
         dist.barrier()
-        if not fsdp[index]:
+        if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest gives FSDP runs their own launch)
             release_models()
         if dist.get_rank() == 0:
             Path(args.out).write_text(json.dumps(results))

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shlex
+import time
 import traceback
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def main() -> None:
     order = sorted(range(len(commands)), key=lambda index: commands[index]["module"] != "trainer.sft")
     results, fsdp_used = [None] * len(commands), False
     for index in order:
+        started = time.perf_counter()
         try:
             results[index], fsdp = run_command(commands[index])
         except BaseException:  # each rank's own traceback, for the test's failure message (torchrun's output keeps one)
@@ -115,10 +117,13 @@ def main() -> None:
             raise
         fsdp_used = fsdp_used or fsdp
         dist.barrier()
+        ran = time.perf_counter()
         if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest gives FSDP runs their own launch)
             release_models()
+        results[index]["seconds"] = {"run": round(ran - started, 2), "release": round(time.perf_counter() - ran, 2)}
         if dist.get_rank() == 0:
             Path(args.out).write_text(json.dumps(results))
+            print(f"command took {ran - started:.1f} s (and {time.perf_counter() - ran:.1f} s to free it): {results[index]['line'][:300]}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -73,6 +73,10 @@ def release_models() -> None:
         if group is not distributed_c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
     gc.collect()
+    # What is left lives as long as the process (modules a run imported, tokenizers, data caches): out of the
+    # collector's sight, as model.build.freeze_imported_objects does with the imports, each later collection scans only
+    # what the next run makes (each release took 1.3-2.6 s of collections after 54 runs in one launch).
+    gc.freeze()
 
 
 def import_bridge() -> None:

@@ -115,7 +115,9 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
     round, the requests of every module (its first, then its second, ...) run together, one launch per process count,
     and the Megatron-FSDP runs in one of their own (a process cannot free Megatron-FSDP's groups for the next run: in one
     launch after 54 other runs, the ninth FSDP run lost a rank; alone in one launch, the nine passed).
-    A resumed run still gets fresh processes: it is in a later round than the run it resumes. `pytest tests/test_x.py`
+    A resumed run still gets fresh processes: it is in a later round than the run it resumes. A generator may yield
+    `launch([])` to let a round pass, so that its runs share a later round's launch (each launch pays 15-20 s of
+    imports): the one-process runs of every module go in the third round. `pytest tests/test_x.py`
     alone runs only that module's commands (its FSDP runs apart from the others). Returns, per module name, what its
     generator returned."""
     import inspect

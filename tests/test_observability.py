@@ -86,6 +86,7 @@ def launches(tmp_path_factory):
     yield launch([{"module": "trainer.sft", "env": {"WANDB_MODE": "offline"},
                    "argv": [*SFT[2:], f"--train.out_dir={sft_dir}", "--log.tensorboard=true", "--log.wandb=true",
                             "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"]}])
+    yield launch([])  # nothing in the second round: the GRPO run shares the third round's one-process launch
     yield launch([{"module": "trainer.grpo", "argv": [
         f"--model.path={sft_dir / 'hf'}", "--train.steps=3", "--train.global_batch_size=16", "--train.micro_batch_size=8",
         "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2", "--log.tensorboard=true",

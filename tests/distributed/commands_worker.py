@@ -120,10 +120,11 @@ def main() -> None:
         ran = time.perf_counter()
         if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest gives FSDP runs their own launch)
             release_models()
-        results[index]["seconds"] = {"run": round(ran - started, 2), "release": round(time.perf_counter() - ran, 2)}
+        seconds = results[index]["seconds"] = {"run": round(ran - started, 2), "release": round(time.perf_counter() - ran, 2)}
         if dist.get_rank() == 0:
             Path(args.out).write_text(json.dumps(results))
-            print(f"command took {ran - started:.1f} s (and {time.perf_counter() - ran:.1f} s to free it): {results[index]['line'][:300]}", flush=True)
+            print(f"command took {seconds['run']} s ({seconds['release']} s to free it): {results[index]['line'][:300]}",
+                  flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

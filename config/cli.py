@@ -9,6 +9,7 @@ import difflib
 import json
 import os
 import sys
+import time
 import types
 import typing
 from pathlib import Path
@@ -172,7 +173,21 @@ def run_cli(main) -> None:
     try:
         main(sys.argv[1:])
     except UserError as error:
+        # One paragraph: a message quoting a library's multi-line error is folded onto one line.
+        paragraph = f"error: {' '.join(str(error).split())}"
         if is_global_rank_zero():
-            # One paragraph: a message quoting a library's multi-line error is folded onto one line.
-            print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+            print(paragraph, file=sys.stderr)
+        tell_torchrun(paragraph)
         sys.exit(2)
+
+
+def tell_torchrun(paragraph: str) -> None:
+    """Under torchrun, write `paragraph` where its agent reads a failed worker's cause (the error file it names in
+    $TORCHELASTIC_ERROR_FILE, in the plain-message form it reads): the failure summary torchrun prints last then
+    shows the paragraph as its `traceback`, not a pointer to its docs on enabling tracebacks."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            Path(path).write_text(json.dumps({"message": paragraph, "timestamp": int(time.time())}))
+        except OSError:  # the paragraph is printed already; a summary without it is no reason to fail differently
+            pass

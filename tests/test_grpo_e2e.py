@@ -385,6 +385,9 @@ def test_bad_parallel_layout_of_the_default_run_fails_before_any_sft_step(tmp_pa
     assert result.returncode != 0
     assert "error: `parallel.tp=3` x `parallel.pp=1` must divide the number of processes (2)" in result.stderr
     assert not (tmp_path / "outputs").exists() and "step 0" not in result.stdout
+    # torchrun's failure summary, printed last, names the paragraph as each worker's cause (its error file).
+    assert result.stderr.count("traceback : error: `parallel.tp=3` x `parallel.pp=1` must divide") == 2
+    assert "To enable traceback see" not in result.stderr
     print(f"refused in {seconds:.1f} s")
     assert seconds < 30
     # The same error without torchrun is exactly one paragraph.

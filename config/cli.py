@@ -4,6 +4,7 @@
 `UserError` into a one-paragraph message on rank 0 and exit status 2.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -186,8 +187,7 @@ def tell_torchrun(paragraph: str) -> None:
     $TORCHELASTIC_ERROR_FILE, in the plain-message form it reads): the failure summary torchrun prints last then
     shows the paragraph as its `traceback`, not a pointer to its docs on enabling tracebacks."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        try:
+    # An unwritable file costs only the summary's line (rank 0 has printed the paragraph): no reason to fail otherwise.
+    with contextlib.suppress(OSError):
+        if path:
             Path(path).write_text(json.dumps({"message": paragraph, "timestamp": int(time.time())}))
-        except OSError:  # the paragraph is printed already; a summary without it is no reason to fail differently
-            pass

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in one go (scripts/gpu_check.py says what it runs and prints):
-#   scripts/gpu_check.sh [--report FILE.json]   on a machine with one GPU
+#   scripts/gpu_check.sh [--report FILE.json] [--steps a,b]   on a machine with one GPU (--steps: a second try of some)
 #   scripts/gpu_check.sh --cpu-smoke            the same steps on the tiny model on CPU (checks the script only)
 #   scripts/gpu_check.sh --download-wheels      where a package registry is reachable: put the pinned wheels an
 #                                               offline GPU machine lacks into $WHEEL_DIR (default .whl/, git-ignored)
@@ -46,5 +46,6 @@ else
   "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEEL_DIR"/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONUNBUFFERED=1
+# Nothing is downloaded: the models are built locally and the data files are local.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 exec "$python" scripts/gpu_check.py "$@"

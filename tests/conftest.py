@@ -14,6 +14,15 @@ from model.parallel import free_port
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+# metrics.jsonl's wall-clock fields (throughput, the step's and its phases' seconds, peak memory): left out wherever two
+# runs' rows are compared.
+WALL_CLOCK_SUFFIXES = ("_time_s", "tokens_per_s", "tool_seconds", "peak_memory_gib")
+
+
+def metrics_rows(out_dir) -> list[dict]:
+    """metrics.jsonl's rows, wall-clock fields left out."""
+    return [{key: value for key, value in json.loads(line).items() if not key.endswith(WALL_CLOCK_SUFFIXES)}
+            for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="session", autouse=True)

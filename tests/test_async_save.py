@@ -6,7 +6,6 @@ test_grpo_e2e). One launch runs the straight runs (SFT async and sync, GRPO asyn
 killed with -9 while a writer is mid-save is launched alone; one more launch resumes both.
 """
 
-import json
 import signal
 import subprocess
 import time
@@ -15,20 +14,13 @@ import psutil
 import pytest
 
 from ckpt import checkpoint
-from tests.conftest import REPO, TORCHRUN, free_port, launch, torchrun_env
+from tests.conftest import REPO, TORCHRUN, free_port, launch, metrics_rows, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
 PLAIN_DDP = ["--parallel.use_distributed_optimizer=false", "--ckpt.save_interval=1", "--ckpt.keep_last=2"]
 SFT = [*PLAIN_DDP, "--train.steps=8", "--train.global_batch_size=8", "--train.micro_batch_size=2",
        "--train.eval_samples=0", "--optim.warmup_steps=2"]
-WALL_CLOCK = ("step_time_s", "tokens_per_s", "rollout_tokens_per_s", "rollout_time_s", "tool_seconds")
-
-
-def rows(out_dir) -> list[dict]:
-    """metrics.jsonl's rows, wall-clock fields left out."""
-    return [{key: value for key, value in json.loads(line).items() if key not in WALL_CLOCK}
-            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def writers_of(workers: list) -> list:
@@ -105,7 +97,7 @@ def runs(joint_launches) -> dict:
 def test_async_saves_equal_sync_saves_and_resume_exactly_in_sft_and_grpo(runs):
     root = runs["root"]
     # The same training, and the same final weights, whether saves are written in the background or not.
-    assert rows(root / "sft-async") == rows(root / "sft-sync")
+    assert metrics_rows(root / "sft-async") == metrics_rows(root / "sft-sync")
     assert (root / "sft-async" / "hf" / "model.safetensors").read_bytes() == \
            (root / "sft-sync" / "hf" / "model.safetensors").read_bytes()
     for name in ("sft-async", "sft-sync"):
@@ -113,9 +105,9 @@ def test_async_saves_equal_sync_saves_and_resume_exactly_in_sft_and_grpo(runs):
         assert (directory / "latest").read_text() == "step_00000008"
         assert sorted(path.name for path in directory.iterdir()) == ["latest", "step_00000007", "step_00000008"]
     # GRPO 2 steps, resumed, 2 more: every row (rewards, losses, KL, sampling) equals the straight run's.
-    straight = rows(root / "grpo-straight")
+    straight = metrics_rows(root / "grpo-straight")
     assert [row["step"] for row in straight] == [1, 2, 3, 4]
-    assert rows(root / "grpo-split") == straight
+    assert metrics_rows(root / "grpo-split") == straight
     assert (root / "grpo-split" / "hf" / "model.safetensors").is_file()
 
 
@@ -130,7 +122,7 @@ def test_a_run_killed_mid_save_resumes_from_the_previous_checkpoint_exactly(runs
     # The resume removed the partial save, continued from step N-1, and repeats the uninterrupted run exactly.
     log = killed["resumed"][0]["log"]
     assert f"resumed from {root / 'sft-killed' / 'checkpoints' / killed['latest']} at step {saved}" in log
-    assert rows(root / "sft-killed") == rows(root / "sft-async")
+    assert metrics_rows(root / "sft-killed") == metrics_rows(root / "sft-async")
     assert (root / "sft-killed" / "hf" / "model.safetensors").read_bytes() == \
            (root / "sft-async" / "hf" / "model.safetensors").read_bytes()
     assert not list((root / "sft-killed" / "checkpoints").glob(f"{checkpoint.PARTIAL}*"))

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TORCHRUN, free_port, launch, torchrun, torchrun_env
+from tests.conftest import REPO, TORCHRUN, free_port, launch, metrics_rows, torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -56,12 +56,6 @@ def run_until_sigterm(args: list[str], out_dir, after_step: int) -> subprocess.C
         time.sleep(0.05)
     output, _ = process.communicate(timeout=600)
     return subprocess.CompletedProcess(command, process.returncode, output, "")
-
-
-def rows(out_dir) -> list[dict]:
-    """metrics.jsonl's rows, wall-clock fields left out."""
-    return [{key: value for key, value in json.loads(line).items() if key not in ("step_time_s", "tokens_per_s")}
-            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # Held-out evaluation on (8 prompts every 4 steps): under Megatron-FSDP its greedy generation gathers parameters in
@@ -198,8 +192,8 @@ def test_megatron_fsdp_exact_resume(runs):
     reference, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 13))
     assert got == reference
-    assert rows(resumed) == rows(straight)  # held-out loss and greedy accuracy at steps 0, 4, 8, 12 too
-    assert [row["step"] for row in rows(straight) if "eval_accuracy" in row] == [0, 4, 8, 12]
+    assert metrics_rows(resumed) == metrics_rows(straight)  # held-out loss and greedy accuracy at steps 0, 4, 8, 12 too
+    assert [row["step"] for row in metrics_rows(straight) if "eval_accuracy" in row] == [0, 4, 8, 12]
 
     # DP=2 -> DP=1: the DTensors reshard over data parallelism; the loss continues.
     continued = losses(dp1)

@@ -112,7 +112,7 @@ def make_round(equal: list[bool], n_samples: int = 2) -> grpo.Round:
     count = len(equal) * n_samples
     return grpo.Round(episodes=[None] * count, truncated=[False] * count, scores=None, penalty=0.0,
                       advantages=torch.zeros(len(equal), n_samples), equal=torch.tensor(equal),
-                      kept=~torch.tensor(equal), seconds=0.0, tool_seconds=0.0)
+                      kept=~torch.tensor(equal), seconds=0.0, tool_seconds=0.0, reward_seconds=0.0)
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():

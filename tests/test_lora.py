@@ -7,7 +7,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from tests.conftest import worker_output
+from tests.conftest import metrics_rows, worker_output
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -30,12 +30,6 @@ def losses(out_dir) -> dict[int, float]:
     """step -> training loss."""
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
-
-
-def rows(out_dir) -> list[dict]:
-    """metrics.jsonl's rows without the wall-clock fields."""
-    return [{key: value for key, value in json.loads(line).items() if key not in ("step_time_s", "tokens_per_s")}
-            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def shared_worker(out) -> list[str]:
@@ -72,7 +66,7 @@ def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transform
                                                                                      "adapter_model.safetensors"]
         trained = losses(straight)
         assert sorted(trained) == list(range(1, 7)) and trained[6] < trained[1] - 0.3
-        assert rows(split) == rows(straight)  # 3 + resume + 3 = 6 straight, held-out figures included
+        assert metrics_rows(split) == metrics_rows(straight)  # 3 + resume + 3 = 6 straight, held-out figures included
     # A checkpoint holds the adapters and their optimizer state (main weights and two Adam moments): on the tiny model,
     # whose rank-8 adapters are 8% of its weights, measured 1.2 MB against 3.2 MB for the weights alone.
     last = out / "tp1" / "straight" / "checkpoints" / "step_00000006"

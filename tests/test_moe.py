@@ -11,7 +11,7 @@ import pytest
 from config.cli import parse_args
 from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
-from tests.conftest import launch, worker_output
+from tests.conftest import launch, metrics_rows, worker_output
 
 # Relative agreement of SFT's per-step losses at EP=2 and EP=1 (both DP=2). Measured: 0 to 3e-7 (see the test).
 LOSS_TOLERANCE = 1e-5
@@ -90,13 +90,6 @@ def shared_worker(out) -> list[str]:
     return ["tests/distributed/moe_worker.py", "--out", str(out)]
 
 
-def metrics(out_dir) -> list[dict]:
-    """metrics.jsonl's rows without the wall-clock fields."""
-    return [{key: value for key, value in json.loads(line).items()
-             if key not in ("step_time_s", "tokens_per_s", "rollout_tokens_per_s", "rollout_time_s")}
-            for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.distributed
 def test_sft_at_ep2_matches_ep1_and_its_export_loads_in_transformers(shared_launch):
     """20 SFT steps on tiny-moe, fp32, 2 processes: EP=2 against EP=1 (DP=2). The same tokens meet the same experts,
@@ -110,7 +103,7 @@ def test_sft_at_ep2_matches_ep1_and_its_export_loads_in_transformers(shared_laun
     from model.tiny import ensure_tiny_checkpoint
 
     out = worker_output(shared_launch[__name__])
-    ep1, ep2 = metrics(out / "sft-ep1"), metrics(out / "sft-ep2")
+    ep1, ep2 = metrics_rows(out / "sft-ep1"), metrics_rows(out / "sft-ep2")
     assert [row["step"] for row in ep2] == list(range(1, 21)) == [row["step"] for row in ep1]
     relative = [abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(ep1, ep2)]
     print(f"SFT tiny-moe EP=2 vs EP=1: losses {[round(row['loss'], 4) for row in ep2]}; largest relative difference "
@@ -178,10 +171,10 @@ def test_grpo_at_ep2_resumes_bit_for_bit(resumed):
     job has), 2 more equal 4 straight, bit for bit: every metrics row (rewards, losses, gradient norms, held-out figures) and the final
     parameters, every expert of both ranks, as the HF export gathers them."""
     straight, split = (resumed["grpo"][run] for run in ("straight", "split"))
-    rows = metrics(straight)
+    rows = metrics_rows(straight)
     print("GRPO tiny-moe EP=2 straight:", [(row["step"], row.get("loss"), row.get("grad_norm")) for row in rows])
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
-    assert metrics(split) == rows
+    assert metrics_rows(split) == rows
     assert all(row["loss"] != 0 and row["grad_norm"] > 0 for row in rows[1:])  # every step trained
     assert (split / "hf" / "model.safetensors").read_bytes() == (straight / "hf" / "model.safetensors").read_bytes()
 
@@ -191,6 +184,6 @@ def test_megatron_fsdp_at_ep2_resumes_bit_for_bit(resumed):
     """Megatron-FSDP's checkpoints key each expert by its global number (`ckpt.state`): with each rank's own numbering,
     both ranks' experts 0-3 shared keys and the resumed run differed from the straight one at its first step."""
     straight, split = (resumed["fsdp"][run] for run in ("straight", "split"))
-    assert [row["step"] for row in metrics(straight)] == [1, 2, 3, 4]
-    assert metrics(split) == metrics(straight)
+    assert [row["step"] for row in metrics_rows(straight)] == [1, 2, 3, 4]
+    assert metrics_rows(split) == metrics_rows(straight)
     assert (split / "hf" / "model.safetensors").read_bytes() == (straight / "hf" / "model.safetensors").read_bytes()

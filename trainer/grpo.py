@@ -162,10 +162,12 @@ def main(argv: list[str]):
             with metrics.StepTimer() as timer:
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
                 reward_failures.check(step_batch, step)
-                microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device)
-                update = update_policy(policy, microbatches, seq_len, config, settings)
+                with timer.phase("reference"):
+                    microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device)
+                with timer.phase("update"):
+                    update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
-            row = step_row(step, policy, runtime, config, step_batch, update, timer.seconds)
+            row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step):
                 row.update(evaluate())
             writer.write(row)

@@ -2,21 +2,33 @@
 every completion sampled for it) and the few episodes shown in samples.jsonl."""
 
 from model import parallel
-from trainer import rollout
+from trainer import metrics, rollout
 from trainer.grpo_sampling import StepBatch
 
 SAMPLES_PER_LOG = 4
 
 
-def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: dict, seconds: float) -> dict:
+def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: dict, timer: metrics.StepTimer) -> dict:
     """The step's metrics row: loss, learning rate, gradient norm and throughput first, then the step's rollouts' global
-    figures (`rollout_figures`), then the update's other figures (KL, entropy, clip fraction). Collective."""
-    totals = rollout_totals(step_batch)
+    figures (`rollout_figures`), the step's phases (`phase_figures`), then the update's other figures (KL, entropy, clip
+    fraction). Collective."""
+    totals = {**rollout_totals(step_batch), **timer.phases}
     global_totals = dict(zip(totals, parallel.data_parallel_sum(list(totals.values()))))
     row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
-           "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / seconds,
-           "step_time_s": seconds, **rollout_figures(global_totals, step_batch, config, runtime)}
+           "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
+           "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),
+           **phase_figures(global_totals, runtime)}
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "grad_norm")}}
+
+
+def phase_figures(total: dict, runtime) -> dict:
+    """Where the step's seconds went besides generating (`rollout_time_s`): scoring (`reward_time_s`), the log-probs
+    computed before the update (`reference_time_s`: collating, the KL reference's forward, and pi_old's when it is
+    recomputed) and the update (`update_time_s`: forwards, backwards, optimizer steps), means over data-parallel ranks
+    as `rollout_time_s`; on a GPU also this process's peak allocated memory (`peak_memory_gib`)."""
+    return {"reward_time_s": total["reward_seconds"] / runtime.dp_size,
+            **{name: total[name] / runtime.dp_size for name in ("reference_time_s", "update_time_s")},
+            **metrics.peak_memory_gib()}
 
 
 def rollout_totals(step_batch: StepBatch) -> dict:
@@ -35,7 +47,7 @@ def rollout_totals(step_batch: StepBatch) -> dict:
         totals["groups"] += len(sampling_round.kept)
         totals["tool_seconds"] += sampling_round.tool_seconds
     return {**totals, "zero_groups": step_batch.zero_advantage_groups, "kept_groups": step_batch.kept_groups,
-            "seconds": step_batch.seconds,
+            "seconds": step_batch.seconds, "reward_seconds": step_batch.reward_seconds,
             "all_tokens": sum(len(example.input_ids) for example in step_batch.examples)}
 
 

@@ -77,6 +77,7 @@ class Round:
     kept: torch.Tensor  # [groups]: dynamic sampling keeps the group (it varies in grpo.filter_metric)
     seconds: float  # generating (tools included)
     tool_seconds: float
+    reward_seconds: float  # scoring: the reward function, the scores' broadcast, advantages
 
 
 @dataclasses.dataclass
@@ -96,6 +97,11 @@ class StepBatch:
     def seconds(self) -> float:
         """Time spent generating this step's completions."""
         return sum(sampling_round.seconds for sampling_round in self.rounds)
+
+    @property
+    def reward_seconds(self) -> float:
+        """Time spent scoring this step's completions."""
+        return sum(sampling_round.reward_seconds for sampling_round in self.rounds)
 
 
 def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], config, step: int, round_index: int,
@@ -119,7 +125,8 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
     kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
     truncated = [policy.generator.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
-    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds)
+    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
+                 time.perf_counter() - start - seconds)
 
 
 def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, metric: str) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """What the loops report: logging on rank 0, metrics.jsonl and the console line, step time, MFU."""
 
+import contextlib
 import json
 import logging
 import math
@@ -212,19 +213,37 @@ def _short(value):
     return value
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued kernels, so the clock that reads next counts them."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class StepTimer:
-    """Wall time of one step, synchronising the GPU so queued kernels count."""
+    """Wall time of one step, and of named phases inside it (`phase`), synchronising the GPU so queued kernels count."""
 
     def __enter__(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.start = time.perf_counter()
+        _synchronize()
+        self.start, self.phases = time.perf_counter(), {}
         return self
 
     def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _synchronize()
         self.seconds = time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the block as `<name>_time_s` in `phase_seconds()`."""
+        _synchronize()
+        start = time.perf_counter()
+        yield
+        _synchronize()
+        self.phases[f"{name}_time_s"] = self.phases.get(f"{name}_time_s", 0.0) + time.perf_counter() - start
+
+
+def peak_memory_gib() -> dict:
+    """{"peak_memory_gib": this process's high-water mark of allocated tensors so far} on a GPU; {} elsewhere."""
+    return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}
 
 
 def process_age() -> float:

@@ -165,9 +165,7 @@ def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_no
     if peak := metrics.peak_flops():
         flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
         row["mfu"] = flops / (peak * runtime.world_size)
-    if torch.cuda.is_available():  # this process's high-water mark of allocated tensors so far
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return row
+    return {**row, **metrics.peak_memory_gib()}
 
 
 # ---------------------------------------------------------------- main

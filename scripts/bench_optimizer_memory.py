@@ -30,10 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from model.parallel import free_port
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repository's packages, also where the project is not installed (a GPU image)
+
+from model.parallel import free_port  # noqa: E402
 
 SAME_BATCH = ["--train.steps=1", "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_samples=0"]
 # name: (label in the table, trainer.sft arguments)

@@ -303,33 +303,40 @@ def sft(attention: str, model_path: Path, data: Path, settings: dict, work: Path
 
 
 def profile_worker(out: Path, arguments: list[str]) -> None:
-    """Under torchrun: trainer.sft with `arguments`, profiled from its first step to its last; the operators' GPU time."""
+    """Under torchrun: trainer.sft with `arguments`, profiled over its steps after the first (which compiles kernels);
+    the operators' GPU time."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     from config import cli
-    from trainer import sft as sft_loop
+    from trainer import metrics, sft as sft_loop
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = int(next(argument for argument in arguments if argument.startswith("--train.steps=")).split("=")[1])
     sys.argv = [sys.argv[0], *arguments]
-    start = time.perf_counter()
-    with profile(activities=activities) as profiler:
+    with profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=0, active=steps - 1)) as profiler:
+        step_timer_exit = metrics.StepTimer.__exit__
+
+        def exit_and_mark(timer, *exc):  # the profiler's schedule advances at each step's end
+            step_timer_exit(timer, *exc)
+            profiler.step()
+
+        metrics.StepTimer.__exit__ = exit_and_mark
         cli.run_cli(sft_loop.main)
-    wall = time.perf_counter() - start
-    averages = profiler.key_averages()
     # The operators' own GPU time (on CPU, for the smoke run, their CPU time), in microseconds.
     field = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     device_time = lambda event: getattr(event, field)  # noqa: E731
-    ranked = sorted((event for event in averages if device_time(event) > 0), key=device_time, reverse=True)
+    ranked = sorted((event for event in profiler.key_averages()
+                     if device_time(event) > 0 and not event.key.startswith("ProfilerStep")), key=device_time, reverse=True)
     total_us = sum(device_time(event) for event in ranked)
     top = [{"op": event.key, "gpu_ms": device_time(event) / 1e3, "share": device_time(event) / max(total_us, 1),
             "calls": event.count} for event in ranked[:25]]
-    out.write_text(json.dumps({"gpu_kernel_s": total_us / 1e6, "wall_s": wall, "top": top}))
+    out.write_text(json.dumps({"gpu_kernel_s": total_us / 1e6, "profiled_steps": steps - 1, "top": top}))
 
 
 def profile_sft(model_path: Path, data: Path, settings: dict, work: Path) -> dict:
-    """Step `profile`: where the SFT's GPU time goes (start-up included in the wall time, hence only a lower bound
-    on how busy the GPU is during the steps)."""
+    """Step `profile`: where the SFT's GPU time goes, over its steps after the first: each operator's own GPU time, and
+    the kernels' time over the steps' wall time (under the profiler, which slows the host a little)."""
     out_dir, out = work / "profile-sft", work / "profile.json"
     clear(out_dir)
     arguments = sft_arguments("sdpa", model_path, data, settings, settings["profile_steps"], out_dir)
@@ -337,7 +344,7 @@ def profile_sft(model_path: Path, data: Path, settings: dict, work: Path) -> dic
     if not run_step("profile", command, work, settings["limit_s"]) or not out.is_file():
         return {"error": "see profile.log"}
     result = json.loads(out.read_text())
-    rows = [row for row in metric_rows(out_dir) if "loss" in row]
+    rows = [row for row in metric_rows(out_dir) if "loss" in row][1:]
     steps_s = sum(row["step_time_s"] for row in rows)
     result["steps_wall_s"], result["gpu_busy_in_steps"] = steps_s, min(result["gpu_kernel_s"] / max(steps_s, 1e-9), 1.0)
     say(f"profile: {result['gpu_kernel_s']:.2f} s of GPU kernels in {len(rows)} steps of {steps_s:.2f} s (profiled): "

@@ -49,8 +49,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
         drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probabilities = logits.softmax(dim=-1)
-    # Sample on the CPU with our own generator so results do not depend on the device's RNG.
-    return torch.multinomial(probabilities.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    # Our own generator, seeded per call, lives where the logits are (`sampling_generator`): the draws never depend on
+    # the global RNG, so a run and its resume sample the same ids.
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+
+
+def sampling_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The generator `sample_next` draws with: on the CPU bit-identical on every machine; on a GPU the device's own
+    (Philox: reproducible on GPUs for a seed, though not equal to the CPU's draws). Sampling there on the host instead
+    copied the [rows, vocab] probabilities to it and drew vocab-sized noise on the CPU at every token: on an H200, the
+    first GRPO step of 512 completions of 256 tokens over 151,936 ids had not ended after 3.5 minutes (docs/gpus.md)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def masks_pads(model) -> bool:
@@ -236,7 +245,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     columns = torch.arange(total, device=device)  # [total]
     is_pad = columns[None, :] < pads[:, None]  # [rows, total]
     any_pads = bool(is_pad.any())
-    generator = torch.Generator().manual_seed(seed)
+    generator = sampling_generator(seed, device)
     context = StaticInferenceContext(len(prompts), total)
     # The output: finished rows are moved here when the batch is compacted, the rest at the end.
     output = torch.zeros(len(prompts) * samples, total, dtype=torch.long, device=device)  # [prompts * samples, total]

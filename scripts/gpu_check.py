@@ -50,7 +50,7 @@ PHASES = ("rollout_time_s", "reward_time_s", "reference_time_s", "update_time_s"
 GAP = ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl", "moe_route_mismatch")
 SETTINGS = {
     "gpu": dict(model="qwen2-0.5b", seq_len=2048, global_batch=16, micro_batch=4, sft_steps=12, warmup_steps=3,
-                profile_steps=4, grpo_steps=5, grpo_new_tokens=256, moe_steps=3, rollout_rounds=3, parity_len=256,
+                profile_steps=4, grpo_steps=3, grpo_new_tokens=256, moe_steps=3, rollout_rounds=2, parity_len=256,
                 limit_s=240),
     "cpu-smoke": dict(model="tiny", seq_len=64, global_batch=4, micro_batch=2, sft_steps=3, warmup_steps=1,
                       profile_steps=2, grpo_steps=2, grpo_new_tokens=16, moe_steps=1, rollout_rounds=1, parity_len=32,
@@ -314,7 +314,7 @@ def profile_worker(out: Path, arguments: list[str]) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     steps = int(next(argument for argument in arguments if argument.startswith("--train.steps=")).split("=")[1])
     sys.argv = [sys.argv[0], *arguments]
-    with profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=0, active=steps - 1)) as profiler:
+    with profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=0, active=steps - 1, repeat=1)) as profiler:
         step_timer_exit = metrics.StepTimer.__exit__
 
         def exit_and_mark(timer, *exc):  # the profiler's schedule advances at each step's end

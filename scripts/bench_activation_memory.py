@@ -22,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from model.parallel import free_port
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repository's packages, also where the project is not installed (a GPU image)
+
+from model.parallel import free_port  # noqa: E402
 
 LAYER_COUNTS = (2, 4)
 # name: (label, arguments beyond the shared ones, what its ratio is taken against)

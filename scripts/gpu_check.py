@@ -323,12 +323,18 @@ def profile_worker(out: Path, arguments: list[str]) -> None:
 
         metrics.StepTimer.__exit__ = exit_and_mark
         cli.run_cli(sft_loop.main)
-    # The operators' own GPU time (on CPU, for the smoke run, their CPU time), in microseconds.
+    # Each operator's own GPU time (on CPU, for the smoke run, its CPU time), in microseconds. The averages hold the
+    # operators (recorded on the CPU, each with the time of the kernels it launched) and the kernels themselves: the
+    # operators are ranked, and the kernels' own total is the GPU's busy time.
+    from torch.autograd import DeviceType
+
     field = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     device_time = lambda event: getattr(event, field)  # noqa: E731
-    ranked = sorted((event for event in profiler.key_averages()
-                     if device_time(event) > 0 and not event.key.startswith("ProfilerStep")), key=device_time, reverse=True)
-    total_us = sum(device_time(event) for event in ranked)
+    events = [event for event in profiler.key_averages() if not event.key.startswith("ProfilerStep")]
+    operators = [event for event in events if event.device_type == DeviceType.CPU and device_time(event) > 0]
+    kernels = [event for event in events if event.device_type != DeviceType.CPU] if torch.cuda.is_available() else operators
+    total_us = sum(device_time(event) for event in kernels)
+    ranked = sorted(operators, key=device_time, reverse=True)
     top = [{"op": event.key, "gpu_ms": device_time(event) / 1e3, "share": device_time(event) / max(total_us, 1),
             "calls": event.count} for event in ranked[:25]]
     out.write_text(json.dumps({"gpu_kernel_s": total_us / 1e6, "profiled_steps": steps - 1, "top": top}))

@@ -5,7 +5,8 @@ The user's side, the smaller of TRL's and verl's:
 - a tool is a plain function with type hints and a Google-style docstring (`grpo.tools: [module:function]`); its
   schema is transformers' `get_json_schema`, never written by hand;
 - a stateful task is an environment class (`grpo.environment: module:Class`): one instance per episode,
-  `reset(row)` called first (it may return text, appended to the prompt's last user message), its public methods
+  `reset(row)` (or `reset(row, seed)`: the group's seed) called first (it may return text, appended to the prompt's
+  last user message; a group's episodes must return the same), its public methods
   the tools, and an optional `reward()` whose value is ADDED to the reward function's score.
 
 Reading a turn: `tokenizer.parse_response` with the tokenizer's own `response_schema`, or, where it has none,
@@ -102,19 +103,31 @@ class Toolset:
                             f"named {' or '.join(ENVIRONMENT_HOOKS)}, or starting with `_`, are not tools).")
         return cls(functions, environment, schemas, specs)
 
-    def episode(self, row: dict) -> tuple["Episode", str | None]:
-        """A new episode's tools (its own environment instance, reset with the data row) and the text reset returned."""
+    def episode(self, row: dict, seed: int = 0) -> tuple["Episode", str | None]:
+        """A new episode's tools (its own environment instance, reset with the data row, and with `seed` when reset
+        takes one: `reset_environment`) and the text reset returned."""
         if self.environment is None:
             return Episode(dict(self.functions), None, self.specs), None
         try:
             environment = self.environment()
-            extra = environment.reset(row) if hasattr(environment, "reset") else None
+            extra = reset_environment(environment, row, seed)
         except Exception as error:  # a user's environment may fail in any way; no episode can start without it
             raise UserError(f"`grpo.environment`: {self.environment.__name__}() or its reset(row) raised "
                             f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
                             "`--grpo.environment`.") from None
         tools = {**self.functions, **dict(environment_methods(environment))}
         return Episode(tools, environment, self.specs), None if extra is None else str(extra)
+
+
+def reset_environment(environment, row: dict, seed: int):
+    """`environment.reset(row)`, or `reset(row, seed)` when it has a `seed` parameter (what reset returns; None without
+    reset). A group's episodes share one prompt, so they get one seed: an environment that draws its state at random
+    (a hidden number, a maze) draws it from the seed, and the group's episodes start from the same state, which the
+    prompt shows; the seed comes from the step's sampling seed, so a resumed run draws the same states."""
+    if not hasattr(environment, "reset"):
+        return None
+    takes_seed = "seed" in inspect.signature(environment.reset).parameters
+    return environment.reset(row, seed=seed) if takes_seed else environment.reset(row)
 
 
 def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> None:
@@ -126,8 +139,7 @@ def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> N
         return
     try:
         instance = toolset.environment()
-        if hasattr(instance, "reset"):
-            instance.reset(row)
+        reset_environment(instance, row, seed=0)
         value = instance.reward() if hasattr(instance, "reward") else None
     except Exception as error:  # a fresh episode's reward may not be defined yet: the run says it at its first step
         log.info("could not probe %s.reward() on a fresh episode (%s: %s)", toolset.environment.__name__,

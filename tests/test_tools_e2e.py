@@ -12,7 +12,8 @@ import shutil
 import pytest
 
 from tests import tool_fixtures
-from tests.conftest import REPO, launch
+from data.arithmetic import generate_problems
+from tests.conftest import REPO, launch, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -148,3 +149,21 @@ def test_continued_generation_is_a_fresh_prefill_of_the_whole_trajectory(shared_
         # The same completions either way; masked, the prompts share one prefill and given columns that every live row
         # shares go into one forward, so fewer forwards.
         assert result["sdpa-padded"]["forwards"] < result["sdpa-unpadded"]["forwards"]
+
+
+def test_a_step_whose_every_prompt_is_skipped_after_reset_stops_the_run(tmp_path):
+    """Every row makes `Plain.reset` return a text past the prompt budget: the first skip is said with its budget, and
+    the first step, with nothing to train, stops the run with one paragraph (before, every step logged loss=0)."""
+    rows = tmp_path / "long.jsonl"
+    rows.write_text("".join(json.dumps({**problem, "long": 40}) + "\n" for problem in generate_problems(16, seed=3)))
+    result = torchrun(["-m", "trainer.grpo", "--model.path=tiny", f"--data.path={rows}", "--data.max_seq_len=112",
+                       "--grpo.environment=tests.tool_fixtures:Plain", "--train.steps=3", "--train.global_batch_size=8",
+                       "--grpo.n_samples=4", "--train.micro_batch_size=8", "--train.eval_samples=0",
+                       f"--train.out_dir={tmp_path / 'out'}"], nproc=1, check=False, env={"PYTHONPATH": str(REPO)})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert ("error: Step 1 has nothing to train: all 2 groups of its batch were skipped. With the environment's reset "
+            "text no prompt fits the prompt budget of 80 tokens (`data.max_seq_len=112` - `grpo.max_new_tokens=32`; "
+            "each skipped prompt is counted in prompts_too_long)") in output
+    assert output.count("more than the prompt budget of 80 tokens") == 1 and "Traceback" not in result.stdout
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()

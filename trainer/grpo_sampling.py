@@ -181,8 +181,28 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
                                             [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
             sampler_logprobs.append([0.0] * len(episode.prompt_ids) + episode.logprobs)
             routes.append(episode.routes)
+    skipped = sum(rounds[round_index].episodes[group * grpo.n_samples].skipped
+                  for round_index, group in select_groups(rounds, wanted))
+    refuse_a_batch_of_skipped_prompts(skipped, wanted, config, step)
     return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds, sampler_logprobs,
                      routes if policy.routes else None)
+
+
+def refuse_a_batch_of_skipped_prompts(skipped: int, groups: int, config, step: int) -> None:
+    """Stop the run with a paragraph when every group of the step's batch, over the data-parallel ranks, was skipped:
+    each prompt grew past the prompt budget with its environment's reset text (`trainer.rollout`), nothing is left to
+    train, and every step would log loss 0 from here on. Collective over the data-parallel group (one small
+    all-reduce)."""
+    if not config.grpo.environment:  # only an environment's reset text makes a prompt too long during a run
+        return
+    skipped, groups = parallel.data_parallel_sum([skipped, groups])
+    if groups and skipped == groups:
+        budget = config.data.max_seq_len - config.grpo.max_new_tokens
+        raise UserError(f"Step {step} has nothing to train: all {int(groups)} groups of its batch were skipped. With "
+                        f"the environment's reset text no prompt fits the prompt budget of {budget} tokens "
+                        f"(`data.max_seq_len={config.data.max_seq_len}` - `grpo.max_new_tokens={config.grpo.max_new_tokens}`; "
+                        "each skipped prompt is counted in prompts_too_long), so every step would log loss=0. Raise "
+                        "`--data.max_seq_len`, or shorten what the environment's reset returns.")
 
 
 # ---------------------------------------------------------------- reward failures

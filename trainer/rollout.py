@@ -29,9 +29,11 @@ model's shards and stages.
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import time
 
+from config.errors import UserError
 from data import prompts as prompt_data, rewards, tool_runner, tools as tool_data
 from model import generate, parallel
 
@@ -74,6 +76,12 @@ class _Trajectory:
     skipped: bool = False  # its prompt no longer fits after the reset text
 
 
+def group_seed(seed: int, group: int) -> int:
+    """The seed an environment's `reset(row, seed)` gets for group `group` of a round sampled with `seed`."""
+    digest = hashlib.sha256(f"reset:{seed}:{group}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class Rollout:
     """Samples episodes from prompts: single-turn without a toolset, multi-turn with one. Built once per run."""
 
@@ -83,6 +91,7 @@ class Rollout:
         self.tokenizer, self.toolset, self.end_ids = tokenizer, toolset, tuple(end_ids)
         self.max_turns, self.max_tool_response_tokens = max_turns, max_tool_response_tokens
         self.max_prompt_tokens = max_prompt_tokens  # data.max_seq_len - grpo.max_new_tokens (None: unchecked)
+        self.said_skipped = False  # the first skipped prompt is said once
         self.runner = tool_runner.ToolRunner(tool_timeout, tool_workers, tool_isolation,
                                              preload=list(toolset.specs.values()) if toolset is not None else [])
         self.ends = tool_data.end_texts(tokenizer, self.end_ids)
@@ -117,7 +126,7 @@ class Rollout:
             return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}),
                             logprobs=logprobs, routes=taken)
                     for prompt, ids, text, logprobs, taken in zip(rows, completions, texts, completions.logprobs, routes)], 0.0
-        prompt_ids, skipped_prompts = parallel.model_parallel_shared(self._start, prompts, samples)
+        prompt_ids, skipped_prompts = parallel.model_parallel_shared(self._start, prompts, samples, sampling.seed)
         self.counts = [collections.Counter() for _ in range(len(prompts) * samples)]
         for index in skipped_prompts:
             self.counts[index * samples]["prompts_too_long"] += 1  # once per prompt, on its group's first episode
@@ -142,15 +151,16 @@ class Rollout:
                                     routes[row]))
         return episodes, self.tool_seconds
 
-    def _start(self, prompts: list, samples: int) -> tuple[list[list[int]], list[int]]:
-        """Each episode's tools (an environment instance each) and each prompt's ids, reshaped by `reset` when the
-        environment returns text (the group's first episode's text: a group shares its prompt), tokenized as plain
-        text; a prompt it makes too long keeps its ids, and its group is skipped: the ids, and the skipped prompts."""
+    def _start(self, prompts: list, samples: int, seed: int) -> tuple[list[list[int]], list[int]]:
+        """Each episode's tools (an environment instance each, reset with its group's seed) and each prompt's ids,
+        reshaped by `reset` when the environment returns text (a group shares its prompt, so its episodes must return
+        the same text), tokenized as plain text; a prompt it makes too long keeps its ids, and its group is skipped
+        (said once a run): the ids, and the skipped prompts."""
         self.trajectories, prompt_ids, skipped_prompts = [], [], []
         for number, prompt in enumerate(prompts):
-            started = [self.toolset.episode(prompt.row) for _ in range(samples)]
+            started = [self.toolset.episode(prompt.row, seed=group_seed(seed, number)) for _ in range(samples)]
             messages = [dict(message) for message in prompt.messages]
-            extra, ids, skipped = started[0][1], prompt.ids, False
+            extra, ids, skipped = self._group_text([text for _, text in started]), prompt.ids, False
             if extra:
                 def render(texts: list[str], messages=messages) -> str:
                     last = dict(messages[-1], content=f"{messages[-1]['content']}\n\n{texts[0]}")
@@ -160,12 +170,38 @@ class Rollout:
                 if reshaped is None or (self.max_prompt_tokens is not None and len(reshaped) > self.max_prompt_tokens):
                     skipped = True
                     skipped_prompts.append(number)
+                    self._say_skipped(reshaped)
                 else:
                     ids = reshaped
                     messages[-1]["content"] = f"{messages[-1]['content']}\n\n{extra}"
             prompt_ids.append(ids)
             self.trajectories += [_Trajectory(list(messages), episode, skipped=skipped) for episode, _ in started]
         return prompt_ids, skipped_prompts
+
+    def _group_text(self, texts: list) -> str | None:
+        """The text a group's resets returned, refused in one paragraph when its episodes returned different texts
+        (a reset drawing its state at random without the seed: episodes 2..n would play states their prompt never
+        showed)."""
+        if len(set(texts)) > 1:
+            first, other = texts[0], next(text for text in texts if text != texts[0])
+            name = self.toolset.environment.__name__
+            raise UserError(f"`grpo.environment`: {name}.reset(row) returned different texts for the episodes of one "
+                            f"group ({str(first)[:80]!r} and {str(other)[:80]!r}), but a group shares one prompt, so its "
+                            f"episodes would play states their prompt never showed. If reset draws its state at random, "
+                            f"give it a `seed` parameter, `def reset(self, row, seed)`, and draw from "
+                            f"`random.Random(seed)`: the episodes of a group get the same seed (and a resumed run the same "
+                            f"seeds); docs/tools.md shows it.")
+        return texts[0]
+
+    def _say_skipped(self, reshaped: list[int] | None) -> None:
+        """One warning, the first time a prompt is skipped: the budget and the key that raises it."""
+        if self.said_skipped:
+            return
+        self.said_skipped = True
+        size = "could not be rendered" if reshaped is None else f"has {len(reshaped)} tokens"
+        log.warning("a prompt with the environment's reset text %s, more than the prompt budget of %s tokens "
+                    "(data.max_seq_len - grpo.max_new_tokens): its group is skipped (scores 0, trains nothing; counted in "
+                    "prompts_too_long). Raise --data.max_seq_len or shorten reset's text.", size, self.max_prompt_tokens)
 
     def _continue_rows(self, requests: list[tuple[int, list[int], int]]) -> list[list[int] | None]:
         """`Generator.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""

@@ -1,8 +1,9 @@
 """What a run resumes from: `--resume-from-checkpoint` resolved to one complete checkpoint saved for this model.
 
 Runs before any model is built (`Checkpointer`), so a bad target costs nothing and overwrites nothing. A checkpoint
-fits when its fingerprint (`model_fingerprint`: the model's shape, the TP/PP/VPP layout, DDP or Megatron-FSDP, LoRA's
-settings and base) matches this run's; data parallelism may differ.
+fits when its fingerprint (`model_fingerprint`: the model's shape, the TP/PP/VPP layout, DDP or Megatron-FSDP, the
+distributed optimizer, a Mixture-of-Experts model's EP/ETP and frozen router, LoRA's settings and base) matches this
+run's; data parallelism may differ. A changed setting is refused by name, with both values.
 """
 
 import logging
@@ -12,19 +13,39 @@ import torch
 
 from ckpt.layout import LATEST, SHARDED_DIR, STATE_FILE
 from config.errors import UserError
+from config.sections import hf_expert_count
 
 log = logging.getLogger(__name__)
 
 
-def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None) -> dict:
-    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats).
+# Settings the optimizer's state is laid out by, each refused by name when a resume changes it: why, per key. (Older
+# checkpoints, saved before these were recorded, are not checked for them.)
+STATE_LAYOUT = {
+    "parallel.use_distributed_optimizer": "the distributed optimizer keeps its state in shards of its gradient buckets, "
+                                          "a plain one per parameter, and the two do not load into each other",
+    "parallel.ep": "the experts' weights and optimizer state are saved laid out on the expert-parallel grid, which this "
+                   "trainer does not reshard",
+    "parallel.etp": "the experts' weights and optimizer state are saved split over the expert tensor-parallel ranks, "
+                    "which this trainer does not reshard",
+    "model.moe_freeze_router": "a frozen router has no optimizer state, so the optimizer holds other parameters",
+}
+
+
+def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None,
+                      freeze_router: bool = False) -> dict:
+    """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats, and
+    the optimizer's state follows `STATE_LAYOUT`'s settings; a Mixture-of-Experts model's expert layout too).
 
     With LoRA a checkpoint holds the adapters only, so their settings and the base they were trained on (the
     checkpoint's weight files: names and sizes) must match too."""
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "tie_word_embeddings")
     fingerprint = {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp,
-                   "vpp": parallel.vpp, "megatron_fsdp": parallel.use_megatron_fsdp}
+                   "vpp": parallel.vpp, "megatron_fsdp": parallel.use_megatron_fsdp,
+                   "parallel.use_distributed_optimizer": parallel.use_distributed_optimizer}
+    if hf_expert_count(hf_config):
+        fingerprint.update({"parallel.ep": parallel.ep, "parallel.etp": parallel.expert_tensor_parallel_size,
+                            "model.moe_freeze_router": freeze_router})
     if peft is not None and peft.method == "lora":
         fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "dropout": peft.dropout,
                                "target_modules": sorted(peft.target_modules),
@@ -73,6 +94,12 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
                         f"{_describe_lora(fingerprint)}: LoRA adapters load only onto the base and settings they were "
                         "trained with. Use the checkpoint's `model.path` and `peft.*` settings, or start a new "
                         "`train.out_dir`.")
+    for key, why in STATE_LAYOUT.items():
+        if key in saved and key in fingerprint and saved[key] != fingerprint[key]:
+            was, now = (str(value).lower() if isinstance(value, bool) else value for value in (saved[key], fingerprint[key]))
+            raise UserError(f"Checkpoint `{path}` was saved with `{key}={was}` and this run has `{key}={now}`: {why}. "
+                            f"Resume with `--{key}={was}`, or start a new `train.out_dir`.")
+    saved = {**{key: fingerprint[key] for key in STATE_LAYOUT if key in fingerprint}, **saved}  # older checkpoints
     if saved != fingerprint:
         raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "

@@ -72,7 +72,7 @@ class ModelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata={"help": "selective: submodules recomputed in backward: core_attn | mlp | moe | shared_experts | layernorm (needs Transformer Engine)"})
     recompute_method: str = field(default="uniform", metadata={"help": "full: uniform (every layer, in groups of recompute_num_layers) | block (the first recompute_num_layers of each stage)"})
     recompute_num_layers: int = field(default=1, metadata={"help": "full: layers per recomputed group (uniform) or recomputed layers per pipeline stage (block)"})
-    moe_dispatcher: str = field(default="alltoall", metadata={"help": "Mixture-of-Experts token dispatcher (megatron-core's moe_token_dispatcher_type): alltoall (each token sent only to the expert-parallel ranks holding its experts) | allgather (every rank gathers every token)"})
+    moe_dispatcher: str = field(default="alltoall", metadata={"help": "Mixture-of-Experts token dispatcher (megatron-core's moe_token_dispatcher_type): alltoall (each token sent only to the expert-parallel ranks holding its experts) | allgather (every rank gathers every token; parallel.ep=1 only)"})
     moe_aux_loss_coeff: float | None = field(default=None, metadata={"help": "MoE: weight of the auxiliary load-balancing loss (unset: the checkpoint's, 1e-3 for Qwen3-MoE; GRPO's default 0: off, as verl and NeMo-RL run RL; slime's scripts 0)"})
     moe_aux_loss_type: str = field(default="default", metadata={"help": "MoE: which load-balancing loss: default (the checkpoint's, aux_loss for Qwen3-MoE) | aux_loss (per micro-batch) | seq_aux_loss (per sequence, DeepSeek's) | global_aux_loss (over the global batch) | none (NeMo-RL's for RL)"})
     moe_z_loss_coeff: float | None = field(default=None, metadata={"help": "MoE: weight of the router z-loss, which keeps the router's logits small (unset or 0: off, as in every peer's RL defaults)"})
@@ -352,6 +352,14 @@ class TrainerConfig:
         _require(model.dtype in DTYPE_NAMES, f"`model.dtype={model.dtype}` is not one of {', '.join(DTYPE_NAMES)}. Change `--model.dtype`.")
         _require(model.moe_dispatcher in MOE_DISPATCHERS, f"`model.moe_dispatcher={model.moe_dispatcher}` is not one of "
                  f"{', '.join(MOE_DISPATCHERS)}. Change `--model.moe_dispatcher`.")
+        # megatron-core 0.19.2's MoEAllGatherTokenDispatcher all-gathers the expert group's tokens into one tensor.
+        _require(model.moe_dispatcher != "allgather" or self.parallel.ep == 1,
+                 f"`model.moe_dispatcher=allgather` with `parallel.ep={self.parallel.ep}`: megatron-core's allgather "
+                 "dispatcher gathers the tokens of every expert-parallel rank into one tensor and assumes each rank holds "
+                 "as many, but every rank here pads and compacts its own batches (a rollout drops its finished rows, a "
+                 "micro-batch is padded to its own longest row), so the gather would not match: a crash on gloo, "
+                 "undefined on NCCL. Use the default `--model.moe_dispatcher=alltoall` (it sends each token only where "
+                 "its experts are, whatever the ranks' counts), or `--parallel.ep=1`.")
         _require(model.attention in ATTENTION_NAMES, f"`model.attention={model.attention}` is not one of "
                  f"{', '.join(ATTENTION_NAMES)}. Change `--model.attention`.")
         _require(model.attention != "transformer_engine" or have_transformer_engine(),

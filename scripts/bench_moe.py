@@ -5,7 +5,7 @@
 
 One torchrun launch of 2 processes runs `trainer.sft` (its `main`, as the entry point does) on `tiny-moe` for each
 layout, one after another in the same process group, `--rounds` times in turn (EP=1, EP=2 with the alltoall
-dispatcher, EP=2 with the allgather dispatcher, ...), so a machine that slows down mid-run slows every layout alike.
+dispatcher, ...), so a machine that slows down mid-run slows every layout alike.
 Each layout's figure is the median `step_time_s` of metrics.jsonl over every round's steps after the first two
 (warm-up); the ratio is EP=2's median over EP=1's. At EP=1 each rank runs all 8 experts on its half of the batch and
 DDP sums the expert gradients; at EP=2 each rank runs 4 experts on the tokens of both halves, exchanged by an
@@ -22,8 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"EP=1 (DP=2)": ["--parallel.ep=1"],
-           "EP=2, alltoall": ["--parallel.ep=2", "--model.moe_dispatcher=alltoall"],
-           "EP=2, allgather": ["--parallel.ep=2", "--model.moe_dispatcher=allgather"]}
+           "EP=2, alltoall": ["--parallel.ep=2", "--model.moe_dispatcher=alltoall"]}
 WARMUP_STEPS = 2
 
 

@@ -9,7 +9,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -18,8 +17,9 @@ import torch
 from ckpt import checkpoint
 from tests.conftest import REPO
 from config.errors import UserError
+from config.sections import ParallelConfig
 
-DDP_LAYOUT = SimpleNamespace(tp=1, pp=1, vpp=1, use_megatron_fsdp=False)
+DDP_LAYOUT = ParallelConfig()
 FINGERPRINT = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT)
 
 
@@ -93,7 +93,7 @@ def test_bad_resume_path_exits_before_touching_the_output(tmp_path):
 def test_megatron_fsdp_and_ddp_checkpoints_do_not_mix(tmp_path):
     """The two formats differ; resuming one into the other names the key to change, before any model is built."""
     fsdp = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 128},
-                                        SimpleNamespace(tp=1, pp=1, vpp=1, use_megatron_fsdp=True))
+                                        ParallelConfig(use_megatron_fsdp=True))
     fsdp_checkpoint = fake_checkpoint(tmp_path / "fsdp", 5, fingerprint=fsdp)
     assert checkpoint.resolve_resume(str(fsdp_checkpoint), tmp_path, fsdp) == (fsdp_checkpoint, 5)
     with pytest.raises(UserError) as error:
@@ -104,6 +104,39 @@ def test_megatron_fsdp_and_ddp_checkpoints_do_not_mix(tmp_path):
         checkpoint.resolve_resume(str(fake_checkpoint(tmp_path / "ddp", 5)), tmp_path, fsdp)
     assert "saved by a DDP run and this run uses Megatron-FSDP" in str(error.value)
     assert "`--parallel.use_megatron_fsdp=false`" in str(error.value)
+
+
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8}
+
+
+@pytest.mark.parametrize("saved, now, expected", [
+    (ParallelConfig(ep=2), ParallelConfig(ep=1), "was saved with `parallel.ep=2` and this run has `parallel.ep=1`: the "
+                                                 "experts' weights and optimizer state are saved laid out on the "
+                                                 "expert-parallel grid, which this trainer does not reshard. Resume with "
+                                                 "`--parallel.ep=2`, or start a new `train.out_dir`."),
+    (ParallelConfig(tp=2, etp=1), ParallelConfig(tp=2), "was saved with `parallel.etp=1` and this run has `parallel.etp=2`"),
+    (ParallelConfig(), ParallelConfig(use_distributed_optimizer=False),
+     "was saved with `parallel.use_distributed_optimizer=true` and this run has `parallel.use_distributed_optimizer=false`"),
+])
+def test_a_resume_under_another_optimizer_or_expert_layout_names_the_key_and_both_values(tmp_path, saved, now, expected):
+    """Before, these changes passed the fingerprint, the load failed, and the user was told the shards were corrupted."""
+    path = fake_checkpoint(tmp_path, 5, fingerprint=checkpoint.model_fingerprint(MOE, saved))
+    with pytest.raises(UserError) as error:
+        checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(MOE, now))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_frozen_router_is_part_of_an_moe_checkpoint_and_not_of_a_dense_one(tmp_path):
+    frozen = fake_checkpoint(tmp_path / "moe", 5, fingerprint=checkpoint.model_fingerprint(MOE, DDP_LAYOUT, freeze_router=True))
+    with pytest.raises(UserError, match="saved with `model.moe_freeze_router=true` and this run has `model.moe_freeze_router=false`"):
+        checkpoint.resolve_resume(str(frozen), tmp_path, checkpoint.model_fingerprint(MOE, DDP_LAYOUT))
+    dense = fake_checkpoint(tmp_path / "dense", 5)
+    assert checkpoint.resolve_resume(str(dense), tmp_path, checkpoint.model_fingerprint(
+        {"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT, freeze_router=True)) == (dense, 5)
+    # A checkpoint saved before the optimizer's layout was recorded still resumes.
+    older = {key: value for key, value in FINGERPRINT.items() if key != "parallel.use_distributed_optimizer"}
+    old = fake_checkpoint(tmp_path / "old", 3, fingerprint=older)
+    assert checkpoint.resolve_resume(str(old), tmp_path, FINGERPRINT) == (old, 3)
 
 
 def test_saving_a_step_again_keeps_latest_naming_a_complete_checkpoint_at_every_instant(tmp_path, monkeypatch):

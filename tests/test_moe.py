@@ -42,12 +42,22 @@ def write_config(directory, **fields) -> str:
     (["--parallel.ep=2", "--peft.method=lora"], 2, "`peft.method=lora` with expert parallelism (`parallel.ep=2`) is not "
                                                    "supported"),
     (["--model.moe_dispatcher=flex"], 2, "`model.moe_dispatcher=flex` is not one of alltoall, allgather"),
+    # The ranks' token counts differ (rollouts, padding): megatron-core's allgather dispatcher needs them equal.
+    (["--parallel.ep=2", "--model.moe_dispatcher=allgather"], 2, "`model.moe_dispatcher=allgather` with `parallel.ep=2`: "
+                                                                  "megatron-core's allgather dispatcher gathers"),
+    (["--parallel.ep=2", "--model.moe_dispatcher=allgather"], 2, "Use the default `--model.moe_dispatcher=alltoall`"),
 ])
 def test_bad_expert_layouts_are_refused_at_start_up(argv, world_size, expected):
     with pytest.raises(UserError) as error:
         make(*argv).validate(world_size)
     assert expected in str(error.value)
     assert "\n" not in str(error.value)  # one paragraph
+
+
+def test_the_allgather_dispatcher_at_expert_parallelism_is_refused_in_grpo_too():
+    with pytest.raises(UserError, match=r"^`model.moe_dispatcher=allgather` with `parallel.ep=2`: "):
+        make("--parallel.ep=2", "--model.moe_dispatcher=allgather", config_class=GRPOConfig).validate(2)
+    make("--parallel.tp=2", "--model.moe_dispatcher=allgather", config_class=GRPOConfig).validate(2)  # EP=1: equal counts
 
 
 def test_good_expert_layouts_pass_the_start_up_checks(tmp_path):

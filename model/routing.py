@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from model import moe
+from model import moe, parallel
 
 
 class Routes:
@@ -33,6 +33,9 @@ class Routes:
 
     def __init__(self, chunks: list):
         self.routers = [router for router in moe.routers(chunks) if router.router_replay is not None]
+        # Whether the model has experts at all: a pipeline stage of only dense layers holds no router, but every rank
+        # of a Mixture-of-Experts model takes part in the collectives that sum the routing figures.
+        self.model_has_experts = any(parallel.unwrap(chunk).config.num_moe_experts for chunk in chunks)
         self.topk = self.routers[0].topk if self.routers else 0
         self.differ = self.compared = 0  # mismatch counts since the last `take_mismatch`
         for router in self.routers:

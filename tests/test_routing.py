@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from model.parallel import free_port
 from tests.conftest import launch, worker_output
 from trainer.grpo_update import input_aligned_routes, label_aligned
 
@@ -94,3 +95,38 @@ def test_grpo_logs_the_gap_and_replay_closes_it_in_bf16(replay_runs):
         assert all(0 < row["rollout_logprob_diff_mean"] < 0.01 and row["rollout_kl"] > 0 for row in rows)
     assert replay[0]["kl"] == 0.0
     assert max(row["rollout_logprob_diff_max"] for row in replay) < max(row["rollout_logprob_diff_max"] for row in own)
+
+
+def _mismatch_on_a_stage(rank: int, port: int, results) -> None:
+    """One of two pipeline stages of a Mixture-of-Experts model: stage 0 holds a router, stage 1 only dense layers."""
+    import datetime
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from model.routing import Routes
+    from trainer.grpo_update import route_mismatch
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(seconds=20))
+    routes = Routes([])
+    routes.model_has_experts = True  # what the stage's model chunk says: the model has experts, on some stage
+    if rank == 0:
+        routes.routers = [SimpleNamespace(router_replay=RouterReplay())]  # this stage's router, its counts below
+        routes.differ, routes.compared = 1, 4
+    try:
+        results[rank] = route_mismatch(routes)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_pipeline_stage_without_routers_joins_the_mismatch_collective():
+    """Before, a rank without routers returned before the all-reduce its peers waited in: a hang at PP=2 for a model
+    whose first layers are dense."""
+    import torch.multiprocessing as multiprocessing
+
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        multiprocessing.start_processes(_mismatch_on_a_stage, args=(free_port(), results), nprocs=2,
+                                        start_method="spawn", join=True)
+        assert dict(results) == {0: {"moe_route_mismatch": 0.25}, 1: {"moe_route_mismatch": 0.25}}

@@ -244,8 +244,9 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
 
 def route_mismatch(routes) -> dict:
     """A Mixture-of-Experts policy's `moe_route_mismatch` over every rank: the share of the compared (token, layer)
-    decisions whose top-k set differed from the rollout's (none for a dense policy). Clears the loaded routes."""
-    if not routes:
+    decisions whose top-k set differed from the rollout's (none for a dense policy). Clears the loaded routes.
+    Collective for a Mixture-of-Experts model on every rank, a pipeline stage without routers included."""
+    if not routes.model_has_experts:
         return {}
     routes.clear()
     differ, compared = parallel.all_reduce_sum(list(routes.take_mismatch()))

@@ -33,11 +33,16 @@ from model import parallel
 from model.parallel import unwrap
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> torch.Tensor:
-    """Next tokens from last-position logits: greedy at temperature 0, else top-k / top-p sampling."""
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens from last-position logits (greedy at temperature 0, else top-k / top-p sampling), and the sampler's
+    log-prob of each in fp32: under the distribution it drew from, after temperature, top-k and top-p (vLLM's
+    processed log-probs), so the rollout/training gap and its correction (`grpo.rollout_correction=tis`) see the
+    behaviour policy that really sampled; greedy: the plain softmax's."""
     # logits: [batch, vocab]
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        ids = logits.argmax(dim=-1)  # [batch]
+        return ids, logits.float().log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [batch, 1]
@@ -48,10 +53,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probabilities = logits.softmax(dim=-1)
+    probabilities = logits.softmax(dim=-1)  # [batch, vocab]
     # Our own generator, seeded per call, lives where the logits are (`sampling_generator`): the draws never depend on
     # the global RNG, so a run and its resume sample the same ids.
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+    ids = torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)  # [batch]
+    return ids, logits.log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
 def sampling_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -363,8 +369,7 @@ def _sample(logits, stages, rows: int, device, vocab_size: int, temperature: flo
     pipeline stage) and sent from there to the other stages, exactly (ids and fp32 log-probs travel as fp64)."""
     if logits is not None:
         last = logits[:, -1, :vocab_size]  # [rows, vocab]
-        ids = sample_next(last, temperature, top_p, top_k, generator)
-        logprobs = sampled_logprobs(last, ids, temperature)
+        ids, logprobs = sample_next(last, temperature, top_p, top_k, generator)
         if stages is None:
             return ids, logprobs
         both = torch.stack([ids.double(), logprobs.double()])  # [2, rows]
@@ -372,14 +377,6 @@ def _sample(logits, stages, rows: int, device, vocab_size: int, temperature: flo
         both = torch.empty(2, rows, dtype=torch.float64, device=device)
     both = stages.from_last(both)
     return both[0].long(), both[1].float()
-
-
-def sampled_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Each row's log-prob of `ids` under softmax(logits / temperature) over the whole vocabulary (temperature 0, greedy:
-    the plain softmax), in fp32: the sampler's side of the rollout/training gap."""
-    # logits: [rows, vocab]; ids: [rows]
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    return scaled.log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
 def _continue(continue_rows, ended: torch.Tensor, tokens: torch.Tensor, ends: torch.Tensor, forced_end: torch.Tensor,

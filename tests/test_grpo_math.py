@@ -245,3 +245,21 @@ def test_truncated_importance_weights_by_hand():
     log_ratio = torch.tensor([[math.log(0.5), 0.0, math.log(1.5), math.log(3.0)]], requires_grad=True)
     weights = grpo_math.truncated_importance_weights(log_ratio, 2.0)
     assert close(weights, [[0.5, 1.0, 1.5, 2.0]]) and not weights.requires_grad
+
+
+def test_the_samplers_log_prob_is_under_the_distribution_it_drew_from():
+    """Under top-k / top-p the sampler's log-prob is the truncated distribution's (vLLM's processed log-probs): the gap
+    and TIS then weigh by the behaviour policy that really sampled. Before, it was the full softmax's."""
+    from model.generate import sample_next
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 64)  # [rows, vocab]
+    generator = torch.Generator().manual_seed(0)
+    ids, logprobs = sample_next(logits, 1.0, 1.0, 2, generator)  # top-2: ids 0 and 1, renormalised
+    assert set(ids.tolist()) == {0, 1}
+    assert torch.equal(logprobs, torch.tensor([2.0, 1.0]).log_softmax(dim=0)[ids])
+    ids, logprobs = sample_next(logits, 1.0, 0.5, 0, generator)  # top-p 0.5: id 0 alone holds 0.64 of the mass
+    assert ids.tolist() == [0] * 64 and logprobs.tolist() == [0.0] * 64
+    ids, logprobs = sample_next(logits, 0.7, 1.0, 0, generator)  # no truncation: the tempered softmax's, bit for bit
+    assert torch.equal(logprobs, (logits / 0.7).log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1))
+    ids, logprobs = sample_next(logits, 0.0, 1.0, 0, generator)  # greedy: the plain softmax's
+    assert ids.tolist() == [0] * 64 and torch.equal(logprobs, logits.log_softmax(dim=-1)[:, 0])

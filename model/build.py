@@ -163,8 +163,18 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     for key, value in {**router_settings, **(transformer_overrides or {})}.items():
         setattr(provider, key, value)
     _disable_fusions_needing_transformer_engine(provider)
+    _keep_routes_visible(provider)
     provider.finalize()
     return provider
+
+
+def _keep_routes_visible(provider) -> None:
+    """A router with RouterReplay chooses its experts through it; TE's fused top-k (`moe_router_fusion`) bypasses it,
+    so GRPO would record no route (its first rollout failed) and replay none: with replay on, the fusion is off."""
+    if getattr(provider, "moe_enable_routing_replay", False) and getattr(provider, "moe_router_fusion", False):
+        provider.moe_router_fusion = False
+        log.info("moe_router_fusion turned off: Transformer Engine's fused top-k bypasses RouterReplay, which records and "
+                 "replays the rollouts' routes")
 
 
 def _refuse_family_specific_layer_spec(bridge, provider) -> None:

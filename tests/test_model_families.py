@@ -150,6 +150,19 @@ def test_family_without_a_cpu_path_is_refused_at_start_up(family, family_results
     assert family_results[family]["train_losses"] == []
 
 
+def test_the_fused_router_is_off_where_routes_are_recorded_and_replayed():
+    """Transformer Engine's fused top-k bypasses megatron-core's RouterReplay (read in 0.19.2's moe_utils): with it, the
+    first rollout of an MoE GRPO recorded nothing and raised."""
+    from model import build
+
+    moe = SimpleNamespace(moe_enable_routing_replay=True, moe_router_fusion=True)
+    build._keep_routes_visible(moe)
+    assert moe.moe_router_fusion is False
+    without_replay = SimpleNamespace(moe_enable_routing_replay=False, moe_router_fusion=True)
+    build._keep_routes_visible(without_replay)
+    assert without_replay.moe_router_fusion is True
+
+
 def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(monkeypatch):
     from model import build
 

@@ -90,6 +90,7 @@ class ParallelConfig:
     sequence_parallel: bool = field(default=True, metadata={"help": "with tp > 1, split norms, dropout and residuals along the sequence over the TP group (no effect at tp=1)"})
     use_megatron_fsdp: bool = field(default=False, metadata={"help": "shard params, grads and optimizer state with Megatron-FSDP"})
     use_distributed_optimizer: bool = field(default=True, metadata={"help": "shard optimizer state across data-parallel ranks (ZeRO-1)"})
+    timeout_minutes: int = field(default=30, metadata={"help": "how long a rank waits in a collective before the run fails (torch.distributed's process-group timeout, NCCL's watchdog; megatron-core's distributed_timeout_minutes). GRPO with tools: a turn's tools run while the peers wait, and start-up refuses a turn that could take longer"})
 
     def data_parallel_size(self, world_size: int) -> int:
         """Processes per model replica are tp x pp; the rest is data parallelism."""
@@ -662,6 +663,8 @@ class GRPOConfig(TrainerConfig):
             "tool_timeout": (grpo.tool_timeout > 0, "positive"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
+        _require(self.parallel.timeout_minutes >= 1, f"`parallel.timeout_minutes` must be at least 1, got "
+                 f"{self.parallel.timeout_minutes}. Change `--parallel.timeout_minutes`.")
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
         # GSPO's objective is the mean over completions of one clipped sequence ratio each; any other aggregation

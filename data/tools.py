@@ -130,6 +130,26 @@ def reset_environment(environment, row: dict, seed: int):
     return environment.reset(row, seed=seed) if takes_seed else environment.reset(row)
 
 
+def check_turn_fits_collective_timeout(config, world_size: int) -> None:
+    """Refuse, before any model is built, tools whose one turn on a rank could outlast the collective timeout: while a
+    rank runs its turn's calls its tensor- and pipeline-parallel peers wait in a broadcast and its data-parallel peers in
+    the step's agreement, and on NCCL the watchdog ends the job there without a word of why. The bound counts one call
+    per episode per turn, each at `grpo.tool_timeout`, on `grpo.tool_workers` at once."""
+    grpo, parallel = config.grpo, config.parallel
+    if not (grpo.tools or grpo.environment):
+        return
+    episodes = config.train.global_batch_size // max(1, parallel.data_parallel_size(world_size))  # a round, one rank
+    workers = grpo.tool_workers or tool_runner.default_workers()
+    worst = math.ceil(episodes / workers) * grpo.tool_timeout
+    if worst > parallel.timeout_minutes * 60:
+        raise UserError(f"With tools, one turn of a rank's {episodes} episodes on {workers} tool workers could take "
+                        f"{worst:g} s (one call each, each at `grpo.tool_timeout={grpo.tool_timeout:g}`), longer than the "
+                        f"collective timeout its peers wait in meanwhile, `parallel.timeout_minutes="
+                        f"{parallel.timeout_minutes}` ({parallel.timeout_minutes * 60} s): on NCCL the watchdog would end "
+                        "the run mid-step. Raise `--parallel.timeout_minutes`, lower `--grpo.tool_timeout`, or raise "
+                        "`--grpo.tool_workers`.")
+
+
 def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> None:
     """Refuse, before any model is built, DAPO's accuracy filter where no episode could ever be correct:
     `grpo.reward=none` (the environment's reward alone) and an environment whose `reward()` gives no verdict (a

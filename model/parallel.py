@@ -1,5 +1,6 @@
 """Distributed start-up in one place: process group from torchrun's environment, megatron parallel state, seeding."""
 
+import datetime
 import logging
 import os
 import pickle
@@ -107,7 +108,8 @@ def init_distributed(parallel, seed: int) -> Runtime:
         device = torch.device("cpu")
     created_process_group = not dist.is_initialized()
     if created_process_group:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     vpp = parallel.vpp if parallel.vpp > 1 else None
@@ -117,6 +119,7 @@ def init_distributed(parallel, seed: int) -> Runtime:
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        distributed_timeout_minutes=parallel.timeout_minutes,
     )
     seed_everything(seed)
     runtime = Runtime(

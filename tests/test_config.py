@@ -17,7 +17,7 @@ SFT_KEYS = {
     "model.moe_aux_loss_coeff", "model.moe_aux_loss_type", "model.moe_z_loss_coeff", "model.moe_router_dtype",
     "model.moe_freeze_router",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.use_megatron_fsdp",
-    "parallel.use_distributed_optimizer",
+    "parallel.use_distributed_optimizer", "parallel.timeout_minutes",
     "parallel.ep", "parallel.etp", "model.moe_dispatcher",
     "optim.lr", "optim.min_lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",

@@ -77,6 +77,7 @@ def validated_world_size(config) -> int:
     needs no model."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
+    tool_data.check_turn_fits_collective_timeout(config, world_size)
     if config.starts_from_default_sft():
         default_start.validate(world_size, config.model.path)
     return world_size

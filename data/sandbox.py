@@ -2,20 +2,24 @@
 
 What it isolates: each call runs in a fresh process (`python -I`) in a fresh temporary directory (its cwd, deleted
 afterwards) with a minimal environment, under CPU-time, address-space, process-count (threads count), file-size and
-open-file limits, with no new privileges; it is killed at the wall timeout, what it prints is cut, and every process
-it started is killed and reaped when it ends. A root-run trainer runs it as the user nobody, so that the process limit
-counts. Where the OS allows them it also gets a network namespace of its own (no network at all) and a Landlock rule
-that lets it write, make and remove files only beneath its directory (so multiprocessing's semaphores in /dev/shm are
-refused); `run(...).isolation` lists what a call got, and `scripts/bench_sandbox.py` prints it for a machine. What it
-does not isolate: reading files (it reads what any user may, or the trainer's user; where the interpreter is readable
-to root only, as under /root, nobody keeps the capability to read everything), system calls (no seccomp), the kernel,
-and in a non-root run a program that kills its own supervisor. It keeps a well-meaning model's mistakes (endless
-loops, memory and fork bombs, huge prints, stray writes) from harming the trainer; it is NOT a security boundary
-against hostile code, which needs a container or a VM (gVisor, Firecracker).
+open-file limits, with no new privileges; its supervisor kills it at the wall timeout (whether or not the caller still
+waits), what it prints is cut, and every process it started is killed and reaped when it ends. A root-run trainer runs
+it as the user nobody, so that the process limit counts; where the OS refuses that switch (a user namespace that maps
+no uid 65534) it runs nothing, answers why, and logs that once. Where the OS allows them it also gets a network
+namespace of its own (no network at all) and a Landlock rule that lets it write, make and remove files only beneath
+its directory (so multiprocessing's semaphores in /dev/shm are refused); `run(...).isolation` lists what a call got,
+and `scripts/bench_sandbox.py` prints it for a machine. What it does not isolate: reading files (it reads what any user
+may, or the trainer's user; where the interpreter is readable to root only, as under /root, nobody keeps the capability
+to read everything), system calls (no seccomp), the kernel, and in a non-root run a program that kills its own
+supervisor. It keeps a well-meaning model's mistakes (endless loops, memory and fork bombs, huge prints, stray writes)
+from harming the trainer; it is NOT a security boundary against hostile code, which needs a container or a VM (gVisor,
+Firecracker).
 """
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -24,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_SECONDS = 5.0
 CPU_SECONDS = 5
@@ -36,19 +42,20 @@ MAX_OPEN_FILES = 64
 # trainer's memory nor blocks on a full pipe.
 READ_LIMIT_BYTES = 1_000_000
 ERROR_LINE_CHARS = 1000  # an exception may carry a megabyte of message
-# How long the supervisor may take to kill and reap the program once asked, before it is killed itself.
+# How long the supervisor may take to kill and reap the program once asked or past its deadline, before it is stopped
+# from outside.
 STOP_GRACE_SECONDS = 2.0
 NOBODY = 65534
 
 # Runs as `python -I -u -B -c LAUNCHER settings`, so it imports nothing of ours. Forking a worker rather than using
 # preexec_fn keeps the trainer's threads out of it. The launcher stays behind as the worker's supervisor: a child
 # subreaper, so orphans of the program's processes (forks whose parent exited, ones that left with setsid) come to it,
-# are killed and reaped; a root launcher cannot be signalled by the program it supervises.
+# are killed and reaped; it keeps the program's wall time; a root launcher cannot be signalled by the program it
+# supervises. It tells the caller what it must know in lines on the status pipe (see `run`).
 LAUNCHER = r'''
 import ctypes, json, os, resource, signal, struct, sys, time, types
 
 settings = json.loads(sys.argv[1])
-caller = os.getppid()
 libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 1, 38, 8, 36
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
@@ -59,6 +66,32 @@ def kill(pid):
         os.kill(pid, signal.SIGKILL)
     except OSError:  # it ended already
         pass
+
+def tell(message):
+    """Send the caller one line of the status pipe."""
+    try:
+        os.write(settings["status_fd"], message.encode("utf-8", "replace") + b"\n")
+    except OSError:  # the caller is gone (its signal comes), or the program filled or closed the pipe
+        pass
+
+def remove_directory_if_orphaned():
+    """Remove the program's directory if the caller, who would, is gone (a tool worker killed at grpo.tool_timeout)."""
+    if os.getppid() != settings["caller"]:
+        import shutil
+        shutil.rmtree(os.path.dirname(settings["path"]), ignore_errors=True)
+
+def stop_now(*_):
+    """SIGTERM: the trainer's "stop now" or, as the parent-death signal, the caller's death."""
+    if worker:
+        kill(-worker)  # supervise() then reaps what is left and ends
+    else:  # the program has not started
+        remove_directory_if_orphaned()
+        os._exit(128 + signal.SIGTERM)
+
+def time_out(*_):
+    """SIGALRM at the deadline: kill the program and tell the caller why."""
+    kill(-worker)
+    tell("timeout")
 
 def processes():
     """(pid, parent pid, real uid, threads) of every process."""
@@ -71,13 +104,18 @@ def processes():
         yield int(pid), int(fields["PPid"]), int(fields["Uid"].split()[0]), int(fields["Threads"])
 
 def supervise():
-    """Wait for the worker, kill and reap every process it left, and end as the worker did."""
+    """Wait for the worker until its deadline, kill and reap every process it left, and end as the worker did."""
     try:
         os.setpgid(worker, worker)  # as the worker does, so that neither waits on the other
     except OSError:
         pass
-    os.close(settings["status_fd"])
+    # The caller's deadline, on the monotonic clock every process shares, kept here: the program ends at its wall time
+    # even when nobody waits for it.
+    signal.signal(signal.SIGALRM, time_out)
+    signal.setitimer(signal.ITIMER_REAL, max(settings["deadline"] - time.monotonic(), 0.001))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # now that the worker's group exists
     _, status = os.waitpid(worker, 0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     while True:
         kill(-worker)
         try:
@@ -88,9 +126,7 @@ def supervise():
                 time.sleep(0.01)
         except ChildProcessError:  # none left
             break
-    if os.getppid() != caller:  # the caller was killed (a tool worker at grpo.tool_timeout): nobody else removes it
-        import shutil
-        shutil.rmtree(os.path.dirname(settings["path"]), ignore_errors=True)
+    remove_directory_if_orphaned()
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # die of the worker's signal, so the trainer reads it from the exit status
         if code != -signal.SIGKILL:
@@ -136,20 +172,26 @@ def report(kind, value, trace):
             # The exception's own line: after a SyntaxError's source lines, before any notes, its message's first line.
             lines = traceback.format_exception_only(kind, value)
             line = next(line for line in lines if not line.startswith(" ")).strip().splitlines()[0]
-            os.write(settings["status_fd"], line[:settings["error_chars"]].encode("utf-8", "replace"))
-        except Exception:  # out of memory, or the program closed the descriptor: its stderr's last line stands
+            tell("error " + line[:settings["error_chars"]])
+        except Exception:  # out of memory: its stderr's last line stands
             pass
 
-signal.signal(signal.SIGTERM, lambda *_: kill(-worker) if worker else None)  # the trainer's "stop now"
-# The caller gone (a tool worker killed at grpo.tool_timeout, a trainer killed) is a "stop now" too.
+signal.signal(signal.SIGTERM, stop_now)
+# The caller gone (a tool worker killed at grpo.tool_timeout, a trainer killed) is a "stop now" too. The signal watches
+# the parent of the moment, so a caller that died while this interpreter started (we have another parent) is one too.
 libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+if os.getppid() != settings["caller"]:
+    stop_now()
 libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# Held over the fork, so that a "stop now" lands before it (nothing to kill) or where the worker is known, not between.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 worker = os.fork()
 if worker:
     supervise()
 os.setpgid(0, 0)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 path, directory, root = settings["path"], os.path.dirname(settings["path"]), os.getuid() == 0
 with open(path, "rb") as file:
     source = file.read()
@@ -171,10 +213,11 @@ if root:
         os.setgroups([])
         os.setgid(settings["nobody"])
         os.setuid(settings["nobody"])
-        applied += ["nobody"] + (["reads as root"] if reads_as_root else [])
-    except OSError:  # a container may keep root from changing user: it then runs as root, without a process limit
-        pass
-    if "reads as root" in applied:
+    except OSError as error:  # as root the program would escape the process limit and could signal the trainer
+        tell(f"refused {error}")
+        os._exit(1)
+    applied += ["nobody"] + (["reads as root"] if reads_as_root else [])
+    if reads_as_root:
         keep = 1 << 2  # header v3, then (effective, permitted, inheritable) for capabilities 0-31 and 32-63
         if libc.capset(struct.pack("=Ii", 0x20080522, 0), struct.pack("=6I", keep, keep, 0, 0, 0, 0)) != 0:
             sys.exit("Error: the sandbox could not drop root's capabilities")
@@ -185,7 +228,7 @@ for limit, value in [(resource.RLIMIT_AS, settings["memory_mb"] * megabyte),
                      (resource.RLIMIT_NOFILE, settings["max_open_files"]),
                      (resource.RLIMIT_NPROC, tasks + settings["max_processes"])]:
     resource.setrlimit(limit, (value, value))
-os.write(settings["status_fd"], ",".join(applied).encode() + b"\n")
+tell("isolation " + ",".join(applied))
 os.set_inheritable(settings["status_fd"], False)
 os.set_blocking(settings["status_fd"], False)  # a full pipe (the program may write to it too) must not hang the report
 
@@ -233,7 +276,8 @@ def run(code: str, *, timeout: float = TIMEOUT_SECONDS, cpu_seconds: int = CPU_S
     if not isinstance(code, str):
         raise ValueError(f"The code must be a string, not {type(code).__name__}.")
     directory = tempfile.mkdtemp(prefix="sandbox-")
-    # The worker writes the isolation it got here, then its uncaught exception's line; read once all processes ended.
+    # The launcher's lines, read once all its processes ended: "isolation <what it got>", "error <its uncaught
+    # exception's line>", "timeout" (stopped at its deadline), "refused <why it could not switch to nobody>".
     status_read, status_write = os.pipe()
     os.set_blocking(status_read, False)
     try:
@@ -243,7 +287,8 @@ def run(code: str, *, timeout: float = TIMEOUT_SECONDS, cpu_seconds: int = CPU_S
             file.write(code)
         if os.getuid() == 0:
             os.chown(directory, NOBODY, NOBODY)
-        settings = {"path": path, "status_fd": status_write, "nobody": NOBODY, "cpu_seconds": cpu_seconds,
+        settings = {"path": path, "caller": os.getpid(), "deadline": time.monotonic() + timeout,
+                    "status_fd": status_write, "nobody": NOBODY, "cpu_seconds": cpu_seconds,
                     "memory_mb": memory_mb, "file_size_mb": file_size_mb, "max_open_files": MAX_OPEN_FILES,
                     "max_processes": max_processes, "error_chars": ERROR_LINE_CHARS}
         environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": directory,
@@ -254,24 +299,40 @@ def run(code: str, *, timeout: float = TIMEOUT_SECONDS, cpu_seconds: int = CPU_S
                                    cwd=directory, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_write,))
         try:
-            stdout, stderr, reason = read_output(process, timeout)
+            # The supervisor stops the program at its deadline; from here only a supervisor that is stuck past it.
+            stdout, stderr, reason = read_output(process, settings["deadline"] + STOP_GRACE_SECONDS)
         finally:
             stop(process)
         try:
-            isolation_line, _, exception_line = os.read(status_read, 65536).decode("utf-8", "replace").partition("\n")
-        except BlockingIOError:  # the worker died before it got that far
-            isolation_line, exception_line = "", ""
+            status = os.read(status_read, 65536).decode("utf-8", "replace")
+        except BlockingIOError:  # it said nothing: the worker died before it got that far
+            status = ""
     finally:
         os.close(status_read)
         os.close(status_write)
         shutil.rmtree(directory, ignore_errors=True)
+    messages = dict(line.partition(" ")[::2] for line in status.splitlines())
+    if reason is None and "timeout" in messages:
+        reason = "timeout"
     output = stdout.decode("utf-8", "replace")
     if len(output) > max_output_chars:
         more = "more than " if reason == "output" else ""  # it was stopped before it printed all
         output = (f"{output[:max_output_chars]} [output cut: {more}{len(output):,} characters, the limit is "
                   f"{max_output_chars:,}]")
-    reason, error = ending(process.returncode, exception_line or stderr_line(stderr), reason, timeout, cpu_seconds)
-    return Result(output, error, reason is not None, reason, tuple(filter(None, isolation_line.split(","))))
+    error_line = refusal(messages["refused"]) if "refused" in messages else messages.get("error") or stderr_line(stderr)
+    reason, error = ending(process.returncode, error_line, reason, timeout, cpu_seconds)
+    isolation = tuple(filter(None, messages.get("isolation", "").split(",")))
+    return Result(output, error, reason is not None, reason, isolation)
+
+
+@functools.cache
+def refusal(why: str) -> str:
+    """The error of a root-run sandbox that could not switch to nobody; logged once, as every call meets it."""
+    message = (f"Error: the sandbox runs no program as root, and could not switch to the user nobody (uid {NOBODY}): "
+               f"{why}. Run the trainer as a user other than root, or where it may switch to uid {NOBODY} (a container "
+               "whose user namespace maps it).")
+    log.warning(message)
+    return message
 
 
 def ending(returncode: int, error_line: str, reason: str | None, timeout: float,
@@ -299,9 +360,9 @@ def stderr_line(stderr: bytes) -> str:
     return lines[-1][:ERROR_LINE_CHARS] if lines else ""
 
 
-def read_output(process: subprocess.Popen, timeout: float) -> tuple[bytes, bytes, str | None]:
-    """The program's stdout and stderr until both close, and "timeout" or "output" when it had to be stopped first."""
-    deadline = time.monotonic() + timeout
+def read_output(process: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, str | None]:
+    """The program's stdout and stderr until both close, and "timeout" (at `deadline`, on `time.monotonic()`) or
+    "output" when it had to be stopped first."""
     chunks = {process.stdout: [], process.stderr: []}
     received, reason = 0, None
     with selectors.DefaultSelector() as selector:

@@ -2,8 +2,12 @@
 how long it took, and that it left no process behind (the bombs run with short limits to stay fast)."""
 
 import ctypes
+import logging
 import os
 import platform
+import signal
+import subprocess
+import sys
 import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +50,35 @@ def no_leftovers():
     before = sandbox_processes()
     yield
     assert sandbox_processes() - before == set()
+
+
+def program_processes(directory: Path) -> set[int]:
+    """Live processes of the sandboxes whose directories lie in `directory` (their command lines name them)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(directory).encode() in (entry / "cmdline").read_bytes():
+                pids.add(int(entry.name))
+        except OSError:  # it ended meanwhile
+            continue
+    return pids
+
+
+def wait_for(condition, seconds: float) -> bool:
+    """Whether `condition()` came true within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def start_caller(tmp_path: Path, code: str, timeout: float, before_run: str = "") -> subprocess.Popen:
+    """A process that calls `run(code, timeout=timeout)` with its sandbox directories in `tmp_path`, after
+    `before_run`."""
+    script = f"import sys\nfrom data import sandbox\n{before_run}\nsandbox.run(sys.argv[1], timeout={timeout})"
+    return subprocess.Popen([sys.executable, "-c", script, code], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)})
 
 
 def timed(code: str, **limits) -> tuple[sandbox.Result, float]:
@@ -117,6 +150,21 @@ def test_an_endless_loop_stops_at_the_timeout_with_its_output_so_far(no_leftover
     assert result.text() == "started\nError: the program did not finish within 1 s"
     assert (result.killed, result.reason) == (True, "timeout")
     assert seconds < 1 + 2
+
+
+def test_the_program_is_killed_at_its_wall_time_even_when_nobody_waits(tmp_path):
+    """The supervisor keeps the wall time itself: a caller that stops waiting (here: stopped, so still alive and no
+    parent-death signal comes) does not let the program run on."""
+    caller = start_caller(tmp_path, "import time\ntime.sleep(60)", timeout=1)
+    try:
+        assert wait_for(lambda: len(program_processes(tmp_path)) >= 2, 10)  # the supervisor and the program
+        caller.send_signal(signal.SIGSTOP)
+        assert wait_for(lambda: not program_processes(tmp_path), 5)
+    finally:
+        caller.kill()
+        caller.wait()
+        for pid in program_processes(tmp_path):  # on failure only: a program that outlived its wall time
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_cpu_limit_stops_a_program_and_says_so(no_leftovers):
@@ -219,6 +267,44 @@ def test_no_network_in_its_own_namespace():
         pytest.skip("the OS refused a network namespace")
     result = python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
     assert result.startswith("OSError: [Errno 101] Network is unreachable")
+
+
+def test_a_caller_killed_before_the_launcher_started_leaves_no_program_and_no_directory(tmp_path):
+    """The caller dies the moment the launcher exists, before its interpreter has started (and so before it asked for
+    a signal at its parent's death): the launcher notices that its parent is gone, ends, and removes the directory."""
+    die_after_start = ("import os, signal, subprocess\n"
+                       "class Popen(subprocess.Popen):\n"
+                       "    def __init__(self, *args, **kwargs):\n"
+                       "        super().__init__(*args, **kwargs)\n"
+                       "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                       "subprocess.Popen = Popen")
+    caller = start_caller(tmp_path, "import time\ntime.sleep(60)", timeout=60, before_run=die_after_start)
+    try:
+        assert caller.wait(10) == -signal.SIGKILL
+        assert wait_for(lambda: not program_processes(tmp_path), 5)
+        assert wait_for(lambda: not list(tmp_path.glob("sandbox-*")), 5)
+    finally:
+        for pid in program_processes(tmp_path):  # on failure only
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_root_sandbox_that_cannot_become_nobody_refuses_and_warns_once(monkeypatch, caplog):
+    if os.getuid() != 0:
+        pytest.skip("only a root-run sandbox switches to nobody")
+    # The kernel refuses to switch to (uid_t)-1 (EINVAL), as it does to a uid its user namespace does not map.
+    monkeypatch.setattr(sandbox, "NOBODY", 2**32 - 1)
+    sandbox.refusal.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="data.sandbox"):
+            results = [run("import os\nprint('ran as uid', os.getuid())") for _ in range(2)]
+    finally:
+        sandbox.refusal.cache_clear()  # its message names the uid patched here
+    assert [result.stdout for result in results] == ["", ""]
+    assert results[0].error == results[1].error == (
+        "Error: the sandbox runs no program as root, and could not switch to the user nobody (uid 4294967295): "
+        "[Errno 22] Invalid argument. Run the trainer as a user other than root, or where it may switch to uid "
+        "4294967295 (a container whose user namespace maps it).")
+    assert [record.getMessage() for record in caplog.records] == [results[0].error]
 
 
 def test_a_tool_worker_killed_mid_program_leaves_no_process_and_no_directory(no_leftovers):

@@ -12,8 +12,8 @@ from tests.conftest import GSM8K, REPO, launch
 # Two steps, a few held-out prompts, a small batch (SFT: 16 rows; GRPO: 2 prompts x 8 samples), in micro-batches of 2
 # (so that the GRPO recipes' 4 updates a step divide it at DP=2): the commands' own models, data, lengths, precision
 # and keys run, not their full scale (two steps of the README's bf16 SFT at its own batch took 32-37 s each on CPU).
-# Commands writing to one directory (two SFT examples use the default `outputs/sft`) replace each other, as a reader
-# would be told to.
+# The README's commands run in its order without overwriting anything, after what scripts/run.sh leaves; the docs' examples
+# (several write the default `outputs/grpo`) then replace each other, as a reader would be told to.
 SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
          "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
@@ -51,11 +51,11 @@ def documented_commands(markdown: str) -> list[dict]:
 
 
 def every_documented_command() -> list[dict]:
-    """The commands of README.md and docs/*.md, each once."""
+    """The commands of README.md (in its order) and docs/*.md, each once, with the page it is on."""
     commands = {}
     for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for command in documented_commands(page.read_text()):
-            commands.setdefault(command["line"], command)
+            commands.setdefault(command["line"], {**command, "page": page.name})
     return list(commands.values())
 
 
@@ -84,10 +84,17 @@ def launches(tmp_path_factory):
     root = tmp_path_factory.mktemp("readme")
     paths, commands = fixtures(root), every_documented_command()
     work = root / "work"  # the reader's current directory: relative outputs (runs/, outputs/) land here
-    work.mkdir()
+    # What scripts/run.sh leaves there first (its SFT and GRPO runs): the README's commands, run in its order after it,
+    # overwrite nothing, so none of them may write where another run already is.
+    for earlier in ("outputs/sft", "outputs/grpo"):
+        (work / earlier).mkdir(parents=True)
+        (work / earlier / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     for command in commands:
         command["argv"] = [paths.get(token, token) for token in command["argv"]]
-        command.update(cwd=str(work), smoke=SMOKE[command["module"]])
+        smoke = SMOKE[command["module"]]
+        if command["page"] == "README.md":
+            smoke = [flag for flag in smoke if not flag.startswith("--train.overwrite_output_dir")]
+        command.update(cwd=str(work), smoke=smoke)
     results = yield launch(commands)
     return commands, results
 

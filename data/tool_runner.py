@@ -13,7 +13,9 @@ An environment's methods always run in threads: the instance lives in the traine
 ends the episode's use of that instance: the rest of its calls are not run, the episode ends, and its `reward()` is
 never called while the call may still be running against the state it reads.
 
-A scheduler on the calling thread hands out calls and waits for the first to finish or time out; never raises.
+A scheduler on the calling thread hands out calls, each on a thread of its own, which first waits for its worker process
+when one was started for it: a call's clock starts once its worker is ready, so a slow start (the tool module's imports)
+times out no call. Every answer in is taken before any call is judged late. Never raises.
 """
 
 import dataclasses
@@ -33,7 +35,8 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 
-# A worker process has this long to start and import the tools before its first call is sent anyway.
+# A worker process has this long to start and import the tools before its first call's clock starts anyway (the rest of
+# its start then counts against that call).
 WORKER_START_SECONDS = 60.0
 
 
@@ -88,6 +91,16 @@ def call_tool(function: Callable, arguments: dict) -> Outcome:
         return Outcome(error_text(error), "error")
 
 
+@dataclasses.dataclass
+class Running:
+    """A call in flight: its number in its job, its worker process (None in a thread) and its clock's start (None while
+    its worker starts)."""
+
+    number: int
+    worker: "Worker | None" = None
+    start: float | None = None
+
+
 class ToolRunner:
     """Runs tool calls for a rollout; built once per run. `close()` stops its worker processes."""
 
@@ -102,8 +115,8 @@ class ToolRunner:
         to and including the timeout (the rest are not run)."""
         results: list[list[Outcome]] = [[] for _ in jobs]
         waiting = list(range(len(jobs)))  # jobs whose next call may start, in order
-        running: dict[int, tuple[float, object]] = {}  # job -> (the call's start, its handle)
-        done: queue.Queue = queue.Queue()  # (job, call number, outcome) from the threads running calls
+        running: dict[int, Running] = {}  # job -> its call in flight
+        done: queue.Queue = queue.Queue()  # (job, call number, its clock's start or its Outcome) from the calls' threads
         while waiting or running:
             while waiting and len(running) < self.workers:
                 job = waiting.pop(0)
@@ -113,18 +126,23 @@ class ToolRunner:
                     self._next(jobs, job, results, waiting)
             if not running:
                 continue
-            first_deadline = min(start for start, _ in running.values()) + self.timeout
-            try:
-                job, number, outcome = done.get(timeout=max(0.0, first_deadline - time.monotonic()))
-            except queue.Empty:
-                job, number, outcome = None, None, None
-            if job is not None and job in running and number == len(results[job]):
-                self._finish(running.pop(job)[1], timed_out=False)
-                results[job].append(outcome)
-                self._next(jobs, job, results, waiting)
-            now = time.monotonic()
-            for job in [job for job, (start, _) in running.items() if now - start >= self.timeout]:
-                self._finish(running.pop(job)[1], timed_out=True)
+            starts = [call.start for call in running.values() if call.start is not None]
+            # With no clock running every call's worker is starting, and says so within WORKER_START_SECONDS.
+            wait = max(0.0, min(starts) + self.timeout - time.monotonic()) if starts else None
+            now, messages = _take_all(done, wait)
+            for job, number, message in messages:
+                call = running.get(job)
+                if call is None or call.number != number:  # a timed-out call's late answer
+                    continue
+                if isinstance(message, Outcome):
+                    self._finish(running.pop(job), timed_out=False)
+                    results[job].append(message)
+                    self._next(jobs, job, results, waiting)
+                else:
+                    call.start = message
+            late = [job for job, call in running.items() if call.start is not None and now - call.start >= self.timeout]
+            for job in late:
+                self._finish(running.pop(job), timed_out=True)
                 results[job].append(Outcome(f"Error: the tool did not answer within {self.timeout:g} s "
                                             "(grpo.tool_timeout).", "timeout"))
                 if not jobs[job].stateful:
@@ -138,25 +156,31 @@ class ToolRunner:
             waiting.append(job)
 
     def _start(self, job: Job, index: int, number: int, done: queue.Queue, running: dict) -> Outcome | None:
-        """Start call `number` of a job on a thread (and, isolated, in a worker process); an unknown name's outcome."""
+        """Start call `number` of a job on a thread of its own (isolated, in an idle worker process or a new one); an
+        unknown name's outcome."""
         name, function, spec, arguments = job.calls[number]
         if function is None:
             return Outcome(f"Error: unknown tool {name!r}; the tools are {', '.join(sorted(job.tool_names))}.", "unknown_tool")
         worker = None
         if spec is not None and self.isolation == "process":
-            worker = self.idle.pop() if self.idle else Worker(self.preload)  # ready before the call's clock starts
-            target = lambda: worker.call(spec, arguments)  # noqa: E731: the worker answers with an Outcome
-        else:
-            target = lambda: call_tool(function, arguments)  # noqa: E731
-        thread = threading.Thread(target=lambda: done.put((index, number, target())), daemon=True,
-                                  name=f"tool-call-{index}")
-        running[index] = (time.monotonic(), (thread, worker))
-        thread.start()
+            # Started here, on a thread that outlives it: a worker's parent-death signal follows the thread that started it.
+            worker = self.idle.pop() if self.idle else Worker(self.preload)
+        running[index] = Running(number, worker)
+
+        def run_call() -> None:
+            """The call's thread: its worker's imports (waited for here, where no other answer waits), clock, outcome."""
+            if worker is not None:
+                worker.wait_ready()
+            done.put((index, number, time.monotonic()))
+            outcome = call_tool(function, arguments) if worker is None else worker.call(spec, arguments)
+            done.put((index, number, outcome))
+
+        threading.Thread(target=run_call, daemon=True, name=f"tool-call-{index}").start()
         return None
 
-    def _finish(self, handle: tuple, timed_out: bool) -> None:
+    def _finish(self, call: Running, timed_out: bool) -> None:
         """A call's end: its worker back to the pool, or at a timeout killed (a thread call left to run, counted)."""
-        thread, worker = handle
+        worker = call.worker
         if worker is None:
             if timed_out:
                 self.leaked_threads += 1
@@ -174,6 +198,22 @@ class ToolRunner:
         for worker in self.idle:
             worker.kill()
         self.idle = []
+
+
+def _take_all(done: queue.Queue, wait: float | None) -> tuple[float, list]:
+    """The messages in `done` once one comes (or `wait` seconds pass; None: no limit), and the time to judge deadlines
+    by: taken before the queue is emptied, so no answer put before it is ever judged a timeout."""
+    messages = []
+    try:
+        messages.append(done.get(timeout=wait))
+    except queue.Empty:
+        pass
+    now = time.monotonic()
+    while True:
+        try:
+            messages.append(done.get_nowait())
+        except queue.Empty:
+            return now, messages
 
 
 # ---------------------------------------------------------------- worker processes
@@ -200,17 +240,25 @@ def _receive(stream):
 
 class Worker:
     """A worker process running plain-function tools by name: a new session (a terminal's Ctrl-C reaches the trainer,
-    which finishes its step, not the worker), gone with its trainer (its stdin closes, and the parent-death signal).
-    Built ready: the tool modules of `preload` imported, so no call's timeout pays for the start."""
+    which finishes its step, not the worker), gone with its trainer (its stdin closes, and the parent-death signal,
+    sent when the thread that started it ends). Built starting: it imports the tool modules of `preload` while the
+    caller goes on, until `wait_ready`."""
 
     def __init__(self, preload: list[str]):
         self.process = subprocess.Popen([sys.executable, "-m", "data.tool_runner"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True, cwd=os.getcwd())
+        self.ready = False  # whether its "ready" was read: a start past WORKER_START_SECONDS leaves it to the first call
         try:  # the trainer's import path, so the user's tool modules import alike, and the modules to import now
             _send(self.process.stdin, (list(sys.path), preload))
-            ready, _, _ = select.select([self.process.stdout], [], [], WORKER_START_SECONDS)
-            if ready:
+        except OSError:  # a worker that could not start: its first call says so
+            pass
+
+    def wait_ready(self) -> None:
+        """Wait until the worker has imported the tool modules, at most WORKER_START_SECONDS."""
+        try:
+            if not self.ready and select.select([self.process.stdout], [], [], WORKER_START_SECONDS)[0]:
                 _receive(self.process.stdout)
+                self.ready = True
         except (EOFError, OSError):  # a worker that could not start: its first call says so
             pass
 
@@ -218,6 +266,9 @@ class Worker:
         """Run `spec(**arguments)` in the worker; a dead worker's outcome is an error."""
         try:
             _send(self.process.stdin, (spec, arguments))
+            if not self.ready:  # "ready" comes first, never to be taken for the answer
+                _receive(self.process.stdout)
+                self.ready = True
             kind, text = _receive(self.process.stdout)
             return Outcome(text, kind)
         except (EOFError, OSError, pickle.PickleError) as error:
@@ -251,9 +302,16 @@ def worker_main() -> None:
     except (OSError, AttributeError):  # not Linux: stdin closing still ends the loop
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a tool's prints go to the log, never into the answers' pipe
-    path, preload = _receive(stdin)
+    # The pipes move to descriptors of their own; 0 and 1, which every program a tool starts inherits (a shell command,
+    # a C library's printf), become empty input and the log (stderr): nothing a tool runs reads a request or writes
+    # into an answer, where a stray byte would leave the trainer waiting for an answer that never ends.
+    requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    empty = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(empty, 0)
+    os.close(empty)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr  # Python's own prints line-buffered, in order with the log's lines
+    path, preload = _receive(requests)
     sys.path[:] = path
     from data import user_code
 
@@ -263,10 +321,10 @@ def worker_main() -> None:
             functions[spec] = user_code.load(spec, "grpo.tools", "")
         except Exception:  # said by the call that needs it
             pass
-    _send(stdout, "ready")
+    _send(answers, "ready")
     while True:
         try:
-            spec, arguments = _receive(stdin)
+            spec, arguments = _receive(requests)
         except EOFError:
             return
         try:
@@ -275,7 +333,7 @@ def worker_main() -> None:
             outcome = call_tool(functions[spec], arguments)
         except Exception as error:  # the module failed to import here (it imported in the trainer)
             outcome = Outcome(error_text(error), "error")
-        _send(stdout, (outcome.kind, outcome.text))
+        _send(answers, (outcome.kind, outcome.text))
 
 
 if __name__ == "__main__":

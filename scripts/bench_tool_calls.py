@@ -123,7 +123,9 @@ def main() -> None:
         print(f"one call of a tool that does nothing, tool_isolation={name}: {statistics.median(latencies) * 1e3:.2f} ms "
               "(median of 50)")
     start = time.perf_counter()
-    tool_runner.Worker([SPEC]).kill()
+    worker = tool_runner.Worker([SPEC])
+    worker.wait_ready()  # started: the interpreter and the tool module's imports
+    worker.kill()
     print(f"starting a worker process (once per worker, and after a timeout kills one): {time.perf_counter() - start:.2f} s")
     processes.close()
 

@@ -194,7 +194,7 @@ QUESTION = [{"role": "user", "content": "What is 12 + 5?"}, {"role": "assistant"
 
 
 def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environment="", max_turns=3,
-                max_new_tokens=400, max_tool_response_tokens=8, conversation=QUESTION, row=None, **settings):
+                max_new_tokens=400, max_tool_response_tokens=8, conversation=QUESTION, row=None, seed=0, **settings):
     loaded = toolset(*specs, environment=environment)
     prompts = prompts_from_conversations([conversation], tokenizer, loaded.schemas)
     prompts[0].row = row or {"question": "What is 12 + 5?"}
@@ -202,7 +202,8 @@ def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environ
                                    max_tool_response_tokens=max_tool_response_tokens, **{"tool_timeout": 0.3, **settings})
     generator = ScriptedGenerator(tokenizer, turns)
     try:
-        episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens, sampling=None)
+        episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens,
+                                        sampling=generate.Sampling(seed=seed))
     finally:
         rollout.close()
     return episodes, generator
@@ -336,6 +337,63 @@ def test_a_hung_tool_times_out_and_in_a_process_is_killed(tokenizer, isolation):
         runner.close()
 
 
+def test_what_a_tools_programs_write_goes_to_the_log_and_every_call_answers(capfd):
+    """A bash tool's programs inherit the worker's standard output and input: their bytes go to the log, never into the
+    answers' pipe (a stray byte there left every call waiting to its timeout), and they read nothing (`cat` ends)."""
+    episode = toolset("tests.tool_fixtures:shell").episode({})[0]
+    runner = tool_runner.ToolRunner(timeout=3.0, workers=4, preload=["tests.tool_fixtures:shell"])
+    try:
+        results = runner.run([episode.job([tools.Call("shell", {"command": f"echo computing {job}"}),
+                                           tools.Call("shell", {"command": "cat"})]) for job in range(8)])
+    finally:
+        runner.close()
+    assert [[(outcome.kind, outcome.text) for outcome in outcomes] for outcomes in results] == [[("ok", "0")] * 2] * 8
+    assert "computing 7" in capfd.readouterr().err
+
+
+def slow_tool_module(path, monkeypatch, seconds: float) -> str:
+    """The spec of `digits` in a module, on the import path the workers get, that takes `seconds` to import (as one
+    importing torch does)."""
+    (path / "slow_tools.py").write_text(f"import time\n\nfrom tests.tool_fixtures import digits  # noqa: F401\n\n"
+                                        f"time.sleep({seconds})\n")
+    monkeypatch.syspath_prepend(str(path))
+    return "slow_tools:digits"
+
+
+def test_a_call_is_timed_from_its_workers_ready_and_no_answer_in_is_judged_late(tmp_path, monkeypatch):
+    """Three workers importing a module for 2 s, calls of 1 s timeout: the workers start side by side on their calls'
+    threads, each call's clock starting once its worker is ready. (When the scheduler started them one after another,
+    answers that came in meanwhile waited in the queue, and all but the first taken were judged timeouts.)"""
+    spec = slow_tool_module(tmp_path, monkeypatch, seconds=2.0)
+    runner = tool_runner.ToolRunner(timeout=1.0, workers=3, preload=[spec])
+    jobs = [tool_runner.Job([("digits", tool_fixtures.digits, spec, {"number": f"{job}{call}"}) for call in (1, 2)],
+                            False, ["digits"]) for job in range(3)]
+    try:
+        started = time.monotonic()
+        results = runner.run(jobs)
+        seconds = time.monotonic() - started
+    finally:
+        runner.close()
+    assert [[(outcome.kind, outcome.text) for outcome in outcomes] for outcomes in results] == [
+        [("ok", str(job + 1)), ("ok", str(job + 2))] for job in range(3)]
+    assert seconds < 4.0  # side by side: about one import's 2 s, where one after another took three's 6 s
+
+
+def test_a_worker_slower_to_start_than_its_limit_answers_its_first_call_with_the_answer(tmp_path, monkeypatch):
+    """Past `WORKER_START_SECONDS` the first call's clock starts anyway; the worker's "ready", still to come, is read
+    as such, never as that call's answer."""
+    spec = slow_tool_module(tmp_path, monkeypatch, seconds=1.0)
+    monkeypatch.setattr(tool_runner, "WORKER_START_SECONDS", 0.2)
+    runner = tool_runner.ToolRunner(timeout=3.0, workers=1, preload=[spec])
+    job = tool_runner.Job([("digits", tool_fixtures.digits, spec, {"number": number}) for number in ("12", "345")],
+                          False, ["digits"])
+    try:
+        outcomes, = runner.run([job])
+    finally:
+        runner.close()
+    assert [(outcome.kind, outcome.text) for outcome in outcomes] == [("ok", "3"), ("ok", "12")]
+
+
 def test_tool_results_and_reset_text_are_text_never_control_tokens(tokenizer):
     end = tokenizer.convert_tokens_to_ids(END)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -420,3 +478,44 @@ def test_a_template_that_escapes_results_still_tokenizes_them_as_text(tokenizer)
     ids = tools.render_ids(tokenizer, render, [result])
     assert tokenizer.decode(ids) == render([result])  # the escaped quotes and newline, as the template writes them
     assert ids.count(tokenizer.convert_tokens_to_ids(END)) == 1  # the template's own, none of the result's
+
+
+def test_a_random_reset_gets_one_seed_per_group_or_is_refused(tokenizer, caplog):
+    # Without a seed parameter, the episodes of one group would play different hidden numbers behind one prompt.
+    with pytest.raises(UserError, match=r"`grpo.environment`: Hidden.reset\(row\) returned different texts for the "
+                                        r"episodes of one group .*def reset\(self, row, seed\)"):
+        run_rollout(tokenizer, [["#### 17"]] * 4, specs=(), environment="tests.tool_fixtures:Hidden")
+    # With one, a group's episodes share the seed (and so the state their prompt shows); another round draws others.
+    episodes, _ = run_rollout(tokenizer, [["#### 17"]] * 4, specs=(), environment="tests.tool_fixtures:SeededHidden", seed=11)
+    shown = tokenizer.decode(episodes[0].prompt_ids)
+    import random
+
+    number = random.Random(rollout_data.group_seed(11, 0)).randrange(10**9)
+    assert f"The hidden number is {number}." in shown and all(episode.prompt_ids == episodes[0].prompt_ids for episode in episodes)
+    again, _ = run_rollout(tokenizer, [["#### 17"]] * 4, specs=(), environment="tests.tool_fixtures:SeededHidden", seed=11)
+    other, _ = run_rollout(tokenizer, [["#### 17"]] * 4, specs=(), environment="tests.tool_fixtures:SeededHidden", seed=12)
+    assert again[0].prompt_ids == episodes[0].prompt_ids != other[0].prompt_ids
+
+
+def test_the_first_prompt_skipped_after_reset_is_said_once_with_its_budget(tokenizer, caplog):
+    with caplog.at_level("WARNING"):
+        run_rollout(tokenizer, [["#### 17"]] * 2, specs=(), environment="tests.tool_fixtures:Plain", max_prompt_tokens=200,
+                    row={"long": 100})
+    said = [record.getMessage() for record in caplog.records if "prompt budget" in record.getMessage()]
+    assert len(said) == 1 and said[0].startswith("a prompt with the environment's reset text has ")
+    assert "more than the prompt budget of 200 tokens (data.max_seq_len - grpo.max_new_tokens)" in said[0]
+    assert "Raise --data.max_seq_len" in said[0]
+
+
+def test_tools_whose_turn_could_outlast_the_collective_timeout_are_refused_at_start_up():
+    argv = ["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.tool_timeout=10", "--grpo.tool_workers=2"]
+    config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")  # 512 episodes a round
+    with pytest.raises(UserError) as refused:
+        tools.check_turn_fits_collective_timeout(config, world_size=1)
+    assert str(refused.value).startswith(
+        "With tools, one turn of a rank's 512 episodes on 2 tool workers could take 2560 s (one call each, each at "
+        "`grpo.tool_timeout=10`), longer than the collective timeout its peers wait in meanwhile, "
+        "`parallel.timeout_minutes=30` (1800 s)")
+    tools.check_turn_fits_collective_timeout(config, world_size=2)  # 256 episodes a rank: 1280 s
+    longer, _ = parse_args(GRPOConfig, [*argv, "--parallel.timeout_minutes=60"], "trainer.grpo")
+    tools.check_turn_fits_collective_timeout(longer, world_size=1)

@@ -6,6 +6,7 @@ rollouts without a model trained on a tool format.
 """
 
 import itertools
+import os
 import time
 
 DIGITS_SCHEMA = {
@@ -101,6 +102,15 @@ class Counter:
     def reward(self) -> float:
         """0.5 for exactly one call."""
         return 0.5 if self.calls == 1 else 0.0
+
+
+def shell(command: str) -> str:
+    """Runs a shell command as a bash tool does, its output and input the ones it inherits; answers its exit status.
+
+    Args:
+        command: the command
+    """
+    return str(os.system(command))
 
 
 def spins(number: str) -> str:

@@ -175,6 +175,14 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     return _all_reduce(torch.tensor(values, dtype=torch.float64), group).tolist()
 
 
+def fixed_microbatch_shape() -> bool:
+    """Whether a step's micro-batches must share one shape: pipeline stages exchange activations of the size the
+    schedule is given, so with more than one each micro-batch is padded to the step's longest row."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+
+
 def data_parallel_sum(values: list[float]) -> list[float]:
     """Sum a few Python numbers over this rank's data-parallel group."""
     from megatron.core import parallel_state

@@ -17,7 +17,7 @@ from config.errors import UserError
 from config.sections import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
-from tests.conftest import REPO, launch, torchrun
+from tests.conftest import REPO, launch, torchrun, worker_output
 from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
@@ -451,3 +451,22 @@ def test_grpo_with_lora_learns_with_the_policy_without_adapters_as_its_kl_refere
     # The adapter names its base by absolute path, so it loads from any working directory.
     base = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert Path(base).is_absolute() and (Path(base) / "config.json").is_file()
+
+
+def shared_worker(out) -> list[str]:
+    """The output layer at the read positions against the full projection, in the shared launch (conftest's
+    `shared_launch`)."""
+    return ["tests/distributed/projection_worker.py", "--out", str(out)]
+
+
+@pytest.mark.distributed
+def test_the_output_layer_at_the_read_positions_equals_the_full_projection(shared_launch):
+    """GRPO's forwards project only the trained tokens onto the vocabulary (`model.output`): the same log-probs, loss
+    and gradients as the full projection, at TP=1 and at TP=2 with sequence parallelism (fp32)."""
+    results = json.loads((worker_output(shared_launch[__name__]) / "results.json").read_text())
+    print(json.dumps(results, indent=1))
+    for layout, figures in results.items():
+        assert figures["positions_read"] == figures["read_tokens"] < figures["positions_full"], layout
+        assert figures["loss_relative"] < 1e-6 and figures["logprobs_relative"] < 1e-6, (layout, figures)
+        assert figures["gradient_relative"] < 1e-6 and figures["gradients_equal_names"], (layout, figures)
+    assert results["tp2"]["sequence_parallel"] and not results["tp1"]["sequence_parallel"]

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from data import batches
-from model import build, moe, parallel, routing
+from model import build, moe, output, parallel, routing
 from trainer import grpo_math
 from trainer.grpo_sampling import StepBatch
 from trainer.metrics import log
@@ -73,8 +73,11 @@ def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor | 
 
     def logprobs_step(data_iterator, model):
         microbatch = next(data_iterator)
-        logits = model(input_ids=microbatch["tokens"], position_ids=microbatch["position_ids"], attention_mask=None)
-        return logits, lambda output, non_loss_data=True: token_logprobs(output, microbatch["labels"], temperature)
+        read = microbatch["read"]
+        logits = model(input_ids=microbatch["tokens"], position_ids=microbatch["position_ids"], attention_mask=None,
+                       output_processor=output.project_positions, output_processor_context=read)  # [1, read, vocab shard]
+        return logits, lambda logits, non_loss_data=True: read.scatter(
+            token_logprobs(logits, read.pick(microbatch["labels"]), temperature))
 
     with build.eval_mode(chunks[0]):
         outputs = get_forward_backward_func()(
@@ -89,15 +92,17 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     divides by the global count."""
     from megatron.core import parallel_state
 
-    mask = batch["loss_mask"]  # [batch, seq]
+    # logits: [1, read positions, vocab shard], the positions `batch["read"]` names (every trained token); the terms
+    # below are laid out as [batch, seq] again, zero where nothing is read (and the mask is 0).
+    mask, read = batch["loss_mask"], batch["read"]  # [batch, seq]
     group = parallel_state.get_tensor_model_parallel_group()
     # A few rows at a time, in the backward too (the entropy bonus): no full-vocabulary temporaries beyond a chunk.
     if settings.entropy_coef > 0:
-        entropy = grpo_math.chunked_entropy(logits, settings.temperature, group)  # [batch, seq]
+        entropy = read.scatter(grpo_math.chunked_entropy(logits, settings.temperature, group))  # [batch, seq]
     else:
         with torch.no_grad():  # logged, not optimised
-            entropy = grpo_math.chunked_entropy(logits, settings.temperature, group)  # [batch, seq]
-    logprobs = token_logprobs(logits, batch["labels"], settings.temperature)  # [batch, seq]
+            entropy = read.scatter(grpo_math.chunked_entropy(logits, settings.temperature, group))  # [batch, seq]
+    logprobs = read.scatter(token_logprobs(logits, read.pick(batch["labels"]), settings.temperature))  # [batch, seq]
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).
     old_logprobs = batch["old_logprobs"] if batch["pi_old_recomputed"] else logprobs.detach()  # [batch, seq]
@@ -123,12 +128,13 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
 
 def forward_step(settings: LossSettings, routes, data_iterator, model):
     """One microbatch through the policy (a Mixture-of-Experts policy's rollout routes loaded first); the
-    vocab-parallel logits [batch, seq, vocab shard] go to the loss."""
+    vocab-parallel logits [1, read positions, vocab shard] of its trained tokens (`model.output`) go to the loss."""
     batch = next(data_iterator)
     if "routes" in batch:  # compared here only when this forward has the sampling weights (no separate pi_old pass)
         routes.load(batch["routes"], batch["routed"], settings.routing_replay, compare=not batch["pi_old_recomputed"])
     logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
-                   padding_mask=moe.routing_padding_mask(batch, model))
+                   padding_mask=moe.routing_padding_mask(batch, model), output_processor=output.project_positions,
+                   output_processor_context=batch["read"])
     return logits, functools.partial(policy_loss, batch, settings)
 
 
@@ -163,18 +169,25 @@ class KLReference:
 
 
 def build_microbatches(step_batch: StepBatch, policy, reference, config, device) -> tuple[list[dict], int]:
-    """This rank's step batch as padded microbatches with advantages, old log-probs (policy) and reference log-probs."""
+    """This rank's step batch as microbatches (each padded to its own longest row, or with pipeline stages to the step's),
+    with advantages, old log-probs (policy) and reference log-probs; and the step's padded length (the pipeline
+    schedule's)."""
     micro_batch_size, temperature = config.train.micro_batch_size, config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
-    seq_len = batches.padded_length(step_batch.examples, config.data.max_seq_len, config.parallel.sequence_multiple)
+    pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
+                            multiple=config.parallel.sequence_multiple)
+    step_len = pad(step_batch.examples)
     microbatches = []
     for start in range(0, len(step_batch.examples), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
+        # Each micro-batch padded to its own longest row; pipeline stages exchange one shape, so there the step's.
+        seq_len = step_len if parallel.fixed_microbatch_shape() else pad(step_batch.examples[rows])
         batch = batches.collate(step_batch.examples[rows], seq_len, policy.tokenizer.pad_token_id)
         batch["sampler_logprobs"] = label_aligned(step_batch.sampler_logprobs[rows], seq_len)  # [micro, seq]
         if step_batch.routes is not None:
             batch["routes"], batch["routed"] = input_aligned_routes(step_batch.routes[rows], seq_len)
         batch = batches.to_device(batch, device)
+        batch["read"] = output.ReadPositions.where(batch["loss_mask"])  # the only positions projected onto the vocabulary
         batch["advantages"] = step_batch.advantages[rows, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         if recompute_old and "routes" in batch:
@@ -183,7 +196,7 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device)
         batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
         batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature, config.grpo.routing_replay)
         microbatches.append(batch)
-    return microbatches, seq_len
+    return microbatches, step_len
 
 
 def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from ckpt import checkpoint
 from config import cli, process
 from config.sections import DEFAULT_REWARD, SFTConfig
 from data import batches, prompts as prompt_data, rewards, sft as sft_data
-from model import build, moe, parallel
+from model import build, moe, output, parallel
 from trainer import evaluation, metrics
 from trainer.metrics import log
 
@@ -57,7 +57,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
 
 
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:
-    """Collated microbatches for one step, all padded to one length (pipeline stages exchange fixed shapes)."""
+    """Collated microbatches for one step (each padded to its own longest row; with pipeline stages, which exchange
+    fixed shapes, all to the step's), and the step's padded length."""
     groups = [[examples[index] for index in indices] for indices in microbatch_indices]
     if config.data.pack:
         # A microbatch's samples share as few rows as fit; the row count varies, which only the
@@ -65,10 +66,16 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         seq_len = config.data.max_seq_len
         collated = [batches.collate_packed(batches.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
-        seq_len = batches.padded_length([example for group in groups for example in group], config.data.max_seq_len,
-                                        config.parallel.sequence_multiple)
-        collated = [batches.collate(group, seq_len, pad_id) for group in groups]
-    return [batches.to_device(batch, device) for batch in collated], seq_len
+        pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
+                                multiple=config.parallel.sequence_multiple)
+        seq_len = pad([example for group in groups for example in group])
+        # Each microbatch padded to its own longest row; pipeline stages exchange one shape, so there the step's.
+        collated = [batches.collate(group, seq_len if parallel.fixed_microbatch_shape() else pad(group), pad_id)
+                    for group in groups]
+    collated = [batches.to_device(batch, device) for batch in collated]
+    for batch in collated:  # the only positions projected onto the vocabulary: those the loss reads (`model.output`)
+        batch["read"] = output.ReadPositions.where(batch["loss_mask"])
+    return collated, seq_len
 
 
 # ---------------------------------------------------------------- loss
@@ -83,11 +90,13 @@ def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """One microbatch through the model; with labels, megatron-core returns the per-token loss [batch, seq]."""
+    """One microbatch through the model: the per-token loss [batch, seq] of its response tokens, the output layer
+    applied at those positions only (`model.output`)."""
     batch = next(data_iterator)
     per_token_loss = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                            attention_mask=batch["attention_mask"], labels=batch["labels"],
-                           padding_mask=moe.routing_padding_mask(batch, model))
+                           padding_mask=moe.routing_padding_mask(batch, model),
+                           output_processor=output.loss_at_positions, output_processor_context=batch["read"])
     return per_token_loss, functools.partial(masked_token_loss, batch["loss_mask"])
 
 

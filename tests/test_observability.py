@@ -29,7 +29,8 @@ SFT = ["-m", "trainer.sft", "--train.steps=16", "--train.global_batch_size=8", "
        "--train.eval_samples=8", "--optim.warmup_steps=2", "--train.log_interval=4"]
 SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy"]
 GRPO_PANELS = ["training loss", "learning rate", "grad norm", "held-out accuracy", "reward", "rollout accuracy",
-               "KL to the reference", "entropy", "response length (tokens)", "rollout/training log-prob gap"]
+               "KL to the reference", "entropy", "response length (tokens)", "a step's time by phase (s)",
+               "rollout/training log-prob gap"]
 
 
 def metrics(out_dir) -> list[dict]:

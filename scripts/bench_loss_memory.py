@@ -4,7 +4,7 @@ computed in one piece (as before) and in chunks (now), and with the entropy bonu
 Run: .venv/bin/python scripts/bench_loss_memory.py [--batch 4] [--seq 128] [--vocab 151936]
 
 One process (a tensor-parallel group of one, gloo on CPU; CUDA when there is a GPU). The logits stand for the
-model's output: an fp32 leaf tensor [batch, seq, vocab] that requires grad. `trainer.grpo_update.policy_loss` runs on them
+model's output: an fp32 leaf tensor [1, read positions, vocab] that requires grad (every position read here). `trainer.grpo_update.policy_loss` runs on them
 with the default loss settings (`entropy_coef=0`, KL to reference log-probs given), then its backward. Every
 tensor the two allocate is counted through a TorchDispatchMode (each storage from its creation until it is freed),
 so the figure is the same on CPU and GPU: the peak of live bytes beyond the logits, and its ratio to the logits'
@@ -57,7 +57,7 @@ def measure(batch: dict, logits_shape: tuple, chunk_elements: int, device, entro
     grpo_math.ENTROPY_CHUNK_ELEMENTS = chunk_elements
     settings = grpo.LossSettings.from_config(GRPOSection(entropy_coef=entropy_coef))
     logits = torch.randn(logits_shape, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
-    with PeakMemory([logits, *(value for value in batch.values() if value is not None)]) as memory:
+    with PeakMemory([logits, *(value for value in batch.values() if torch.is_tensor(value))]) as memory:
         loss_sum, count, report = grpo.policy_loss(batch, settings, logits)
         (loss_sum / count).backward()
         loss, entropy = float(loss_sum.detach()), float(report["stats"][1])
@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from config.sections import ParallelConfig
-    from model import parallel
+    from model import output, parallel
     from trainer.metrics import setup_logging
 
     setup_logging(True)
@@ -82,10 +82,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     shape = (args.batch, args.seq, args.vocab)
     labels = torch.randint(0, args.vocab, shape[:2], generator=generator)
-    batch = {"labels": labels.to(runtime.device), "loss_mask": torch.ones(shape[:2], device=runtime.device),
+    mask = torch.ones(shape[:2], device=runtime.device)  # every position read: the logits are [1, batch x seq, vocab]
+    batch = {"labels": labels.to(runtime.device), "loss_mask": mask, "read": output.ReadPositions.where(mask),
              "advantages": torch.randn(args.batch, 1, generator=generator).to(runtime.device),
-             "old_logprobs": None,
+             "old_logprobs": None, "pi_old_recomputed": False, "sampler_logprobs": torch.zeros(shape[:2], device=runtime.device),
              "ref_logprobs": (-torch.rand(shape[:2], generator=generator) * 5).to(runtime.device)}
+    shape = (1, args.batch * args.seq, args.vocab)  # the read positions' logits, as the model's output layer gives them
     logits_elements = args.batch * args.seq * args.vocab
     from trainer import grpo_math
 

@@ -120,6 +120,7 @@ def _mismatch_on_a_stage(rank: int, port: int, results) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_a_pipeline_stage_without_routers_joins_the_mismatch_collective():
     """Before, a rank without routers returned before the all-reduce its peers waited in: a hang at PP=2 for a model
     whose first layers are dense."""

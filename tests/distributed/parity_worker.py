@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file
 
 from config.sections import ParallelConfig
-from model import build, generate, parallel
+from model import build, generate, output, parallel
 from model.tiny import ensure_tiny_checkpoint
 
 PROMPTS = [
@@ -106,6 +106,8 @@ def training_losses(path, pp: int, vpp: int) -> list[float]:
     generator = torch.Generator().manual_seed(0)
     examples = [batches.Example(torch.randint(3, 200, (20,), generator=generator).tolist(), [1] * 20) for _ in range(16)]
     microbatches = [batches.collate(examples[start : start + 4], 32, 0) for start in range(0, 16, 4)]
+    for batch in microbatches:  # as the loop's collation marks them: the positions the loss reads
+        batch["read"] = output.ReadPositions.where(batch["loss_mask"])
     return list(run_microbatches(chunks, microbatches, 32, forward_only=False))
 
 

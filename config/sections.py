@@ -438,7 +438,7 @@ class TrainerConfig:
 
     def _validate_parallel(self, world_size: int) -> None:
         parallel = self.parallel
-        for key in ("tp", "pp", "vpp"):
+        for key in ("tp", "pp", "vpp", "timeout_minutes"):
             _require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
         _require(world_size % (parallel.tp * parallel.pp) == 0,
                  f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
@@ -663,8 +663,6 @@ class GRPOConfig(TrainerConfig):
             "tool_timeout": (grpo.tool_timeout > 0, "positive"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
-        _require(self.parallel.timeout_minutes >= 1, f"`parallel.timeout_minutes` must be at least 1, got "
-                 f"{self.parallel.timeout_minutes}. Change `--parallel.timeout_minutes`.")
         for name, (holds, rule) in rules.items():
             _require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
         # GSPO's objective is the mean over completions of one clipped sequence ratio each; any other aggregation

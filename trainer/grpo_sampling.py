@@ -167,10 +167,12 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
         rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
                                    config, step, round_index, runtime, reward))
     examples, advantages, zero_advantage_count, kept_count, sampler_logprobs, routes = [], [], 0, 0, [], []
+    skipped_count = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
     for round_index, group in select_groups(rounds, wanted):
         sampling_round = rounds[round_index]
         zero_advantage_count += int(sampling_round.equal[group])
         kept_count += int(sampling_round.kept[group])
+        skipped_count += int(sampling_round.episodes[group * grpo.n_samples].skipped)
         advantages.append(sampling_round.advantages[group])
         for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
             episode = sampling_round.episodes[row]
@@ -181,9 +183,7 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
                                             [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
             sampler_logprobs.append([0.0] * len(episode.prompt_ids) + episode.logprobs)
             routes.append(episode.routes)
-    skipped = sum(rounds[round_index].episodes[group * grpo.n_samples].skipped
-                  for round_index, group in select_groups(rounds, wanted))
-    refuse_a_batch_of_skipped_prompts(skipped, wanted, config, step)
+    refuse_a_batch_of_skipped_prompts(skipped_count, wanted, config, step)
     return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds, sampler_logprobs,
                      routes if policy.routes else None)
 

@@ -163,6 +163,7 @@ class TrainConfig:
     # in 600 steps, which 32 did not (docs/grpo.md has the measured accuracies and their command).
     global_batch_size: int = field(default=64, metadata={"help": "samples per step over all data-parallel ranks (GRPO: completions, prompts per step x grpo.n_samples)"})
     micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward on one rank"})
+    micro_batch_tokens: int = field(default=0, metadata={"help": "a token budget per micro-batch instead (verl's ppo_max_token_len_per_gpu): a rank's rows sorted by length and grouped while rows x padded length fits, every rank with the same number of micro-batches (GRPO: within each of grpo.mini_batches); at least data.max_seq_len; not with pipeline stages or data.pack; 0: train.micro_batch_size rows each, in order"})
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
     out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, metrics.png, hf/ and checkpoints (on a shared file system for several nodes)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "a fresh run may replace an earlier run in train.out_dir (its checkpoints and metrics are deleted first); without it such a run is refused"})
@@ -529,7 +530,9 @@ class TrainerConfig:
                   ("train.log_interval", train.log_interval >= 1, "at least 1"),
                   ("ckpt.save_interval", ckpt.save_interval >= 0, "0 (only at the end) or more"),
                   ("ckpt.keep_last", ckpt.keep_last >= 1, "at least 1"),
-                  ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"))
+                  ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"),
+                  ("train.micro_batch_tokens", train.micro_batch_tokens == 0 or train.micro_batch_tokens >= self.data.max_seq_len,
+                   f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:
             _require(holds, f"`{key}` must be {rule}, got {_value(self, key)}. Change `--{key}`.")
 
@@ -564,9 +567,28 @@ class TrainerConfig:
     def _validate_batch(self, world_size: int) -> None:
         train = self.train
         data_parallel = self.parallel.data_parallel_size(world_size)
+        self._validate_token_budget()
+        if train.micro_batch_tokens:
+            _require(train.global_batch_size % data_parallel == 0,
+                     f"`train.global_batch_size={train.global_batch_size}` must be a multiple of the data-parallel size "
+                     f"{data_parallel}.")
+            return
         _require(train.global_batch_size % (train.micro_batch_size * data_parallel) == 0,
                  f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `train.micro_batch_size="
                  f"{train.micro_batch_size}` x data-parallel size {data_parallel}.")
+
+    def _validate_token_budget(self) -> None:
+        if not self.train.micro_batch_tokens:
+            return
+        _require(self.parallel.pp == 1,
+                 f"`train.micro_batch_tokens={self.train.micro_batch_tokens}` groups rows by length into micro-batches "
+                 f"of varying row counts, and pipeline stages (`parallel.pp={self.parallel.pp}`) exchange activations "
+                 "of one shape. Use `--train.micro_batch_tokens=0` (micro-batches of `train.micro_batch_size` rows) "
+                 "with `parallel.pp` > 1.")
+        _require(not self.data.pack,
+                 "`train.micro_batch_tokens` and `data.pack=true` both decide how a step's samples share micro-batches: "
+                 "packing fills rows of `data.max_seq_len`, the budget groups rows of similar length. Choose one: "
+                 "`--train.micro_batch_tokens=0` or `--data.pack=false`.")
 
 
 @dataclass
@@ -685,10 +707,13 @@ class GRPOConfig(TrainerConfig):
                  f"`train.global_batch_size={train.global_batch_size}` counts completions: it must be a multiple of "
                  f"`grpo.n_samples={grpo.n_samples}` whose number of prompts divides over the data-parallel size "
                  f"{data_parallel}. Change `--train.global_batch_size`.")
-        _require(train.global_batch_size % (grpo.mini_batches * train.micro_batch_size * data_parallel) == 0,
+        self._validate_token_budget()
+        micro = 1 if train.micro_batch_tokens else train.micro_batch_size  # a token budget groups rows of any count
+        _require(train.global_batch_size % (grpo.mini_batches * micro * data_parallel) == 0,
                  f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `grpo.mini_batches="
-                 f"{grpo.mini_batches}` x `train.micro_batch_size={train.micro_batch_size}` x data-parallel size "
-                 f"{data_parallel}. Change one of them.")
+                 f"{grpo.mini_batches}`"
+                 + ("" if train.micro_batch_tokens else f" x `train.micro_batch_size={train.micro_batch_size}`")
+                 + f" x data-parallel size {data_parallel}. Change one of them.")
 
 
 # ---------------------------------------------------------------- helpers

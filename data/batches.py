@@ -27,6 +27,33 @@ def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) 
     return min(max_seq_len, step * math.ceil(longest / step))
 
 
+def token_budget_microbatches(examples: list[Example], mini_batches: list[list[int]], budget: int, pad,
+                              agree_max) -> list[list[int]]:
+    """`train.micro_batch_tokens`: each mini-batch's example indices grouped into micro-batches of at most `budget`
+    tokens, rows x the padded length `pad(examples)` (verl's `ppo_max_token_len_per_gpu`): longest first, each
+    micro-batch filled with the next-longest rows while they fit, so rows of similar length share one. Every mini-batch
+    is then split to the same number of micro-batches, `agree_max(the largest count)` (the most over the data-parallel
+    ranks, whose forwards must pair up), by halving the micro-batch of most rows. A row longer than the budget goes
+    alone (start-up checks the budget holds `data.max_seq_len`)."""
+    grouped = []
+    for indices in mini_batches:
+        order = sorted(indices, key=lambda index: (-len(examples[index].input_ids), index))
+        groups: list[list[int]] = []
+        for index in order:
+            if groups and (len(groups[-1]) + 1) * pad([examples[groups[-1][0]]]) <= budget:
+                groups[-1].append(index)
+            else:
+                groups.append([index])
+        grouped.append(groups)
+    count = agree_max(max(len(groups) for groups in grouped))
+    for groups in grouped:
+        while len(groups) < count:  # never short of rows: every rank's mini-batch has as many as the others'
+            largest = max(range(len(groups)), key=lambda number: len(groups[number]))
+            rows = groups[largest]
+            groups[largest : largest + 1] = [rows[: (len(rows) + 1) // 2], rows[(len(rows) + 1) // 2 :]]
+    return [group for groups in grouped for group in groups]
+
+
 def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:
     """Right-pad examples into `tokens`, `labels`, `loss_mask`, `position_ids` and `padding_mask` of shape [batch, seq]."""
     batch, _ = fill_rows([[example] for example in examples], seq_len, pad_id)

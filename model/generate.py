@@ -34,14 +34,17 @@ from model.parallel import unwrap
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                generator) -> tuple[torch.Tensor, torch.Tensor]:
+                generator, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens from last-position logits (greedy at temperature 0, else top-k / top-p sampling), and the sampler's
     log-prob of each in fp32: under the distribution it drew from, after temperature, top-k and top-p (vLLM's
     processed log-probs), so the rollout/training gap and its correction (`grpo.rollout_correction=tis`) see the
-    behaviour policy that really sampled; greedy: the plain softmax's."""
+    behaviour policy that really sampled; greedy: the plain softmax's. Without `logprobs` (nothing reads them, as in
+    held-out evaluation) no log-softmax over the vocabulary is computed and each is 0.0."""
     # logits: [batch, vocab]
     if temperature <= 0:
         ids = logits.argmax(dim=-1)  # [batch]
+        if not logprobs:
+            return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         return ids, logits.float().log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
     logits = logits.float() / temperature
     if top_k > 0:
@@ -57,6 +60,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     # Our own generator, seeded per call, lives where the logits are (`sampling_generator`): the draws never depend on
     # the global RNG, so a run and its resume sample the same ids.
     ids = torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)  # [batch]
+    if not logprobs:
+        return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     return ids, logits.log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
@@ -139,18 +144,20 @@ def end_token_ids(model_path, tokenizer) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen: greedy at temperature 0, else top-k / top-p sampling from a seeded generator."""
+    """How the next token is chosen: greedy at temperature 0, else top-k / top-p sampling from a seeded generator;
+    `logprobs`: whether the sampler's log-prob of each id is computed (training reads it; evaluation does not)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    logprobs: bool = True
 
 
 class Completions(list):
     """Completions' token ids (a list, one per completion), with what the sampler knew of each:
-    - `logprobs`: per completion, each id's log-prob under softmax(logits / temperature) of the forward that sampled
-      it (the whole vocabulary, before top-k / top-p: as GRPO's loss sees it), 0.0 for ids given by `continue_rows`;
+    - `logprobs`: per completion, each id's log-prob under the distribution that sampled it (`sample_next`), 0.0 for
+      ids given by `continue_rows` (and for every id when `Sampling.logprobs` is off);
     - `routes` (Mixture-of-Experts, when asked): per completion, [prompt + completion ids, layers, top-k] experts each
       id was routed to when it went through the model (the completion's last id never does: its row means nothing)."""
 
@@ -185,7 +192,7 @@ class Generator:
         `record_routes` keeps a Mixture-of-Experts policy's routes (`Completions.routes`)."""
         return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
                         vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, with_logprobs=sampling.logprobs,
                         group=self.group if continue_rows is None else self.data_parallel_group,
                         continue_rows=continue_rows, routes=self.routes if record_routes and self.routes else None)
 
@@ -202,9 +209,10 @@ def _agree(value: int, group, op) -> int:
 @torch.no_grad()
 def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end_ids, vocab_size: int,
              samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, group=None, continue_rows=None, routes=None) -> Completions:
+             seed: int = 0, group=None, continue_rows=None, routes=None, with_logprobs: bool = True) -> Completions:
     """Completions (token ids, up to and including the first of `end_ids`): `samples` per prompt, a prompt's
-    consecutively, with each sampled id's log-prob; with `routes` (a `model.routing.Routes`), every id's experts.
+    consecutively, with each sampled id's log-prob (0.0 without `with_logprobs`); with `routes` (a `model.routing.Routes`),
+    every id's experts.
 
     `continue_rows` makes completions multi-turn without knowing why: when rows sample an end id, it is called with
     `[(row, completion so far, columns left)]` (row: the completion's index in the result) and returns for each
@@ -297,7 +305,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 _keep_cache_rows(context, copies)
             previous = position
             next_tokens, next_logprobs = _sample(logits, stages, tokens.size(0), device, vocab_size, temperature,
-                                                 top_p, top_k, generator)
+                                                 top_p, top_k, generator, with_logprobs)
             forced = position < forced_end  # [rows]
             tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
             logprobs[:, position] = torch.where(forced | done, 0.0, next_logprobs)
@@ -364,15 +372,15 @@ def _stage_forward(model, stages, window: torch.Tensor, **inputs):
 
 
 def _sample(logits, stages, rows: int, device, vocab_size: int, temperature: float, top_p: float, top_k: int,
-            generator) -> tuple[torch.Tensor, torch.Tensor]:
+            generator, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's next id and the sampler's log-prob of it ([rows] each): sampled where the logits are (the last
     pipeline stage) and sent from there to the other stages, exactly (ids and fp32 log-probs travel as fp64)."""
     if logits is not None:
         last = logits[:, -1, :vocab_size]  # [rows, vocab]
-        ids, logprobs = sample_next(last, temperature, top_p, top_k, generator)
+        ids, sampled_logprobs = sample_next(last, temperature, top_p, top_k, generator, with_logprobs)
         if stages is None:
-            return ids, logprobs
-        both = torch.stack([ids.double(), logprobs.double()])  # [2, rows]
+            return ids, sampled_logprobs
+        both = torch.stack([ids.double(), sampled_logprobs.double()])  # [2, rows]
     else:
         both = torch.empty(2, rows, dtype=torch.float64, device=device)
     both = stages.from_last(both)

@@ -210,6 +210,11 @@ def all_reduce_int(value: int, op, group=None) -> int:
     return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())
 
 
+def world_max(value: int) -> int:
+    """The largest of one integer over every rank (what all ranks must agree on, such as a step's micro-batch count)."""
+    return all_reduce_int(value, dist.ReduceOp.MAX)
+
+
 def model_parallel_shared(compute, *args):
     """`compute(*args)` run on the first rank of this rank's model-parallel group only (the tensor- and
     pipeline-parallel ranks of one model replica), its (picklable) result sent to the others: user code that may

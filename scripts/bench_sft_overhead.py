@@ -50,7 +50,7 @@ def main() -> None:
 
     def ours():
         microbatches, seq_len = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)
-        sft.train_step(policy, microbatches, seq_len)
+        sft.train_step(policy, microbatches, seq_len, metrics.StepTimer())
         policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
 
     fixed, _ = sft.collate_microbatches(examples, indices, config, tokenizer.pad_token_id, runtime.device)

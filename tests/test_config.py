@@ -24,7 +24,7 @@ SFT_KEYS = {
     "optim.override_optimizer_config", "ddp.override_ddp_config",
     "data.path", "data.hub_config", "data.eval_path", "data.prompt_field", "data.response_field", "data.messages_field",
     "data.max_seq_len", "data.pack", "data.cache",
-    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
+    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.micro_batch_tokens", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last", "ckpt.async_save",
     "log.tensorboard", "log.wandb", "log.wandb_project", "log.wandb_name",
@@ -92,6 +92,11 @@ def test_validate_startup_errors(tmp_path):
         (make(parallel={"timeout_minutes": 0}), 1, "`parallel.timeout_minutes` must be at least 1, got 0."),
         (make(parallel={"pp": 2, "use_megatron_fsdp": True}), 2, "`parallel.use_megatron_fsdp=true` does not work with pipeline"),
         (make(train={"global_batch_size": 6, "micro_batch_size": 4}), 1, "`train.global_batch_size=6` must be a multiple"),
+        (make(train={"micro_batch_tokens": 100}), 1, "`train.micro_batch_tokens` must be 0 (off) or at least `data.max_seq_len=128`"),
+        (make(model={"path": str(qwen_like)}, train={"micro_batch_tokens": 512}, parallel={"pp": 2}), 2,
+         "pipeline stages (`parallel.pp=2`) exchange activations of one shape"),
+        (make(train={"micro_batch_tokens": 512}, data={"pack": True}), 1, "Choose one: `--train.micro_batch_tokens=0`"),
+        (make(train={"micro_batch_tokens": 512, "global_batch_size": 5}), 2, "must be a multiple of the data-parallel size 2"),
     ]
     for config, world_size, expected in cases:
         with pytest.raises(UserError) as error:

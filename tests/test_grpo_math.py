@@ -263,3 +263,16 @@ def test_the_samplers_log_prob_is_under_the_distribution_it_drew_from():
     assert torch.equal(logprobs, (logits / 0.7).log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1))
     ids, logprobs = sample_next(logits, 0.0, 1.0, 0, generator)  # greedy: the plain softmax's
     assert ids.tolist() == [0] * 64 and torch.equal(logprobs, logits.log_softmax(dim=-1)[:, 0])
+
+
+def test_without_log_probs_the_sampler_draws_the_same_ids_and_computes_none():
+    """Held-out evaluation reads no log-prob: the sampler then skips the log-softmax over the vocabulary, and the ids
+    it draws (greedy, and sampled from the same seed) are the ones it draws with them."""
+    from model.generate import sample_next
+
+    logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(1))  # [rows, vocab]
+    for temperature, top_p, top_k in ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 50)):
+        with_logprobs = sample_next(logits, temperature, top_p, top_k, torch.Generator().manual_seed(2))
+        ids, logprobs = sample_next(logits, temperature, top_p, top_k, torch.Generator().manual_seed(2), logprobs=False)
+        assert torch.equal(ids, with_logprobs[0]) and logprobs.tolist() == [0.0] * 32
+        assert with_logprobs[1].max() < 0  # (the other call's are real log-probs)

@@ -27,10 +27,11 @@ pytestmark = pytest.mark.distributed
 # Long enough for the Slurm test's SIGTERM to land mid-run; evaluation on 8 held-out prompts gives the held-out panels.
 SFT = ["-m", "trainer.sft", "--train.steps=16", "--train.global_batch_size=8", "--train.micro_batch_size=4",
        "--train.eval_samples=8", "--optim.warmup_steps=2", "--train.log_interval=4"]
-SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy"]
+SFT_PANELS = ["training loss", "learning rate", "grad norm", "held-out loss", "held-out accuracy",
+              "an SFT step's time by phase (s)", "time between steps (s)"]
 GRPO_PANELS = ["training loss", "learning rate", "grad norm", "held-out accuracy", "reward", "rollout accuracy",
-               "KL to the reference", "entropy", "response length (tokens)", "a step's time by phase (s)",
-               "rollout/training log-prob gap"]
+               "KL to the reference", "entropy", "response length (tokens)", "a GRPO step's time by phase (s)",
+               "time between steps (s)", "rollout/training log-prob gap"]
 
 
 def metrics(out_dir) -> list[dict]:
@@ -205,7 +206,8 @@ def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):
     result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(sft_run), str(grpo_run), "--out", str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert png_text(out)["Description"] == "panels: " + "; ".join(dict.fromkeys(SFT_PANELS + GRPO_PANELS))
+    both = [title for title, _ in plots.PANELS if title in SFT_PANELS + GRPO_PANELS]  # in the panels' own order
+    assert png_text(out)["Description"] == "panels: " + "; ".join(both)
     figure = plots.figure([sft_run, grpo_run])
     assert [text.get_text() for text in figure.legends[0].get_texts()] == [sft_run.name, grpo_run.name]
     loss_axes = next(axes for axes in figure.axes if axes.get_title() == "training loss")

@@ -34,7 +34,8 @@ DOUBLE_WORKER = "tests/distributed/sft_with_fused_adam_double.py"
 PRECISION_AWARE = ["--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true", "--optim.main_grads_dtype=bf16",
                    "--optim.exp_avg_dtype=bf16", "--optim.exp_avg_sq_dtype=bf16"]
 # The same global batch of 8 (and seed 5): DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4,
-# DP=2 packed. Name: (process count, extra arguments).
+# DP=2 packed, DP=2 grouped by a token budget (128: two rows of the task's a micro-batch; 256 under Megatron-FSDP,
+# whose every forward gathers over the ranks: their micro-batch counts must agree). Name: (process count, extra arguments).
 DATA_PARALLEL_RUN = ["--train.steps=10", "--train.global_batch_size=8", "--train.eval_samples=0", "--train.seed=5",
                      "--optim.warmup_steps=1"]
 DATA_PARALLEL_RUNS = {
@@ -42,6 +43,8 @@ DATA_PARALLEL_RUNS = {
     "dp1_micro2": (1, ["--train.micro_batch_size=2"]),
     "dp2_micro4": (2, ["--train.micro_batch_size=4"]),
     "dp2_micro2_packed": (2, ["--train.micro_batch_size=2", "--data.pack=true"]),
+    "dp2_token_budget": (2, ["--train.micro_batch_tokens=128"]),
+    "dp2_token_budget_fsdp": (2, ["--train.micro_batch_tokens=256", "--parallel.use_megatron_fsdp=true"]),
 }
 # Per-step worst relative differences from ddp_fp32 measured on CPU (2 processes): Megatron-FSDP 4.9e-8
 # (reduction order only); bf16 weights with the distributed optimizer 4.5e-4; precision-aware with bf16
@@ -168,7 +171,9 @@ def test_broadcast_parameters_synchronises_every_chunk(shared_launch):
 
 
 def test_data_parallel_accumulation_and_packing_leave_losses_unchanged(runs):
-    """Same global batch of 8: DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4, DP=2 packed."""
+    """Same global batch of 8: DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4, DP=2 packed,
+    DP=2 grouped by a token budget (DDP, and Megatron-FSDP): the loss is the token mean of the global batch whatever
+    the grouping."""
     reference = runs["dp1_micro8"].losses
     for name in DATA_PARALLEL_RUNS:
         values = runs[name].losses

@@ -7,6 +7,7 @@ The torchrun runs share one 2-process launch, from the session's default SFT (co
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -194,6 +195,8 @@ def launches(default_sft, tmp_path_factory):
         {"module": "trainer.sft", "argv": [f"--train.out_dir={exported}", "--resume-from-checkpoint", "latest"]},
         grpo_command("dapo2", "--config", "dapo", *ten),
         grpo_command("dapo1", "--config", "dapo", *ten, "--parallel.tp=2"),
+        grpo_command("dapo2_budget_fsdp", "--config", "dapo", *ten, "--train.micro_batch_tokens=256",
+                     "--parallel.use_megatron_fsdp=true"),
         grpo_command("gspo2", "--config", "gspo", *ten, "--train.steps=1"),
         grpo_command("text", *brief, "--grpo.reward=fidelity_rewards:text", expect_error=True),
         grpo_command("third", *brief, "--grpo.reward=fidelity_rewards:third"),
@@ -228,7 +231,25 @@ def test_dapo_and_gspo_clip_with_several_updates_a_step_on_a_set_smaller_than_a_
         assert [row["step"] for row in rows] == steps
         assert all(row["clip_frac"] > 0 for row in rows)
         assert all(row["grad_norm_max"] >= row["grad_norm"] > 0 for row in rows)  # the mean over the step's updates
+        # pi_old is recomputed, a forward over the batch of its own, timed as such (DAPO and GSPO: no KL reference).
+        assert all(row["pi_old_time_s"] > 0.1 * row["update_time_s"] for row in rows)
     assert all(row["sampling_rounds"] >= 1 for row in metrics(root / "dapo2") if "loss" in row)
+
+
+@pytest.mark.distributed
+def test_a_token_budget_regroups_the_micro_batches_and_leaves_the_loss_as_it_was(runs):
+    """DAPO (4 updates a step, each the token mean over its mini-batch) with `train.micro_batch_tokens=256` under
+    Megatron-FSDP against 16 rows a micro-batch under DDP: the same rollouts, the loss and figures of step 1 within
+    summation order (measured: 1e-7 relative), and the micro-batch counts agreed over the ranks (no hang)."""
+    root = runs["root"]
+    budget, rows = ([row for row in metrics(root / name) if "loss" in row] for name in ("dapo2_budget_fsdp", "dapo2"))
+    assert [row["step"] for row in budget] == [1, 2]
+    first, reference = budget[0], rows[0]
+    assert (first["reward_mean"], first["response_len"]) == (reference["reward_mean"], reference["response_len"])
+    for key in ("loss", "grad_norm", "entropy"):
+        print(key, first[key], reference[key])
+        assert math.isclose(first[key], reference[key], rel_tol=1e-5, abs_tol=1e-9), key
+    assert abs(first["clip_frac"] - reference["clip_frac"]) < 2e-3  # a token at the clip's edge may round across it
 
 
 @pytest.mark.distributed

@@ -25,6 +25,12 @@ def test_default_run_learns(default_sft):
           f"{final['eval_format_rate']:.2f}, reward's full marks {final['eval_accuracy']:.2f}")
     assert len(losses) == 600
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
+    # The step's phases (rank 0's) are the step, but for the clock's own calls; evaluation and saves are timed apart.
+    for row in rows[1:]:
+        phases = [row[f"{name}_time_s"] for name in ("data", "forward_backward", "optimizer")]
+        assert min(phases) > 0 and 0.95 * row["step_time_s"] < sum(phases) <= row["step_time_s"]
+        assert row["checkpoint_time_s"] >= 0 and ("eval_time_s" in row) == ("eval_loss" in row)
+    assert rows[-1]["checkpoint_time_s"] > 0.01 and rows[-1]["eval_time_s"] > 0.1  # the last save and export; evaluation
     assert losses[-1] <= 0.5 * losses[0]
     assert baseline["step"] == 0 and baseline["eval_answer_accuracy"] == 0.0
     # It learned the arithmetic (1.00 / 0.95 / 0.99 on 100 problems at seeds 1 / 2 / 3, 0.986 on 1000 at this

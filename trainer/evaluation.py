@@ -23,7 +23,7 @@ def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tok
     episodes = []
     for start in range(0, len(mine), batch):
         episodes += rollout.run(policy.generator, mine[start : start + batch], samples=1, max_new_tokens=max_new_tokens,
-                                sampling=generate.Sampling())[0]
+                                sampling=generate.Sampling(logprobs=False))[0]  # greedy; nothing reads log-probs
     scores = rollout_data.score(reward, episodes)
     local = {**scores.totals(), "with_calls": rollout_data.totals(episodes)["episodes_with_calls"]}
     totals = dict(zip(local, parallel.data_parallel_sum(list(local.values()))))

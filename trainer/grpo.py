@@ -163,18 +163,18 @@ def main(argv: list[str]):
             with metrics.StepTimer() as timer:
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
                 reward_failures.check(step_batch, step)
-                with timer.phase("reference"):
-                    microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device)
+                microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device, timer)
                 with timer.phase("update"):
                     update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step):
-                row.update(evaluate())
+                row.update(metrics.timed("eval", evaluate, into=row))
+            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
             writer.write(row)
             if config.train.logs_at(step):
                 writer.write_samples(step, sample_rows(step_batch, policy.tokenizer, config.grpo.n_samples, toolset))
-            if checkpointer.maybe_save_or_export(step, timer.seconds):
+            if stop:
                 break
     checkpointer.export_if_already_finished(start_step)
     episode_sampler.close()

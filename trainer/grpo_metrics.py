@@ -22,12 +22,14 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
 
 
 def phase_figures(total: dict, runtime) -> dict:
-    """Where the step's seconds went besides generating (`rollout_time_s`): scoring (`reward_time_s`), the log-probs
-    computed before the update (`reference_time_s`: collating, the KL reference's forward, and pi_old's when it is
-    recomputed) and the update (`update_time_s`: forwards, backwards, optimizer steps), means over data-parallel ranks
-    as `rollout_time_s`; on a GPU also this process's peak allocated memory (`peak_memory_gib`)."""
+    """Where the step's seconds went besides generating (`rollout_time_s`): scoring (`reward_time_s`), pi_old's
+    forward (`pi_old_time_s`, 0 unless it is recomputed), the KL reference's (`reference_time_s`, 0 without KL) and the
+    update (`update_time_s`: forwards, backwards, optimizer steps), means over data-parallel ranks as `rollout_time_s`
+    (what is left of `step_time_s`: collating the micro-batches and a few collectives); on a GPU also this process's
+    peak allocated memory (`peak_memory_gib`). The loop adds `eval_time_s` and `checkpoint_time_s` (rank 0's, after
+    the step's clock stops)."""
     return {"reward_time_s": total["reward_seconds"] / runtime.dp_size,
-            **{name: total[name] / runtime.dp_size for name in ("reference_time_s", "update_time_s")},
+            **{name: total[name] / runtime.dp_size for name in ("pi_old_time_s", "reference_time_s", "update_time_s")},
             **metrics.peak_memory_gib()}
 
 

@@ -168,24 +168,25 @@ class KLReference:
                 self.routes.clear()
 
 
-def build_microbatches(step_batch: StepBatch, policy, reference, config, device) -> tuple[list[dict], int]:
+def build_microbatches(step_batch: StepBatch, policy, reference, config, device, timer) -> tuple[list[dict], int]:
     """This rank's step batch as microbatches (each padded to its own longest row, or with pipeline stages to the step's),
-    with advantages, old log-probs (policy) and reference log-probs; and the step's padded length (the pipeline
+    with advantages, old log-probs (policy) and reference log-probs, their forwards timed as the step's `pi_old` and
+    `reference` phases (`timer`, a `trainer.metrics.StepTimer`); and the step's padded length (the pipeline
     schedule's)."""
-    micro_batch_size, temperature = config.train.micro_batch_size, config.grpo.temperature
+    temperature = config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
     pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
                             multiple=config.parallel.sequence_multiple)
     step_len = pad(step_batch.examples)
     microbatches = []
-    for start in range(0, len(step_batch.examples), micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
+    for rows in microbatch_rows(step_batch, config, pad):
+        examples = [step_batch.examples[row] for row in rows]
         # Each micro-batch padded to its own longest row; pipeline stages exchange one shape, so there the step's.
-        seq_len = step_len if parallel.fixed_microbatch_shape() else pad(step_batch.examples[rows])
-        batch = batches.collate(step_batch.examples[rows], seq_len, policy.tokenizer.pad_token_id)
-        batch["sampler_logprobs"] = label_aligned(step_batch.sampler_logprobs[rows], seq_len)  # [micro, seq]
+        seq_len = step_len if parallel.fixed_microbatch_shape() else pad(examples)
+        batch = batches.collate(examples, seq_len, policy.tokenizer.pad_token_id)
+        batch["sampler_logprobs"] = label_aligned([step_batch.sampler_logprobs[row] for row in rows], seq_len)  # [micro, seq]
         if step_batch.routes is not None:
-            batch["routes"], batch["routed"] = input_aligned_routes(step_batch.routes[rows], seq_len)
+            batch["routes"], batch["routed"] = input_aligned_routes([step_batch.routes[row] for row in rows], seq_len)
         batch = batches.to_device(batch, device)
         batch["read"] = output.ReadPositions.where(batch["loss_mask"])  # the only positions projected onto the vocabulary
         batch["advantages"] = step_batch.advantages[rows, None].to(device)  # [micro, 1]
@@ -193,10 +194,26 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device)
         if recompute_old and "routes" in batch:
             policy.routes.load(batch["routes"], batch["routed"], config.grpo.routing_replay, compare=True)
         batch["pi_old_recomputed"] = recompute_old
-        batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
-        batch["ref_logprobs"] = None if reference is None else reference.logprobs(batch, temperature, config.grpo.routing_replay)
+        with timer.phase("pi_old"):
+            batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
+        with timer.phase("reference"):
+            batch["ref_logprobs"] = (None if reference is None
+                                     else reference.logprobs(batch, temperature, config.grpo.routing_replay))
         microbatches.append(batch)
     return microbatches, step_len
+
+
+def microbatch_rows(step_batch: StepBatch, config, pad) -> list[list[int]]:
+    """The step batch's rows of each micro-batch: `train.micro_batch_size` rows in order, or grouped by length within
+    each of the `grpo.mini_batches` (`train.micro_batch_tokens`, `data.batches.token_budget_microbatches`); either way
+    every mini-batch has the same number of micro-batches on every rank."""
+    rows, budget = len(step_batch.examples), config.train.micro_batch_tokens
+    if not budget:
+        size = config.train.micro_batch_size
+        return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
+    per_mini_batch = rows // config.grpo.mini_batches
+    mini_batches = [list(range(start, start + per_mini_batch)) for start in range(0, rows, per_mini_batch)]
+    return batches.token_budget_microbatches(step_batch.examples, mini_batches, budget, pad, parallel.world_max)
 
 
 def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:
@@ -237,7 +254,7 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
                 forward_step_func=functools.partial(forward_step, settings, policy.routes),
                 data_iterator=iter(microbatches[start : start + per_update]),
                 model=policy.chunks, num_microbatches=per_update, seq_length=seq_len,
-                micro_batch_size=config.train.micro_batch_size, forward_only=False)
+                micro_batch_size=microbatches[start]["tokens"].size(0), forward_only=False)
             _, grad_norm, _ = policy.optimizer.step()
             grad_norms.append(float(grad_norm or 0.0))
             for output in outputs:

@@ -222,6 +222,9 @@ def _synchronize() -> None:
 class StepTimer:
     """Wall time of one step, and of named phases inside it (`phase`), synchronising the GPU so queued kernels count."""
 
+    def __init__(self):
+        self.phases, self.seconds = {}, 0.0  # phases can be timed outside a `with` too (benchmarks)
+
     def __enter__(self):
         _synchronize()
         self.start, self.phases = time.perf_counter(), {}
@@ -239,6 +242,15 @@ class StepTimer:
         yield
         _synchronize()
         self.phases[f"{name}_time_s"] = self.phases.get(f"{name}_time_s", 0.0) + time.perf_counter() - start
+
+
+def timed(name: str, function, *args, into: dict):
+    """`function(*args)`, its seconds (queued GPU work included) put into `into` as `<name>_time_s`: the work
+    between two steps (evaluation, a checkpoint's save) in the step's row."""
+    with StepTimer() as timer:
+        result = function(*args)
+    into[f"{name}_time_s"] = timer.seconds
+    return result
 
 
 def peak_memory_gib() -> dict:

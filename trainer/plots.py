@@ -27,7 +27,10 @@ PANELS = (
     ("tool failures per step", ("tool_errors", "tool_parse_errors", "tool_timeouts", "tool_timeout_ends", "unknown_tools",
                                 "max_turns_reached", "out_of_room", "prompts_too_long")),
     ("tool time (s)", ("tool_time_s",)),
-    ("a step's time by phase (s)", ("rollout_time_s", "reward_time_s", "reference_time_s", "update_time_s")),
+    ("a GRPO step's time by phase (s)", ("rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s",
+                                         "update_time_s")),
+    ("an SFT step's time by phase (s)", ("data_time_s", "forward_backward_time_s", "optimizer_time_s")),
+    ("time between steps (s)", ("eval_time_s", "checkpoint_time_s")),
     ("MoE load imbalance (busiest expert / mean)", ("moe_load_imbalance",)),
     ("MoE router losses", ("moe_aux_loss", "moe_z_loss")),
     ("rollout/training log-prob gap", ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl")),
@@ -42,8 +45,10 @@ KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answ
               "unknown_tools": "unknown tools", "max_turns_reached": "max turns", "out_of_room": "out of room",
               "prompts_too_long": "prompts too long after reset", "moe_aux_loss": "load balancing", "moe_z_loss": "z-loss",
               "rollout_logprob_diff_mean": "mean |diff|", "rollout_logprob_diff_max": "max |diff|", "rollout_kl": "k3 KL",
-              "rollout_time_s": "rollout", "reward_time_s": "reward",
-              "reference_time_s": "reference log-probs", "update_time_s": "update"}
+              "rollout_time_s": "rollout", "reward_time_s": "reward", "pi_old_time_s": "pi_old log-probs",
+              "reference_time_s": "reference log-probs", "update_time_s": "update", "data_time_s": "data",
+              "forward_backward_time_s": "forward and backward", "optimizer_time_s": "optimizer",
+              "eval_time_s": "evaluation", "checkpoint_time_s": "checkpoint (the loop's wait)"}
 # A panel's keys: the line styles first, then each again with a marker (the colours are the runs'), so a panel of up
 # to nine keys shows each its own way.
 LINE_STYLES = ("-", "--", ":")

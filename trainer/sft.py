@@ -56,6 +56,16 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     return SFTData(train, eval_examples, eval_prompts)
 
 
+def token_budget_indices(examples, microbatch_indices: list[list[int]], config) -> list[list[int]]:
+    """A step's micro-batches regrouped by length under `train.micro_batch_tokens` (as they are without it)."""
+    if not config.train.micro_batch_tokens:
+        return microbatch_indices
+    pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
+                            multiple=config.parallel.sequence_multiple)
+    rows = [index for indices in microbatch_indices for index in indices]
+    return batches.token_budget_microbatches(examples, [rows], config.train.micro_batch_tokens, pad, parallel.world_max)
+
+
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:
     """Collated microbatches for one step (each padded to its own longest row; with pipeline stages, which exchange
     fixed shapes, all to the step's), and the step's padded length."""
@@ -118,15 +128,18 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
     return parallel.reduce_loss_over_data_parallel(losses)
 
 
-def train_step(policy, microbatches: list[dict], seq_len: int) -> tuple[float, float, float]:
-    """One optimizer step over a global batch's microbatches; returns (loss sum, response tokens, grad norm)."""
-    for chunk in policy.chunks:
-        chunk.zero_grad_buffer()
-    policy.optimizer.zero_grad()
-    policy.routing_figures.start_step()
-    loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
-    _, grad_norm, _ = policy.optimizer.step()
-    policy.lr_schedule.step(increment=1)
+def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float]:
+    """One optimizer step over a global batch's microbatches, timed as the step's `forward_backward` and `optimizer`
+    phases (`timer`, a `trainer.metrics.StepTimer`); returns (loss sum, response tokens, grad norm)."""
+    with timer.phase("forward_backward"):
+        for chunk in policy.chunks:
+            chunk.zero_grad_buffer()
+        policy.optimizer.zero_grad()
+        policy.routing_figures.start_step()
+        loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
+    with timer.phase("optimizer"):
+        _, grad_norm, _ = policy.optimizer.step()
+        policy.lr_schedule.step(increment=1)
     return loss_sum, tokens, float(grad_norm or 0.0)
 
 
@@ -164,13 +177,14 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
 
 
 def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],
-             seq_len: int, seconds: float, epoch: int) -> dict:
-    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, MoE routing (`model.moe`), and
-    MFU/memory on GPUs. Collective."""
+             seq_len: int, timer, epoch: int) -> dict:
+    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, the step's phases (rank 0's
+    `data_time_s`, `forward_backward_time_s`, `optimizer_time_s`), MoE routing (`model.moe`), and MFU/memory on GPUs.
+    Collective."""
     input_tokens = policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
     row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": policy.optimizer.param_groups[0]["lr"],
-           "grad_norm": grad_norm, "tokens_per_s": input_tokens / seconds, "step_time_s": seconds, "epoch": epoch,
-           **policy.routing_figures.step_figures()}
+           "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds,
+           "epoch": epoch, **timer.phases, **policy.routing_figures.step_figures()}
     if peak := metrics.peak_flops():
         flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
         row["mfu"] = flops / (peak * runtime.world_size)
@@ -221,15 +235,17 @@ def main(argv: list[str]):
         startup.report()
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
-                microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,
-                                                             tokenizer.pad_token_id, runtime.device)
-                loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len)
-            row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer.seconds,
-                           schedule.epoch)
+                with timer.phase("data"):
+                    indices = token_budget_indices(data.train, schedule.next_global_batch(), config)
+                    microbatches, seq_len = collate_microbatches(data.train, indices, config, tokenizer.pad_token_id,
+                                                                 runtime.device)
+                loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len, timer)
+            row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer, schedule.epoch)
             if config.train.evaluates_at(step):
-                row.update(evaluate(policy, data, config, runtime))
+                row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
+            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
             writer.write(row)
-            if checkpointer.maybe_save_or_export(step, timer.seconds):
+            if stop:
                 break
     checkpointer.export_if_already_finished(start_step)
     parallel.shutdown(runtime)

@@ -54,6 +54,12 @@ def token_budget_microbatches(examples: list[Example], mini_batches: list[list[i
     return [group for groups in grouped for group in groups]
 
 
+def padding_counts(microbatches: list[dict]) -> list[float]:
+    """[padded positions, all positions] of collated micro-batches: what `padding_share` in metrics.jsonl divides."""
+    return [float(sum(int(batch["padding_mask"].sum()) for batch in microbatches)),
+            float(sum(batch["tokens"].numel() for batch in microbatches))]
+
+
 def collate(examples: list[Example], seq_len: int, pad_id: int) -> dict:
     """Right-pad examples into `tokens`, `labels`, `loss_mask`, `position_ids` and `padding_mask` of shape [batch, seq]."""
     batch, _ = fill_rows([[example] for example in examples], seq_len, pad_id)

@@ -60,10 +60,14 @@ class Run(NamedTuple):
     output_tail: str
 
 
+def rows(out_dir) -> list[dict]:
+    """The step rows of metrics.jsonl."""
+    return [row for row in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+
 def step_losses(out_dir) -> list[float]:
     """Per-step training losses from metrics.jsonl."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row]
+    return [row["loss"] for row in rows(out_dir)]
 
 
 def worst_relative_difference(values: list[float], reference: list[float]) -> float:
@@ -181,5 +185,9 @@ def test_data_parallel_accumulation_and_packing_leave_losses_unchanged(runs):
         worst = max(abs(a - b) for a, b in zip(values, reference))
         print(f"{name}: max |loss - dp1_micro8| = {worst:.2e}")
         assert worst < 1e-5, name
+    # Grouping rows of similar length pads less than micro-batches in order (both at 4 rows a rank).
+    padding = {name: [row["padding_share"] for row in rows(runs[name].out_dir)] for name in ("dp2_micro4", "dp2_token_budget")}
+    print("padding share, mean over steps:", {name: sum(values) / len(values) for name, values in padding.items()})
+    assert sum(padding["dp2_token_budget"]) < sum(padding["dp2_micro4"])
     # The real megatron-core model, DDP and optimizer under the CPU layer learn on 2 processes.
     assert sum(reference[-3:]) / 3 < 0.8 * sum(reference[:3]) / 3

@@ -168,7 +168,7 @@ def main(argv: list[str]):
                     update = update_policy(policy, microbatches, seq_len, config, settings)
                 policy.lr_schedule.step(increment=1)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
-            if config.train.evaluates_at(step):
+            if config.train.evaluates_at(step) and eval_prompts:
                 row.update(metrics.timed("eval", evaluate, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
             writer.write(row)

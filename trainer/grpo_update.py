@@ -261,6 +261,7 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
                 totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(output["gap_max"]))
     loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = parallel.last_stage_sum(totals.tolist())
+    padded, positions = parallel.data_parallel_sum(batches.padding_counts(microbatches))
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
             **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),
@@ -268,7 +269,8 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
             "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
             "rollout_logprob_diff_mean": gap / max(tokens, 1),
             "rollout_logprob_diff_max": parallel.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
-            "rollout_kl": rollout_kl / max(tokens, 1), **route_mismatch(policy.routes),
+            "rollout_kl": rollout_kl / max(tokens, 1), "padding_share": padded / max(positions, 1),
+            **route_mismatch(policy.routes),
             **policy.routing_figures.step_figures()}
 
 

@@ -178,13 +178,15 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
 
 def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],
              seq_len: int, timer, epoch: int) -> dict:
-    """One metrics.jsonl row: loss over the global batch's response tokens, throughput, the step's phases (rank 0's
+    """One metrics.jsonl row: loss over the global batch's response tokens, throughput (padding included; the padded
+    share of the positions fed is `padding_share`), the step's phases (rank 0's
     `data_time_s`, `forward_backward_time_s`, `optimizer_time_s`), MoE routing (`model.moe`), and MFU/memory on GPUs.
     Collective."""
-    input_tokens = policy.global_tokens(sum(batch["tokens"].numel() for batch in microbatches))
+    padded, input_tokens = (policy.global_tokens(count) for count in batches.padding_counts(microbatches))
     row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": policy.optimizer.param_groups[0]["lr"],
            "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds,
-           "epoch": epoch, **timer.phases, **policy.routing_figures.step_figures()}
+           "epoch": epoch, "padding_share": padded / max(input_tokens, 1), **timer.phases,
+           **policy.routing_figures.step_figures()}
     if peak := metrics.peak_flops():
         flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
         row["mfu"] = flops / (peak * runtime.world_size)
@@ -241,7 +243,7 @@ def main(argv: list[str]):
                                                                  runtime.device)
                 loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len, timer)
             row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer, schedule.epoch)
-            if config.train.evaluates_at(step):
+            if config.train.evaluates_at(step) and data.eval:
                 row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
             writer.write(row)

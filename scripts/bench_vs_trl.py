@@ -21,6 +21,7 @@ one, and the slowdown differs between the stacks (the summary prints the load av
 
     .venv/bin/python scripts/bench_vs_trl.py                       # 6 steps x 2 rounds at GRPO's default batch
     .venv/bin/python scripts/bench_vs_trl.py --steps 2 --rounds 1 --batch-prompts 4    # a check that both sides run
+    .venv/bin/python scripts/bench_vs_trl.py --ours=--train.micro_batch_tokens=8192     # ours with a token budget
 """
 
 import argparse
@@ -262,6 +263,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="completion budget (default: GRPO's, 32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of each side (default: torch's default here, the physical cores)")
+    parser.add_argument("--ours", action="append", default=[], metavar="--KEY=VALUE",
+                        help="a further argument of our side, e.g. --ours=--train.micro_batch_tokens=8192 (repeatable)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -283,7 +286,7 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     model = resolve_model(args.model)
     python = trl_python()
-    ours = our_arguments(model, completions, micro_batch, new_tokens, args.steps)
+    ours = our_arguments(model, completions, micro_batch, new_tokens, args.steps) + args.ours
     job = {"model": str(model), "reward": config.grpo.reward, "format_bonus": config.grpo.format_bonus,
            "problems": ARITHMETIC_SPLITS["train"], "threads": threads,
            "arguments": trl_arguments(config, completions, micro_batch, new_tokens, args.steps)}

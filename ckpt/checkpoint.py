@@ -29,7 +29,7 @@ from ckpt.state import _estimated_save_bytes, _uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
 from config.cli import to_dict
 from config.process import is_global_rank_zero
-from config.sections import read_hf_config
+from config.hf import read_hf_config
 
 # Re-exported: the loops, tests and scripts reach these through `ckpt.checkpoint`.
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, SHARDED_DIR, STATE_FILE, checkpoint_name  # noqa: F401

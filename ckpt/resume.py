@@ -13,7 +13,7 @@ import torch
 
 from ckpt.layout import LATEST, SHARDED_DIR, STATE_FILE
 from config.errors import UserError
-from config.sections import hf_expert_count
+from config.hf import hf_expert_count
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from config.sections import read_hf_config
+from config.hf import read_hf_config
 from model import parallel
 from model.parallel import unwrap
 

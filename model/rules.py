@@ -5,7 +5,7 @@
 recomputation), `moe_router_overrides` those of a Mixture-of-Experts router; `cuda_device_max_connections` the environment variable megatron-core's communication overlap needs.
 Nothing here touches a process group, a device or a model: the machine comes in as an `Environment`, so every
 branch is tested on the real classes on CPU, GPUs simulated. The checks of the same settings run earlier, at
-start-up (`config.sections.TrainerConfig.validate`).
+start-up (`config.loops.TrainerConfig.validate`).
 """
 
 import dataclasses

@@ -75,7 +75,7 @@ def measure(name: str, checkpoints: dict, seq_len: int, dtype: str, tokenizer) -
     import torch
 
     from config import cli
-    from config.sections import SFTConfig
+    from config.loops import SFTConfig
     from model import build, parallel
 
     figures = {}

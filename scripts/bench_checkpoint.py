@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from ckpt import checkpoint  # noqa: E402
-from config.sections import SFTConfig  # noqa: E402
+from config.loops import SFTConfig  # noqa: E402
 from model import build, parallel  # noqa: E402
 from trainer import metrics  # noqa: E402
 

@@ -111,7 +111,7 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
     import torch
 
     from config import cli
-    from config.sections import SFTConfig
+    from config.loops import SFTConfig
     from data import sft as sft_data
     from model import build
     from scripts import fused_adam_double
@@ -152,7 +152,8 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from config.sections import ModelConfig, ParallelConfig, SFTConfig
+    from config.loops import SFTConfig
+    from config.sections import ModelConfig, ParallelConfig
     from data import sft as sft_data
     from model import build, parallel
     from trainer import metrics

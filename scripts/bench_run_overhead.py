@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config.sections import GRPOConfig  # noqa: E402
+from config.loops import GRPOConfig  # noqa: E402
 from data import prompts as prompt_data  # noqa: E402
 from model import build  # noqa: E402
 from model.tiny import ensure_tiny_checkpoint  # noqa: E402

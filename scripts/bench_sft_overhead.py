@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config.sections import SFTConfig  # noqa: E402
+from config.loops import SFTConfig  # noqa: E402
 from data import sft as sft_data  # noqa: E402
 from model import build, parallel  # noqa: E402
 from trainer import metrics, sft  # noqa: E402

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config.sections import DataConfig, ModelConfig, SFTConfig  # noqa: E402
+from config.loops import SFTConfig  # noqa: E402
+from config.sections import DataConfig, ModelConfig  # noqa: E402
 from data.arithmetic import EVAL_SEED, generate_problems  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 

@@ -81,7 +81,7 @@ def trl_python() -> Path:
 def resolve_model(name: str | None) -> Path:
     """The HF checkpoint directory both sides load: `name`, an embedded model's name, or the default SFT's export
     when it exists, else the embedded tiny model."""
-    from config.sections import GRPOConfig
+    from config.loops import GRPOConfig
     from model import tiny
 
     if name is None:
@@ -275,7 +275,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from config.sections import GRPOConfig
+    from config.loops import GRPOConfig
     from data.sft import ARITHMETIC_SPLITS
 
     config = GRPOConfig()

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.cli import help_text  # noqa: E402
-from config.sections import GRPOConfig, SFTConfig  # noqa: E402
+from config.loops import GRPOConfig, SFTConfig  # noqa: E402
 
 TARGET = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

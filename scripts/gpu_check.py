@@ -178,7 +178,8 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
     import torch
     import transformers
 
-    from config.sections import DataConfig, ModelConfig, SFTConfig
+    from config.loops import SFTConfig
+    from config.sections import DataConfig, ModelConfig
     from model import build, parallel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import cli  # noqa: E402
-from config.sections import GRPOConfig  # noqa: E402
+from config.loops import GRPOConfig  # noqa: E402
 from data import prompts as prompt_data, rewards, tools as tool_data  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 from trainer import evaluation, rollout as rollout_data  # noqa: E402

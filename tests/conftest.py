@@ -99,7 +99,7 @@ def merged_environment(requests: list[dict]) -> dict:
 def uses_megatron_fsdp(command: dict) -> bool:
     """Whether a `trainer.*` command trains under Megatron-FSDP (its config as written)."""
     from config import cli
-    from config.sections import GRPOConfig, SFTConfig
+    from config.loops import GRPOConfig, SFTConfig
 
     config_class = SFTConfig if command["module"] == "trainer.sft" else GRPOConfig
     return cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])[0].parallel.use_megatron_fsdp

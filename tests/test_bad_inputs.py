@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from config.errors import UserError
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 from data import sft as sft_data
 from model import build
 from tests.conftest import REPO

@@ -178,7 +178,7 @@ def test_start_up_removes_what_killed_saves_left_but_not_what_latest_names(tmp_p
 def used_output_dir(tmp_path, *argv):
     """An SFT config whose `train.out_dir` holds a finished run's checkpoint and metrics."""
     from config.cli import parse_args
-    from config.sections import SFTConfig
+    from config.loops import SFTConfig
 
     config, resume = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", *argv], "trainer.sft")
     fake_checkpoint(tmp_path / "checkpoints", 6)

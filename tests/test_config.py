@@ -9,7 +9,7 @@ from tests.conftest import REPO
 from config import cli, sections
 from config.cli import flat_keys, parse_args
 from config.errors import UserError
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
@@ -153,7 +153,7 @@ def test_user_error_is_reported_by_rank_zero_only(monkeypatch, capsys):
 
 
 def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
-    from config.sections import GRPOConfig
+    from config.loops import GRPOConfig
 
     config, _ = parse_args(SFTConfig, ["--optim.lr", "1e-5"], "trainer.sft")
     config.validate(world_size=2)  # the README's SFT learning rate alone: the decay ends at a twentieth of it

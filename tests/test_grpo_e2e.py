@@ -14,7 +14,7 @@ import torch
 
 from config.cli import flat_keys, parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
 from tests.conftest import REPO, launch, torchrun, worker_output

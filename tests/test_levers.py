@@ -18,7 +18,7 @@ import pytest
 from config import sections
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from data import batches
 from model import rules
 from tests.conftest import worker_output

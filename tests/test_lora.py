@@ -6,7 +6,7 @@ import pytest
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from tests.conftest import metrics_rows, worker_output
 
 

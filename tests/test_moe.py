@@ -10,7 +10,7 @@ import pytest
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from tests.conftest import launch, metrics_rows, worker_output
 
 # Relative agreement of SFT's per-step losses at EP=2 and EP=1 (both DP=2). Measured: 0 to 3e-7 (see the test).

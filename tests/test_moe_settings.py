@@ -17,7 +17,7 @@ import torch
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from data.batches import Example, collate
 from model import rules
 from tests.conftest import launch

@@ -18,7 +18,7 @@ import pytest
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 from tests.conftest import EAGER, REPO, free_port, launch
 from trainer import plots
 

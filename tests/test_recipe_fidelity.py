@@ -22,7 +22,7 @@ import torch
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from data import rewards
 from data.arithmetic import generate_problems
 from model.parallel import free_port

@@ -6,7 +6,7 @@ import torch
 
 from config import sections
 from config.errors import UserError
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 from model import rules
 
 

@@ -12,7 +12,7 @@ import torch
 
 from config.cli import parse_args
 from config.errors import UserError
-from config.sections import GRPOConfig
+from config.loops import GRPOConfig
 from data import rewards, tool_runner, tools
 from data.prompts import prompts_from_conversations
 from model import generate, tiny

@@ -1,5 +1,5 @@
 """GRPO's embedded default starts from the default SFT's output; when it is missing, that SFT runs first. The
-same holds for every bundled start (`config.sections.BUNDLED_STARTS`: the tool task's SFT, `--config sft_tools`).
+same holds for every bundled start (`config.loops.BUNDLED_STARTS`: the tool task's SFT, `--config sft_tools`).
 
 It runs in the same processes and the same process group (`model.parallel.init_distributed` keeps the group
 and lays out the model-parallel groups anew), so there is no second rendezvous that could fail. Extra
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from config import cli, outputs
 from config.errors import UserError
-from config.sections import BUNDLED_STARTS, SFTConfig
+from config.loops import BUNDLED_STARTS, SFTConfig
 from model import parallel
 from trainer import sft
 from trainer.metrics import log

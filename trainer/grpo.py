@@ -63,7 +63,7 @@ import os
 
 from ckpt import checkpoint
 from config import cli, process
-from config.sections import GRPOConfig
+from config.loops import GRPOConfig
 from data import prompts as prompt_data, rewards, tools as tool_data
 from model import build, generate, parallel
 from trainer import default_start, evaluation, metrics, rollout

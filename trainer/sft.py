@@ -13,7 +13,8 @@ import torch
 
 from ckpt import checkpoint
 from config import cli, process
-from config.sections import DEFAULT_REWARD, SFTConfig
+from config.loops import SFTConfig
+from config.sections import DEFAULT_REWARD
 from data import batches, prompts as prompt_data, rewards, sft as sft_data
 from model import build, moe, output, parallel
 from trainer import evaluation, metrics

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from config import cli
 from config.errors import UserError
-from config.sections import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, SFTConfig
 from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
 from trainer import grpo, sft
 

@@ -22,7 +22,7 @@ import transformers
 from safetensors.torch import load_file
 
 from config import cli
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 from model import build, generate, parallel
 from model.tiny import ensure_tiny_checkpoint
 from trainer import grpo, sft

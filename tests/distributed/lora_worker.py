@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from config import cli
-from config.sections import SFTConfig
+from config.loops import SFTConfig
 from model import build, parallel
 from tests.distributed.parity_worker import megatron_logits
 from trainer import sft

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config import cli
-from config.sections import GRPOConfig
+from config.loops import GRPOConfig
 from model import build, generate, parallel
 from trainer import grpo, sft
 

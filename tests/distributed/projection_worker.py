@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from config import cli
-from config.sections import GRPOConfig
+from config.loops import GRPOConfig
 from data import batches
 from data.arithmetic import generate_problems
 from model import build, output, parallel

@@ -53,7 +53,7 @@ def describe(chunks, optimizer) -> dict:
 def main(argv: list[str]) -> None:
     fused_adam_double.install()
     from config import cli
-    from config.sections import SFTConfig
+    from config.loops import SFTConfig
     from trainer import sft
 
     policy = sft.main(argv)

@@ -1,0 +1,344 @@
+"""The configuration's cross-key rules that need no model (`config.loops.TrainerConfig.validate` runs them): the
+parallel layout and the model settings (`ModelChecks`), the optimizer, schedule, batch, LoRA and loggers
+(`TrainingChecks`). Each raises a `UserError` naming the key to change."""
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from config import sections
+from config.errors import UserError
+from config.hf import hf_expert_count, read_hf_config
+from config.sections import (
+    ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, LORA_TARGET_MODULES, MOE_AUX_LOSS_TYPES,
+    MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
+    RECOMPUTE_NAMES
+)
+
+log = logging.getLogger(__name__)
+
+
+def require(holds: bool, message: str) -> None:
+    """Raise `message` as a UserError unless `holds`."""
+    if not holds:
+        raise UserError(message)
+
+
+def check_override_keys(overrides: dict, config_class, key: str) -> None:
+    """Reject override keys the megatron-core class does not have, naming our config key."""
+    known = {item.name for item in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - known)
+    require(not unknown, f"`{key}` sets {', '.join(f'`{name}`' for name in unknown)}, which megatron-core's "
+             f"{config_class.__name__} does not have. Remove or rename them in `{key}`.")
+
+
+def value_of(config, dotted: str):
+    """The value of a dotted key."""
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
+class ModelChecks:
+    """The parallel layout against the model and the machine, the model's settings, MoE routers, recomputation."""
+
+    def validate_model_shape(self, model_path: Path) -> None:
+        """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
+        hf = read_hf_config(model_path, "model.path")
+        read_hf_config(model_path, "model.path", "generation_config.json")  # its end ids are read later
+        parallel = self.parallel
+        heads = hf.get("num_attention_heads", 1)
+        kv_heads = hf.get("num_key_value_heads") or heads
+        require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,
+                 f"`parallel.tp={parallel.tp}` must divide the model's {heads} attention heads and {kv_heads} key/value heads. "
+                 "Change `--parallel.tp`.")
+        layers = hf.get("num_hidden_layers", 1)
+        require(layers % (parallel.pp * parallel.vpp) == 0,
+                 f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the model's {layers} layers.")
+        per_chunk = layers // (parallel.pp * parallel.vpp)
+        model = self.model
+        require(model.recompute != "full" or model.recompute_num_layers <= per_chunk,
+                 f"`model.recompute_num_layers={model.recompute_num_layers}` exceeds the {per_chunk} layers each model chunk "
+                 f"holds ({layers} layers over `parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}`); with "
+                 f"`model.recompute_method={model.recompute_method}` that recomputes no more than {per_chunk}. "
+                 f"Set `--model.recompute_num_layers` between 1 and {per_chunk}.")
+        self._validate_experts(hf)
+        router_keys = self._moe_router_keys_set()
+        require(hf_expert_count(hf) or not router_keys,
+                 f"{', '.join(f'`{key}`' for key in router_keys)} {'sets' if len(router_keys) == 1 else 'set'} the router "
+                 f"of a Mixture-of-Experts model, and `model.path={self.model.path}` is a dense model (its config.json "
+                 f"names no experts: none of {', '.join(HF_EXPERT_KEYS)}), which has no router, so "
+                 f"{'it' if len(router_keys) == 1 else 'they'} would do nothing. Remove "
+                 f"{'it' if len(router_keys) == 1 else 'them'}, or point `--model.path` at an MoE checkpoint (`tiny-moe` "
+                 "is the embedded one).")
+
+    def _validate_experts(self, hf: dict) -> None:
+        """`parallel.ep`/`parallel.etp` against the checkpoint's experts per layer and expert width."""
+        parallel, experts = self.parallel, hf_expert_count(hf)
+        if not experts:
+            require(parallel.ep == 1 and parallel.etp in (0, parallel.tp),
+                     f"`parallel.ep={parallel.ep}` and `parallel.etp={parallel.etp}` split the experts of a "
+                     f"Mixture-of-Experts model, and `model.path={self.model.path}` is a dense model (its config.json "
+                     f"names no experts: none of {', '.join(HF_EXPERT_KEYS)}), so there is nothing to split. Use "
+                     "`--parallel.ep=1 --parallel.etp=0` (data parallelism takes those ranks), or point `--model.path` "
+                     "at an MoE checkpoint (`tiny-moe` is the embedded one).")
+            return
+        require(experts % parallel.ep == 0,
+                 f"`parallel.ep={parallel.ep}` must divide the model's {experts} experts per layer (each expert-parallel "
+                 f"rank holds experts / ep of them). Change `--parallel.ep` to a divisor of {experts}.")
+        # Read in megatron-core 0.19.2's MoELayer.forward, which raises on a training forward in that case.
+        require(parallel.tp == 1 or parallel.sequence_parallel,
+                 f"`parallel.sequence_parallel=false` with `parallel.tp={parallel.tp}` on a Mixture-of-Experts model: "
+                 "megatron-core 0.19.2 refuses to train an MoE layer with tensor parallelism but without sequence "
+                 "parallelism (MoELayer.forward raises: each tensor-parallel rank would route the whole sequence). Use the default "
+                 "`--parallel.sequence_parallel=true`, or `--parallel.tp=1`.")
+        width = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
+        etp = parallel.expert_tensor_parallel_size
+        require(not width or width % etp == 0,
+                 f"`parallel.etp={parallel.etp}` ({etp} ranks per expert) must divide each expert's hidden width, {width} "
+                 "(config.json's moe_intermediate_size, or intermediate_size). Change `--parallel.etp` (1 keeps every "
+                 "expert whole).")
+
+    def _validate_model(self) -> None:
+        model = self.model
+        require(model.dtype in DTYPE_NAMES, f"`model.dtype={model.dtype}` is not one of {', '.join(DTYPE_NAMES)}. Change `--model.dtype`.")
+        require(model.moe_dispatcher in MOE_DISPATCHERS, f"`model.moe_dispatcher={model.moe_dispatcher}` is not one of "
+                 f"{', '.join(MOE_DISPATCHERS)}. Change `--model.moe_dispatcher`.")
+        # megatron-core 0.19.2's MoEAllGatherTokenDispatcher all-gathers the expert group's tokens into one tensor.
+        require(model.moe_dispatcher != "allgather" or self.parallel.ep == 1,
+                 f"`model.moe_dispatcher=allgather` with `parallel.ep={self.parallel.ep}`: megatron-core's allgather "
+                 "dispatcher gathers the tokens of every expert-parallel rank into one tensor and assumes each rank holds "
+                 "as many, but every rank here pads and compacts its own batches (a rollout drops its finished rows, a "
+                 "micro-batch is padded to its own longest row), so the gather would not match: a crash on gloo, "
+                 "undefined on NCCL. Use the default `--model.moe_dispatcher=alltoall` (it sends each token only where "
+                 "its experts are, whatever the ranks' counts), or `--parallel.ep=1`.")
+        require(model.attention in ATTENTION_NAMES, f"`model.attention={model.attention}` is not one of "
+                 f"{', '.join(ATTENTION_NAMES)}. Change `--model.attention`.")
+        require(model.attention != "transformer_engine" or sections.have_transformer_engine(),
+                 "`model.attention=transformer_engine` needs Transformer Engine, which is not installed. "
+                 "Use `--model.attention=auto` (SDPA without it), or install it (README, GPUs).")
+        self._validate_recompute()
+        self._validate_moe_router()
+        if self._model_path_exists_now():
+            self.validate_model_shape(Path(model.path))
+
+    def _validate_moe_router(self) -> None:
+        """The `model.moe_*` router settings, before any model is built (whether the model has experts: validate_model_shape)."""
+        model = self.model
+        for key, allowed in (("moe_aux_loss_type", MOE_AUX_LOSS_TYPES), ("moe_router_dtype", MOE_ROUTER_DTYPES)):
+            require(getattr(model, key) in allowed, f"`model.{key}={getattr(model, key)}` is not one of "
+                     f"{', '.join(allowed)}. Change `--model.{key}`.")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(model, key)
+            require(value is None or value >= 0, f"`model.{key}` must be 0 (off) or more, got {value}: it weighs a loss "
+                     f"added to the training loss. Change `--model.{key}`, or leave it unset for the checkpoint's value.")
+        coeff, loss_type = model.moe_aux_loss_coeff, model.moe_aux_loss_type
+        require(not (loss_type == "none" and coeff), f"`model.moe_aux_loss_coeff={coeff}` weighs a load-balancing loss, "
+                 "but `model.moe_aux_loss_type=none` computes none, so the coefficient would do nothing. Set "
+                 "`--model.moe_aux_loss_coeff=0` (or leave it unset), or choose a loss with `--model.moe_aux_loss_type` "
+                 "(aux_loss, seq_aux_loss, global_aux_loss).")
+        require(not (loss_type not in ("default", "none") and coeff == 0),
+                 f"`model.moe_aux_loss_type={loss_type}` chooses a load-balancing loss, but `model.moe_aux_loss_coeff=0` "
+                 "switches it off (GRPO's default), so the type would do nothing. Set `--model.moe_aux_loss_coeff` "
+                 "above 0 (1e-3 is Qwen3-MoE's), or remove `--model.moe_aux_loss_type`.")
+
+    def _moe_router_keys_set(self) -> list[str]:
+        """The `model.moe_*` router settings this run changes from its loop's defaults, as `key=value`."""
+        defaults = type(self)().model
+        values = {key: getattr(self.model, key) for key in MOE_ROUTER_KEYS if getattr(self.model, key) != getattr(defaults, key)}
+        return [f"model.{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in values.items()]
+
+    def _validate_recompute(self) -> None:
+        model = self.model
+        require(model.recompute in RECOMPUTE_NAMES, f"`model.recompute={model.recompute}` is not one of "
+                 f"{', '.join(RECOMPUTE_NAMES)}. Change `--model.recompute`.")
+        if model.recompute == "full":
+            require(model.recompute_method in RECOMPUTE_METHODS, f"`model.recompute_method={model.recompute_method}` is "
+                     f"not one of {', '.join(RECOMPUTE_METHODS)}. Change `--model.recompute_method`.")
+            require(model.recompute_num_layers >= 1, f"`model.recompute_num_layers` must be at least 1 with "
+                     f"`model.recompute=full`, got {model.recompute_num_layers}. Change `--model.recompute_num_layers`.")
+        if model.recompute != "selective":
+            return
+        modules = model.recompute_modules
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        require(modules and not unknown,
+                 f"`model.recompute_modules={modules}` must name one or more of {', '.join(RECOMPUTE_MODULES)} with "
+                 "`model.recompute=selective`. Change `--model.recompute_modules` (e.g. `[core_attn]`), or use "
+                 "`--model.recompute=full`.")
+        if "layernorm" in modules:
+            self._validate_layernorm_recompute()
+
+    def _validate_layernorm_recompute(self) -> None:
+        """`layernorm` recomputation needs Transformer Engine, and a layer spec that keeps the norms separate."""
+        attention = self.model.attention
+        # megatron-core 0.19.2's output-discarding checkpoint (CheckpointWithoutOutput, which recomputes the norms)
+        # sets `fp8 = fp8 is not None`, always true, and then reads TE's FP8 state: without TE it fails (measured).
+        require(sections.have_transformer_engine(),
+                 "`model.recompute_modules` names `layernorm`, which megatron-core 0.19.2 recomputes with a checkpoint "
+                 "that reads Transformer Engine's FP8 state even without FP8, and Transformer Engine is not installed. "
+                 "Remove `layernorm` from `--model.recompute_modules` (e.g. `[core_attn,mlp]`).")
+        # Transformer Engine's layer spec fuses each norm into the linear layer after it (no separate norm module).
+        require(attention not in ("transformer_engine", "auto"),
+                 f"`model.recompute_modules` names `layernorm`, but the Transformer Engine layer spec (`model.attention="
+                 f"{attention}`) fuses each norm into the linear layer after it, so megatron-core has no separate norm to "
+                 "recompute. Remove `layernorm` from `--model.recompute_modules`, or use `--model.attention=sdpa`.")
+
+    def _model_path_exists_now(self) -> bool:
+        """Whether `model.path` must already be an HF directory at start-up (the embedded models are built on first use)."""
+        return self.model.path not in EMBEDDED_MODELS
+
+    def _validate_parallel(self, world_size: int) -> None:
+        parallel = self.parallel
+        for key in ("tp", "pp", "vpp", "timeout_minutes"):
+            require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
+        require(world_size % (parallel.tp * parallel.pp) == 0,
+                 f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
+                 f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")
+        require(parallel.vpp == 1 or parallel.pp > 1, "`parallel.vpp` > 1 needs pipeline parallelism (`parallel.pp` > 1).")
+        self._validate_expert_layout(world_size)
+        require(self.data.max_seq_len % parallel.sequence_multiple == 0,
+                 f"`data.max_seq_len={self.data.max_seq_len}` must be a multiple of `parallel.tp={parallel.tp}`: sequence "
+                 "parallelism splits every sequence over the tensor-parallel ranks. Change `--data.max_seq_len`, or set "
+                 "`--parallel.sequence_parallel=false`.")
+        # Measured with megatron-fsdp 0.6.1: the model build fails in its device-mesh set-up (an einops error).
+        require(not (parallel.use_megatron_fsdp and parallel.pp > 1),
+                 "`parallel.use_megatron_fsdp=true` does not work with pipeline parallelism in this stack "
+                 f"(`parallel.pp={parallel.pp}`). Use `--parallel.use_megatron_fsdp=false` (DDP with the distributed "
+                 "optimizer, which also shards optimizer state) or `--parallel.pp=1`.")
+
+    def _validate_expert_layout(self, world_size: int) -> None:
+        """`parallel.ep` and `parallel.etp` against the number of processes (the model's experts: validate_model_shape)."""
+        parallel = self.parallel
+        require(parallel.ep >= 1, f"`parallel.ep` must be at least 1 (1: no expert parallelism), got {parallel.ep}.")
+        require(parallel.etp >= 0, f"`parallel.etp` must be 0 (megatron-core's default: `parallel.tp`) or at least 1, "
+                 f"got {parallel.etp}.")
+        etp = parallel.expert_tensor_parallel_size
+        etp_named = f"`parallel.etp={parallel.etp}`" + (f" (parallel.tp={parallel.tp})" if parallel.etp == 0 else "")
+        require(world_size % (etp * parallel.ep * parallel.pp) == 0,
+                 f"{etp_named} x `parallel.ep={parallel.ep}` x `parallel.pp={parallel.pp}` = {etp * parallel.ep * parallel.pp} "
+                 f"must divide the number of processes ({world_size}): megatron-core lays the experts out on a grid of "
+                 "their own, each expert's weights split over etp ranks, the experts over ep ranks and the layers over pp "
+                 "stages, with whole copies of that on the remaining ranks (the expert-data-parallel group). Change "
+                 "`--parallel.ep`, `--parallel.etp` (1 keeps every expert whole on its rank) or `--nproc-per-node`.")
+        require(not (self.peft.method == "lora" and parallel.ep > 1),
+                 f"`peft.method=lora` with expert parallelism (`parallel.ep={parallel.ep}`) is not supported: measured with "
+                 "Megatron-Bridge 0.6.2 on tiny-moe, LoRA at EP=2 trains another model than at EP=1 from the first step "
+                 "(gradient norm 3.433 against 3.384; full fine-tuning agrees to 1e-7), and its PEFT export writes the "
+                 "expert adapters of the first expert-parallel rank only (40 of 72 tensors). Use `--parallel.ep=1` with "
+                 "LoRA (LoRA on a Mixture-of-Experts model trains at EP=1), or full fine-tuning with expert parallelism.")
+
+
+class TrainingChecks:
+    """The optimizer and precision, the schedule's counts, the batch sizes, LoRA and the loggers."""
+
+    def _validate_optimizer(self) -> None:
+        optim = self.optim
+        require(isinstance(optim.betas, list) and len(optim.betas) == 2 and all(0 <= beta < 1 for beta in optim.betas),
+                 f"`optim.betas` must be two numbers in [0, 1), [beta1, beta2], got {optim.betas}. Change `--optim.betas` "
+                 "(e.g. `--optim.betas=[0.9,0.95]`).")
+        for key, holds, rule in (("lr", optim.lr >= 0, "0 or more"), ("min_lr", optim.min_lr is None or optim.min_lr >= 0, "0 or more"),
+                                 ("min_lr_ratio", 0 <= optim.min_lr_ratio <= 1, "between 0 and 1"),
+                                 ("eps", optim.eps > 0, "positive"), ("weight_decay", optim.weight_decay >= 0, "0 or more"),
+                                 ("clip_grad", optim.clip_grad >= 0, "0 (off) or more"),
+                                 ("warmup_steps", optim.warmup_steps >= 0, "0 or more")):
+            require(holds, f"`optim.{key}` must be {rule}, got {getattr(optim, key)}. Change `--optim.{key}`.")
+        require(optim.final_lr <= optim.lr,
+                 f"`optim.min_lr={optim.min_lr}` is above `optim.lr={optim.lr}`: the learning rate decays from optim.lr down "
+                 "to optim.min_lr. Lower `--optim.min_lr`, or leave it unset (it then follows optim.lr: optim.lr x "
+                 f"`optim.min_lr_ratio={optim.min_lr_ratio}`).")
+        for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            require(getattr(optim, key) in DTYPE_NAMES,
+                     f"`optim.{key}={getattr(optim, key)}` is not one of {', '.join(DTYPE_NAMES)}. Change `--optim.{key}`.")
+        # megatron-core is imported only when there are override keys to check: importing it takes several seconds,
+        # which would otherwise delay every later start-up error (in the data, say) by as much.
+        if optim.override_optimizer_config:
+            from megatron.core.optimizer import OptimizerConfig
+
+            check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
+        if self.ddp.override_ddp_config:
+            from megatron.core.distributed import DistributedDataParallelConfig
+
+            check_override_keys(self.ddp.override_ddp_config, DistributedDataParallelConfig, "ddp.override_ddp_config")
+        if optim.use_precision_aware_optimizer and self.model.dtype == "fp32":
+            log.warning("`optim.use_precision_aware_optimizer=true` has no effect with `model.dtype=fp32`: fp32 training "
+                        "keeps fp32 weights, gradients and Adam state already (set `--model.dtype=bf16` to use it).")
+        if not self.precision_aware:
+            return
+        why = "`model.dtype=fp16`" if self.model.dtype == "fp16" else "`optim.use_precision_aware_optimizer=true`"
+        optimizer = optim.override_optimizer_config.get("optimizer", "adam")
+        require(optimizer == "adam", f"{why} needs the adam optimizer, but `optim.override_optimizer_config.optimizer={optimizer}`.")
+        require(self.parallel.use_distributed_optimizer or self.parallel.use_megatron_fsdp,
+                 f"{why} needs the distributed optimizer: set `--parallel.use_distributed_optimizer=true`.")
+        require(sections.have_transformer_engine(),
+                 f"{why} uses Transformer Engine's FusedAdam, and Transformer Engine is not installed. Install it "
+                 "(`uv sync --extra te` on a CUDA machine, or use NVIDIA's NGC PyTorch container), or use "
+                 "`--model.dtype=bf16 --optim.use_precision_aware_optimizer=false`.")
+
+    def _validate_schedule(self) -> None:
+        train, ckpt = self.train, self.ckpt
+        checks = (("train.steps", train.steps >= 1, "at least 1"), ("train.micro_batch_size", train.micro_batch_size >= 1, "at least 1"),
+                  ("train.global_batch_size", train.global_batch_size >= 1, "at least 1"),
+                  ("train.exit_interval", train.exit_interval >= 0, "0 (off) or more"),
+                  ("train.eval_interval", train.eval_interval >= 0, "0 (only at the end) or more"),
+                  ("train.eval_samples", train.eval_samples >= 0, "0 (no evaluation) or more"),
+                  ("train.log_interval", train.log_interval >= 1, "at least 1"),
+                  ("ckpt.save_interval", ckpt.save_interval >= 0, "0 (only at the end) or more"),
+                  ("ckpt.keep_last", ckpt.keep_last >= 1, "at least 1"),
+                  ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"),
+                  ("train.micro_batch_tokens", train.micro_batch_tokens == 0 or train.micro_batch_tokens >= self.data.max_seq_len,
+                   f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
+        for key, holds, rule in checks:
+            require(holds, f"`{key}` must be {rule}, got {value_of(self, key)}. Change `--{key}`.")
+
+    def _validate_peft(self) -> None:
+        peft, parallel = self.peft, self.parallel
+        require(peft.method in PEFT_METHODS, f"`peft.method={peft.method}` is not one of {', '.join(PEFT_METHODS)}. "
+                 "Change `--peft.method`.")
+        if peft.method != "lora":
+            return
+        unknown = [name for name in peft.target_modules if name not in LORA_TARGET_MODULES]
+        require(peft.target_modules and not unknown,
+                 f"`peft.target_modules={peft.target_modules}` must name one or more of {', '.join(LORA_TARGET_MODULES)} "
+                 f"(megatron-core's names of the attention and MLP linear layers){f'; unknown: {unknown}' if unknown else ''}. "
+                 "Change `--peft.target_modules` (e.g. `[linear_qkv,linear_proj]`).")
+        for key, holds, rule in (("rank", peft.rank >= 1, "at least 1"), ("alpha", peft.alpha > 0, "positive"),
+                                 ("dropout", 0 <= peft.dropout < 1, "in [0, 1)")):
+            require(holds, f"`peft.{key}` must be {rule} with `peft.method=lora`, got {getattr(peft, key)}. "
+                     f"Change `--peft.{key}`.")
+        # Not verified with adapters in this stack: refused rather than run untested.
+        require(not parallel.use_megatron_fsdp,
+                 "`peft.method=lora` with `parallel.use_megatron_fsdp=true` is not supported: LoRA freezes the base "
+                 "weights, and Megatron-FSDP's sharded checkpoints and parameter gathers have not been verified with "
+                 "adapters here. Use `--parallel.use_megatron_fsdp=false` (the distributed optimizer shards the "
+                 "adapters' optimizer state, and the frozen base needs none).")
+
+    def _validate_log(self) -> None:
+        require(not self.log.wandb or sections.have_wandb(),
+                 "`log.wandb=true` needs Weights & Biases, which is not installed in this environment. Install the "
+                 "project's `wandb` extra (`.venv/bin/uv sync --extra wandb`; `scripts/setup.sh` installs it with the "
+                 "test dependencies), or use `--log.wandb=false` (`--log.tensorboard=true` needs nothing extra).")
+
+    def _validate_batch(self, world_size: int) -> None:
+        train = self.train
+        data_parallel = self.parallel.data_parallel_size(world_size)
+        self._validate_token_budget()
+        if train.micro_batch_tokens:
+            require(train.global_batch_size % data_parallel == 0,
+                     f"`train.global_batch_size={train.global_batch_size}` must be a multiple of the data-parallel size "
+                     f"{data_parallel}.")
+            return
+        require(train.global_batch_size % (train.micro_batch_size * data_parallel) == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `train.micro_batch_size="
+                 f"{train.micro_batch_size}` x data-parallel size {data_parallel}.")
+
+    def _validate_token_budget(self) -> None:
+        if not self.train.micro_batch_tokens:
+            return
+        require(self.parallel.pp == 1,
+                 f"`train.micro_batch_tokens={self.train.micro_batch_tokens}` groups rows by length into micro-batches "
+                 f"of varying row counts, and pipeline stages (`parallel.pp={self.parallel.pp}`) exchange activations "
+                 "of one shape. Use `--train.micro_batch_tokens=0` (micro-batches of `train.micro_batch_size` rows) "
+                 "with `parallel.pp` > 1.")
+        require(not self.data.pack,
+                 "`train.micro_batch_tokens` and `data.pack=true` both decide how a step's samples share micro-batches: "
+                 "packing fills rows of `data.max_seq_len`, the budget groups rows of similar length. Choose one: "
+                 "`--train.micro_batch_tokens=0` or `--data.pack=false`.")

@@ -1,0 +1,169 @@
+"""The two loops' configurations: `SFTConfig` and `GRPOConfig` over the shared sections (`config.sections`), GRPO's
+defaults as overrides of the same sections. `config.validate(world_size)` runs every check that needs neither a model
+nor data (`config.checks`) and raises a `UserError` naming the key to change; derived values (the data-parallel size,
+whether the precision-aware optimizer is in use) are defined on the sections and here, once."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config.checks import ModelChecks, TrainingChecks, require
+from config.hf import hf_expert_count, read_hf_config
+from config.sections import (
+    BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
+    LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, ROLLOUT_CORRECTIONS,
+    TOOL_ISOLATIONS, TrainConfig
+)
+
+
+@dataclass
+class TrainerConfig(ModelChecks, TrainingChecks):
+    """The sections both loops share, and the checks that apply to both."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+
+    @property
+    def precision_aware(self) -> bool:
+        """fp16 always keeps fp32 master weights in TE's FusedAdam; bf16 only when the user opts in."""
+        return self.model.dtype == "fp16" or (self.model.dtype == "bf16" and self.optim.use_precision_aware_optimizer)
+
+    def validate(self, world_size: int) -> None:
+        """Every check that needs no model and no data; each error names the key to change."""
+        self._validate_parallel(world_size)
+        self._validate_model()
+        self._validate_optimizer()
+        self._validate_schedule()
+        self._validate_batch(world_size)
+        self._validate_log()
+        self._validate_peft()
+
+@dataclass
+class SFTConfig(TrainerConfig):
+    """`trainer.sft`: the shared sections at their defaults."""
+
+    def validate(self, world_size: int) -> None:
+        """The shared checks, and packing's limit."""
+        super().validate(world_size)
+        require(not (self.data.pack and self.parallel.pp > 1),
+                 "`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
+                 "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
+
+
+# GRPO's default starting policy: the default SFT's output, trained first when missing.
+DEFAULT_GRPO_START = "outputs/sft/hf"
+# Starting policies a bundled SFT writes, each trained first when missing: model.path -> that SFT's `--config`
+# (None: the default SFT). The tool task's (`--config tools`) teaches the calculator's call format.
+BUNDLED_STARTS = {DEFAULT_GRPO_START: None, "outputs/sft-tools/hf": "sft_tools", "outputs/sft-moe/hf": "sft_moe"}
+
+
+@dataclass
+class GRPOConfig(TrainerConfig):
+    """`trainer.grpo`: the shared sections with GRPO's defaults, and the `grpo` section."""
+
+    # No load-balancing loss in RL (verl's and NeMo-RL's MoE defaults; slime's scripts set 0): it pulls the router
+    # towards balance rather than reward, and NeMo-RL saw seq_aux_loss make the log-prob errors diverge.
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START, moe_aux_loss_coeff=0.0))
+    # A constant rate after warmup (the decay ends at optim.lr), the default SFT's final rate.
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr_ratio=1.0, warmup_steps=5))
+    # 64 prompts a step: with 32 the `#### N` form is learned about as fast, but the noisier steps damage the
+    # held-out arithmetic (docs/grpo.md).
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=40, global_batch_size=512, micro_batch_size=64, out_dir="outputs/grpo", eval_interval=0,
+        eval_samples=1000, log_interval=5))
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def starts_from_default_sft(self) -> bool:
+        """Whether this run starts from a bundled SFT's output (`BUNDLED_STARTS`) and that output does not exist yet."""
+        return self.model.path in BUNDLED_STARTS and not (Path(self.model.path) / "config.json").is_file()
+
+    def _model_path_exists_now(self) -> bool:
+        return super()._model_path_exists_now() and not self.starts_from_default_sft()
+
+    def validate_model_shape(self, model_path: Path) -> None:
+        """The shared checks, and routing replay against the pipeline schedule's recomputed backward."""
+        super().validate_model_shape(model_path)
+        model = self.model
+        recomputes_router = model.recompute == "full" or (model.recompute == "selective" and "moe" in model.recompute_modules)
+        require(not (self.parallel.pp > 1 and self.grpo.routing_replay and recomputes_router
+                      and hf_expert_count(read_hf_config(model_path, "model.path"))),
+                 f"`grpo.routing_replay=true` with `parallel.pp={self.parallel.pp}` and `model.recompute={model.recompute}` "
+                 "(which recomputes the routers in backward): the pipeline schedule runs later microbatches' forwards "
+                 "before a microbatch's backward, so its recomputed routers would replay a later microbatch's routes. "
+                 "Set `--model.recompute=none` (or selective without `moe`), `--parallel.pp=1`, or "
+                 "`--grpo.routing_replay=false`.")
+
+    def validate(self, world_size: int) -> None:
+        """The shared checks and GRPO's own (the default start's SFT is checked by `trainer.default_start`)."""
+        parallel, grpo, data = self.parallel, self.grpo, self.data
+        require(parallel.vpp == 1,
+                 f"GRPO samples its rollouts with the policy itself, one forward at a time through the pipeline stages, "
+                 f"and that runs one model chunk per rank: `parallel.vpp={parallel.vpp}` (interleaved virtual stages) would "
+                 f"send every decode step around the ranks `parallel.vpp` times for no gain, since generation does not "
+                 f"fill the pipeline. Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine).")
+        require(not data.pack, "`data.pack` is for SFT; GRPO batches its rollouts itself. Remove `--data.pack=true`.")
+        require(grpo.n_samples >= 2,
+                 f"`grpo.n_samples` must be at least 2 (advantages compare completions of one prompt), got {grpo.n_samples}.")
+        require(grpo.rollout_correction_cap >= 1.0, f"`grpo.rollout_correction_cap` must be at least 1 (a weight cap below "
+                 f"1 would shrink every token's gradient), got {grpo.rollout_correction_cap}. Change `--grpo.rollout_correction_cap`.")
+        for key, allowed in (("baseline", BASELINES), ("kl_estimator", KL_ESTIMATORS), ("filter_metric", FILTER_METRICS),
+                             ("rollout_correction", ROLLOUT_CORRECTIONS),
+                             ("tool_isolation", TOOL_ISOLATIONS), ("importance_ratio", IMPORTANCE_RATIOS), ("loss_aggregation", LOSS_AGGREGATIONS)):
+            require(getattr(grpo, key) in allowed,
+                     f"`grpo.{key}={getattr(grpo, key)}` is not one of {', '.join(allowed)}. Change `--grpo.{key}`.")
+        rules = {  # key: (holds, what it must be)
+            "clip_low": (0 < grpo.clip_low < 1, "between 0 and 1"), "clip_high": (grpo.clip_high > 0, "positive"),
+            "dual_clip": (grpo.dual_clip == 0 or grpo.dual_clip > 1, "0 (off) or above 1"),
+            "kl_coef": (grpo.kl_coef >= 0, "0 or more"), "temperature": (grpo.temperature > 0, "positive (rollouts are sampled)"),
+            "top_p": (0 < grpo.top_p <= 1, "in (0, 1]"), "top_k": (grpo.top_k >= 0, "0 or more"),
+            "ppo_epochs": (grpo.ppo_epochs >= 1, "at least 1"), "mini_batches": (grpo.mini_batches >= 1, "at least 1"),
+            "max_new_tokens": (1 <= grpo.max_new_tokens < data.max_seq_len,
+                               f"at least 1 and below `data.max_seq_len={data.max_seq_len}`"),
+            "overlong_buffer": (0 <= grpo.overlong_buffer <= grpo.max_new_tokens,
+                                f"between 0 (off) and `grpo.max_new_tokens={grpo.max_new_tokens}`"),
+            "overlong_penalty": (grpo.overlong_penalty >= 0, "0 or more"),
+            "max_sampling_rounds": (grpo.max_sampling_rounds >= 2 or not grpo.dynamic_sampling,
+                                    "at least 2 with `grpo.dynamic_sampling=true` (one round samples no replacement for a "
+                                    "dropped group, so dynamic sampling would do nothing)"),
+            "entropy_coef": (grpo.entropy_coef >= 0, "0 or more (it weighs an entropy bonus)"),
+            "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
+                          "at least 2 with tools (a call is answered in the next turn)"),
+            "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
+            "tool_timeout": (grpo.tool_timeout > 0, "positive"),
+            "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
+        }
+        for name, (holds, rule) in rules.items():
+            require(holds, f"`grpo.{name}` must be {rule}, got {getattr(grpo, name)}. Change `--grpo.{name}`.")
+        # GSPO's objective is the mean over completions of one clipped sequence ratio each; any other aggregation
+        # weighs a completion's single ratio by its length (token_mean) or by the budget, which is not GSPO.
+        require(grpo.importance_ratio != "sequence" or grpo.loss_aggregation == "seq_mean_token_mean",
+                 f"`grpo.importance_ratio=sequence` (GSPO's one ratio per completion) needs `grpo.loss_aggregation="
+                 f"seq_mean_token_mean`, the mean over completions GSPO optimises; `{grpo.loss_aggregation}` would weigh "
+                 "each completion's ratio by its length instead. Use `--config gspo`, set `--grpo.loss_aggregation="
+                 "seq_mean_token_mean`, or use `--grpo.importance_ratio=token`.")
+        require(grpo.reward != "none" or grpo.environment,
+                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward, "
+                 "but no `grpo.environment` is set: every reward would be 0 and nothing would be learned. Set "
+                 "`--grpo.environment module:Class`, or choose a reward function with `--grpo.reward`.")
+        super().validate(world_size)
+
+    def _validate_batch(self, world_size: int) -> None:
+        train, grpo = self.train, self.grpo
+        data_parallel = self.parallel.data_parallel_size(world_size)
+        require(train.global_batch_size % grpo.n_samples == 0 and (train.global_batch_size // grpo.n_samples) % data_parallel == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` counts completions: it must be a multiple of "
+                 f"`grpo.n_samples={grpo.n_samples}` whose number of prompts divides over the data-parallel size "
+                 f"{data_parallel}. Change `--train.global_batch_size`.")
+        self._validate_token_budget()
+        micro = 1 if train.micro_batch_tokens else train.micro_batch_size  # a token budget groups rows of any count
+        require(train.global_batch_size % (grpo.mini_batches * micro * data_parallel) == 0,
+                 f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `grpo.mini_batches="
+                 f"{grpo.mini_batches}`"
+                 + ("" if train.micro_batch_tokens else f" x `train.micro_batch_size={train.micro_batch_size}`")
+                 + f" x data-parallel size {data_parallel}. Change one of them.")

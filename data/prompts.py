@@ -9,7 +9,7 @@ import logging
 import pathlib
 
 from config.errors import UserError
-from data import sft
+from data import conversations as conversation_data, encode
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def prompts_from_conversations(conversations: list[list[dict]], tokenizer, tools
     given, are offered with every prompt instead. The token ids are read from `cache_dir` when the same prompts were
     rendered with the same tokenizer before (None: no cache; see `prompt_ids`)."""
     cuts = [max(index for index, message in enumerate(turns) if message["role"] == "assistant") for turns in conversations]
-    offered = [sft.conversation_tools(turns) if tools is None else tools for turns in conversations]
+    offered = [conversation_data.conversation_tools(turns) if tools is None else tools for turns in conversations]
     turns_before = [list(turns[:cut]) for turns, cut in zip(conversations, cuts)]
     ids = prompt_ids(turns_before, offered, tokenizer, cache_dir)
     return [Prompt(prompt_ids, turns[cut]["content"], before, turn_tools or None)
@@ -53,22 +53,22 @@ def prompt_ids(turns_before: list[list[dict]], offered: list, tokenizer, cache_d
     kept in `cache_dir` (as SFT's tokenized examples are) under a digest of the turns, the tools (schemas only: a
     function's rendering is not cached), the tokenizer and this code. Every process reads or writes the same entry."""
     def render(index: int) -> str:
-        return sft.chat_text(turns_before[index], tokenizer, offered[index], add_generation_prompt=True)
+        return encode.chat_text(turns_before[index], tokenizer, offered[index], add_generation_prompt=True)
 
     schemas_only = all(isinstance(tool, dict) for tools in offered for tool in tools or ())
     key = None
     if cache_dir is not None and turns_before and schemas_only:
-        key = sft.cache_key({"prompts": turns_before, "tools": offered}, tokenizer, render(0),
+        key = encode.cache_key({"prompts": turns_before, "tools": offered}, tokenizer, render(0),
                             pathlib.Path(__file__).read_text())
     if key is not None:
-        stored = sft.read_cached(cache_dir, CACHE_FOLDER, key)
+        stored = encode.read_cached(cache_dir, CACHE_FOLDER, key)
         if isinstance(stored, dict) and isinstance(stored.get("ids"), list) and len(stored["ids"]) == len(turns_before):
             log.info("prompt tokens read from the cache %s (data.cache=false renders them anew)",
                      cache_dir / CACHE_FOLDER / f"{key}.json")
             return stored["ids"]
-    ids = sft.encode_texts([render(index) for index in range(len(turns_before))], tokenizer)
+    ids = encode.encode_texts([render(index) for index in range(len(turns_before))], tokenizer)
     if key is not None:
-        sft.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
+        encode.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
     return ids
 
 
@@ -79,8 +79,8 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
     `tools`, when given, are offered with every prompt instead of each row's own; `cache_dir` keeps their token ids
     (see `prompts_from_conversations`)."""
     max_tokens = data.max_seq_len - max_new_tokens
-    rows = sft.load_rows(path, split=split, hub_config=data.hub_config or None)
-    conversations, report = sft.to_conversations(
+    rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None)
+    conversations, report = conversation_data.to_conversations(
         rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
     every = prompts_from_conversations(conversations, tokenizer, tools, cache_dir)
     for prompt, index in zip(every, report.kept_rows, strict=True):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from config.errors import UserError
 from data import tool_runner, user_code
-from data.sft import encode_texts
+from data.encode import encode_texts
 
 log = logging.getLogger(__name__)
 

@@ -154,15 +154,15 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
 
     from config.loops import SFTConfig
     from config.sections import ModelConfig, ParallelConfig
-    from data import sft as sft_data
+    from data import conversations as conversation_data, sft as sft_data
     from model import build, parallel
     from trainer import metrics
 
     metrics.setup_logging(False)
     path = build.resolve_model_path(SFTConfig(model=ModelConfig(path=model_path)))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    rows = sft_data.load_rows("arithmetic")[:64]
-    conversations, report = sft_data.to_conversations(rows)
+    rows = conversation_data.load_rows("arithmetic")[:64]
+    conversations, report = conversation_data.to_conversations(rows)
     examples = sft_data.build_examples(conversations, tokenizer, 128, report)
     runtime = parallel.init_distributed(ParallelConfig(), seed=1234)
     results = []

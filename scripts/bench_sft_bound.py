@@ -79,6 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-sft-bound-") as work:
         model = Path(work) / "model"
         tiny.build_checkpoint(model, SHAPE)
+        parameters = parameter_count(model)
         bounds, steps, tokens = [], [], []
         for round_number in range(1, args.rounds + 1):
             bounds.append(matmul_flops(args.matmul_size))
@@ -89,7 +90,6 @@ def main() -> None:
             print(f"round {round_number}/{args.rounds}: matmul {bounds[-2] / 1e9:.1f} / {bounds[-1] / 1e9:.1f} GFLOP/s, "
                   f"SFT {flops / 1e9:.1f} GFLOP/s ({per_second:.0f} tokens/s)", flush=True)
     bound, step = statistics.median(bounds), statistics.median(steps)
-        parameters = parameter_count(model)
     print(f"\nsummary: SFT at {parameters / 1e6:.1f}M parameters, {args.threads} thread(s): "
           f"{step / 1e9:.1f} GFLOP/s against a {args.matmul_size}^3 fp32 matmul bound of {bound / 1e9:.1f} GFLOP/s: "
           f"**{step / bound:.2f}** of the bound (medians; load average {os.getloadavg()[0]:.1f})")

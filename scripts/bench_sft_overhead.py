@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loops import SFTConfig  # noqa: E402
-from data import sft as sft_data  # noqa: E402
+from data import conversations as conversation_data, sft as sft_data  # noqa: E402
 from model import build, parallel  # noqa: E402
 from trainer import metrics, sft  # noqa: E402
 
@@ -40,8 +40,8 @@ def main() -> None:
     metrics.setup_logging(True)
     path = build.resolve_model_path(config)
     tokenizer = build.load_tokenizer(path)
-    rows = sft_data.load_rows("arithmetic")[: config.train.global_batch_size]
-    conversations, report = sft_data.to_conversations(rows)
+    rows = conversation_data.load_rows("arithmetic")[: config.train.global_batch_size]
+    conversations, report = conversation_data.to_conversations(rows)
     examples = sft_data.build_examples(conversations, tokenizer, config.data.max_seq_len, report)
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     policy = build.build_policy(config, path, tokenizer)

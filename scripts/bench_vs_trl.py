@@ -276,7 +276,7 @@ def main() -> None:
     import torch
 
     from config.loops import GRPOConfig
-    from data.sft import ARITHMETIC_SPLITS
+    from data.conversations import ARITHMETIC_SPLITS
 
     config = GRPOConfig()
     batch_prompts = args.batch_prompts or config.train.global_batch_size // config.grpo.n_samples

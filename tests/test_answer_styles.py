@@ -4,7 +4,7 @@ import hashlib
 
 from data import rewards
 from data.arithmetic import generate_problems, training_text
-from data.sft import ARITHMETIC_SFT_PLAIN_SHARE, load_rows
+from data.conversations import ARITHMETIC_SFT_PLAIN_SHARE, load_rows
 
 
 def test_training_text_is_unchanged():

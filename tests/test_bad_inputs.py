@@ -9,7 +9,7 @@ import pytest
 
 from config.errors import UserError
 from config.loops import SFTConfig
-from data import sft as sft_data
+from data import conversations as conversation_data
 from model import build
 from tests.conftest import REPO
 
@@ -49,14 +49,14 @@ def test_a_non_utf8_data_file_names_the_file(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(json.dumps({"question": "caf\u00e9?", "answer": "#### 1"}, ensure_ascii=False).encode("latin-1") + b"\n")
     with pytest.raises(UserError) as error:
-        sft_data.load_rows(str(bad))
+        conversation_data.load_rows(str(bad))
     assert f"data.path '{bad}' is not UTF-8 text" in str(error.value) and "iconv" in str(error.value)
 
 
 def test_an_empty_data_file_says_it_is_empty(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(UserError) as error:
-        sft_data.load_rows(str(tmp_path / "empty.jsonl"))
+        conversation_data.load_rows(str(tmp_path / "empty.jsonl"))
     assert "empty.jsonl is empty" in str(error.value)
 
 

@@ -6,7 +6,6 @@ import ast
 import subprocess
 import sys
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 import torch

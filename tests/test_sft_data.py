@@ -9,16 +9,9 @@ import torch
 import transformers
 
 from data.batches import Example, collate, collate_packed, pack, padded_length, token_budget_microbatches
-from data.sft import (
-    BatchSchedule,
-    DropReport,
-    build_examples,
-    cached_examples,
-    encode_texts,
-    load_rows,
-    to_conversations,
-    tokenize_conversation,
-)
+from data.conversations import DropReport, load_rows, to_conversations
+from data.encode import encode_texts
+from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation
 from model.tiny import ensure_tiny_checkpoint
 from config.errors import UserError
 
@@ -212,7 +205,7 @@ def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_temp
     """GRPO's prompt ids from the cache equal a fresh rendering; other tools or another chat template are new entries;
     a damaged entry is rendered again; functions offered as tools are never cached. The key renders the first prompt (a
     template may print today's date), the rest are read."""
-    import data.sft as sft_data
+    import data.encode as encode
     from data import prompts as prompt_data
 
     conversations, _ = to_conversations([{"question": f"{n} + {n}?", "answer": f"#### {2 * n}"} for n in range(6)])
@@ -226,8 +219,8 @@ def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_temp
     assert ids() == fresh and ids(tools=[schema]) == with_tools  # written
     assert len(list((tmp_path / "prompts").iterdir())) == 2
     rendered = []
-    render = sft_data.chat_text
-    monkeypatch.setattr(sft_data, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
+    render = encode.chat_text
+    monkeypatch.setattr(encode, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
     assert ids() == fresh and ids(tools=[schema]) == with_tools  # read: only the first prompt rendered, for the key
     assert len(rendered) == 2
     monkeypatch.undo()

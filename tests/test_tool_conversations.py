@@ -5,7 +5,8 @@ import json
 import pytest
 
 from data.prompts import prompts_from_conversations
-from data.sft import examples_cache_key, to_conversations, tokenize_conversation
+from data.conversations import to_conversations
+from data.sft import examples_cache_key, tokenize_conversation
 from model.tiny import build_tokenizer
 
 CALCULATOR_SCHEMA = {"type": "function", "function": {

@@ -15,7 +15,7 @@ from ckpt import checkpoint
 from config import cli, process
 from config.loops import SFTConfig
 from config.sections import DEFAULT_REWARD
-from data import batches, prompts as prompt_data, rewards, sft as sft_data
+from data import batches, conversations as conversation_data, prompts as prompt_data, rewards, sft as sft_data
 from model import build, moe, output, parallel
 from trainer import evaluation, metrics
 from trainer.metrics import log
@@ -38,8 +38,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     data = config.data
 
     def examples(path: str, split: str):
-        rows = sft_data.load_rows(path, split=split, hub_config=data.hub_config or None, sft_targets=True)
-        conversations, report = sft_data.to_conversations(
+        rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None, sft_targets=True)
+        conversations, report = conversation_data.to_conversations(
             rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
         built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
                                          process.cache_dir() if data.cache else None)

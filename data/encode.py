@@ -1,0 +1,87 @@
+"""Text to token ids, shared by SFT's examples, GRPO's prompts and the tool messages: the chat template's rendering,
+batched encoding through a fast tokenizer's backend, and the cache of tokenized data keyed by everything tokenizing
+reads (`cache_key`), so a restarted or repeated run skips the work.
+"""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import platform
+
+from config.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text, no special tokens added. A fast tokenizer's Rust backend is called directly: the
+    same ids as `tokenizer(texts)`, without building a Python encoding object per text."""
+    if not texts:
+        return []
+    if getattr(tokenizer, "is_fast", False):
+        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def chat_text(messages: list[dict], tokenizer, tools: list | None, *, add_generation_prompt: bool = False) -> str:
+    """Return the chat template's text of `messages`, offering `tools` (schemas or functions; None: no tools)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def template_error(tokenizer, problem: str) -> UserError:
+    """Return the error for a chat template the loss mask cannot be derived from."""
+    return UserError(f"The chat template of tokenizer {tokenizer.name_or_path!r} cannot be split into turns for "
+                     f"the SFT loss mask: {problem}. Use a model whose template renders each turn as a plain suffix "
+                     "of the previous turns, with assistant turns closed by the eos token.")
+
+
+def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
+    """What a cache key must cover of a fast tokenizer (None for a slow one, which has no one text of its state): its
+    chat template and special tokens, a sample as that template renders it now (a template that prints today's date
+    renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), and the source
+    of this module and of `data.batches` (a change to the tokenization code is a new key; callers add their own)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    return [json.dumps({"chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
+                        "rendering": rendered_sample}, sort_keys=True, default=str),
+            tokenizer.backend_tokenizer.to_str(), pathlib.Path(__file__).read_text(),
+            pathlib.Path(__file__).with_name("batches.py").read_text()]
+
+
+def cache_key(state: dict, tokenizer, rendered_sample: str, *sources: str) -> str | None:
+    """A digest of `state` (JSON), the tokenizer (`tokenizer_digest_parts`) and `sources`; None for a slow tokenizer."""
+    parts = tokenizer_digest_parts(tokenizer, rendered_sample)
+    if parts is None:
+        return None
+    digest = hashlib.sha256()
+    for part in (json.dumps(state, sort_keys=True, default=str), *parts, *sources):
+        digest.update(hashlib.sha256(part.encode()).digest())
+    return digest.hexdigest()[:32]
+
+
+def read_cached(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
+    """The JSON stored under `key`, or None when it is missing or damaged (the caller builds it again)."""
+    try:
+        return json.loads((cache_dir / folder / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -> None:
+    """Store `stored` under `key`, atomically: every process may write the same entry, and nodes may share the cache. A
+    cache that cannot be written is left out with a warning."""
+    path = cache_dir / folder / f"{key}.json"
+    staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(json.dumps(stored))
+        os.replace(staging, path)
+    except OSError as error:
+        log.warning("tokenized data not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
+                    "directory to silence this", error)
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)

@@ -150,7 +150,7 @@ def transformer_overrides(config) -> dict:
 
 
 def moe_router_overrides(model) -> dict:
-    """Transformer-config fields of a Mixture-of-Experts router that the `model.moe_*` keys set (`build.configure_provider`
+    """Transformer-config fields of a Mixture-of-Experts router that the `model.moe_*` keys set (`providers.configure_provider`
     applies them only to a model with experts); a key left at `default` or unset keeps the checkpoint provider's value."""
     settings = {}
     if model.moe_aux_loss_type != "default":

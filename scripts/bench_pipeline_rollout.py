@@ -33,11 +33,11 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(REPO))
     from config.sections import ParallelConfig
-    from model import build, generate, parallel
+    from model import generate, parallel, providers, wrapping
     from model.tiny import ensure_tiny_checkpoint
 
     path = ensure_tiny_checkpoint() if args.model == "tiny" else Path(args.model)
-    bridge = build.auto_bridge(path)
+    bridge = providers.auto_bridge(path)
     vocab = bridge.hf_pretrained.config.vocab_size
     lengths = torch.randint(16, 48, (args.prompts,), generator=torch.Generator().manual_seed(0))
     prompts = [torch.randint(3, vocab, (int(length),), generator=torch.Generator().manual_seed(index)).tolist()
@@ -47,9 +47,9 @@ def worker(args) -> None:
         for pp in (1, 2):
             runtime = parallel.init_distributed(ParallelConfig(pp=pp), seed=0)
             first = first or runtime  # the one that created the process group
-            provider = build.configure_provider(bridge, dtype="fp32", tp=1, pp=pp, vpp=None,
+            provider = providers.configure_provider(bridge, dtype="fp32", tp=1, pp=pp, vpp=None,
                                                 seq_length=64 + args.new_tokens)
-            chunks = build.build_chunks(provider)
+            chunks = wrapping.build_chunks(provider)
             dist.barrier()
             start = time.perf_counter()
             completions[pp] = generate.generate(chunks, prompts, max_new_tokens=args.new_tokens, end_ids=(),

@@ -3,7 +3,7 @@
 1. GRPO's prompts: the bundled task's train split rendered through the chat template and tokenized, against the same
    ids read from the data cache (`data.cache`, `$TRAINER_CACHE_DIR/prompts`).
 2. A full garbage collection after the stack's imports (torch, megatron-core, Megatron-Bridge, transformers), with
-   the imports' objects in the collector's sight and frozen out of it (`model.build.freeze_imported_objects`):
+   the imports' objects in the collector's sight and frozen out of it (`model.providers.freeze_imported_objects`):
    Python runs such collections on its own during training, and the tests' shared launches between runs.
 
     .venv/bin/python scripts/bench_run_overhead.py [--rounds 5]
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loops import GRPOConfig  # noqa: E402
 from data import prompts as prompt_data  # noqa: E402
-from model import build  # noqa: E402
+from model import build, providers  # noqa: E402
 from model.tiny import ensure_tiny_checkpoint  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         cached.append(seconds(load(cache)))
     report("prompts of the bundled train split", fresh, cached, ("rendered", "from the cache"))
 
-    build.auto_bridge(checkpoint)  # the whole stack imported, and frozen once
+    providers.auto_bridge(checkpoint)  # the whole stack imported, and frozen once
     seen, frozen = [], []
     for _ in range(rounds):
         gc.unfreeze()

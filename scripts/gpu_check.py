@@ -180,7 +180,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
 
     from config.loops import SFTConfig
     from config.sections import DataConfig, ModelConfig
-    from model import build, parallel
+    from model import build, parallel, providers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(0)
@@ -202,7 +202,7 @@ def parity_worker(model_path: Path, seq_len: int, out: Path) -> None:
         logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)[..., :vocab].float()
     hf_error = (reference[torch.bfloat16] - reference[torch.float32]).abs().max().item()
     megatron_error = (logits - reference[torch.float32]).abs().max().item()
-    result = {"layer_spec": build.layer_spec_name(), "seq_len": seq_len,
+    result = {"layer_spec": providers.layer_spec_name(), "seq_len": seq_len,
               "max_abs_megatron_bf16_vs_hf_bf16": (logits - reference[torch.bfloat16]).abs().max().item(),
               "max_abs_megatron_bf16_vs_hf_fp32": megatron_error, "max_abs_hf_bf16_vs_hf_fp32": hf_error,
               "logit_scale": reference[torch.float32].abs().max().item(),

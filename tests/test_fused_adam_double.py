@@ -61,7 +61,7 @@ def test_install_feeds_megatron_the_double_and_hides_nothing_else():
     from megatron.core.optimizer import OptimizerConfig
 
     from config import sections
-    from model import build
+    from model import providers
 
     precision_aware = dict(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
                            use_precision_aware_optimizer=True, main_grads_dtype=torch.bfloat16,
@@ -73,7 +73,7 @@ def test_install_feeds_megatron_the_double_and_hides_nothing_else():
         assert megatron_optimizer.Adam is FusedAdamDouble and not megatron_optimizer.USING_PYTORCH_OPTIMIZER
         assert sections.have_transformer_engine()
         # The layer spec still sees no Transformer Engine.
-        assert importlib.util.find_spec("transformer_engine") is None and not build.HAVE_TRANSFORMER_ENGINE
+        assert importlib.util.find_spec("transformer_engine") is None and not providers.HAVE_TRANSFORMER_ENGINE
     finally:
         fused_adam_double.uninstall()
     assert megatron_optimizer.Adam is torch.optim.AdamW and megatron_optimizer.USING_PYTORCH_OPTIMIZER

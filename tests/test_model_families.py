@@ -39,7 +39,7 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16)),
 }
 SUPPORTED = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
-# Megatron-Bridge builds these from their own Transformer Engine layer specs (see model/build.py).
+# Megatron-Bridge builds these from their own Transformer Engine layer specs (see model/providers.py).
 REFUSED = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
@@ -153,30 +153,30 @@ def test_family_without_a_cpu_path_is_refused_at_start_up(family, family_results
 def test_the_fused_router_is_off_where_routes_are_recorded_and_replayed():
     """Transformer Engine's fused top-k bypasses megatron-core's RouterReplay (read in 0.19.2's moe_utils): with it, the
     first rollout of an MoE GRPO recorded nothing and raised."""
-    from model import build
+    from model import providers
 
     moe = SimpleNamespace(moe_enable_routing_replay=True, moe_router_fusion=True)
-    build._keep_routes_visible(moe)
+    providers.keep_routes_visible(moe)
     assert moe.moe_router_fusion is False
     without_replay = SimpleNamespace(moe_enable_routing_replay=False, moe_router_fusion=True)
-    build._keep_routes_visible(without_replay)
+    providers.keep_routes_visible(without_replay)
     assert without_replay.moe_router_fusion is True
 
 
 def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(monkeypatch):
-    from model import build
+    from model import providers
 
     def provider():
         return SimpleNamespace(apply_rope_fusion=True, persist_layer_norm=True, moe_permute_fusion=True,
                                moe_router_fusion=False, bias_activation_fusion=True, bias_dropout_fusion=True,
                                cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
 
-    monkeypatch.setattr(build, "HAVE_TRANSFORMER_ENGINE", False)
+    monkeypatch.setattr(providers, "HAVE_TRANSFORMER_ENGINE", False)
     without = provider()
-    build._disable_fusions_needing_transformer_engine(without)
+    providers.disable_fusions_needing_transformer_engine(without)
     assert vars(without) == {**vars(provider()), "apply_rope_fusion": False, "persist_layer_norm": False,
                              "moe_permute_fusion": False, "cross_entropy_fusion_impl": "native"}
-    monkeypatch.setattr(build, "HAVE_TRANSFORMER_ENGINE", True)
+    monkeypatch.setattr(providers, "HAVE_TRANSFORMER_ENGINE", True)
     with_te = provider()
-    build._disable_fusions_needing_transformer_engine(with_te)
+    providers.disable_fusions_needing_transformer_engine(with_te)
     assert vars(with_te) == vars(provider())

@@ -5,7 +5,7 @@ track it loosely; the precision-aware optimizer (bf16 moments, bf16 main gradien
 FusedAdam test double (scripts/fused_adam_double.py), since Transformer Engine needs CUDA, and must train
 with the optimizer state really held in the dtypes asked for. Data parallelism, gradient accumulation and
 packing over one global batch must leave the losses unchanged. A separate small run checks that
-`model.build.broadcast_parameters` synchronises every model chunk, not only the first.
+`model.wrapping.broadcast_parameters` synchronises every model chunk, not only the first.
 
 The runs share launches (torchrun's start-up is paid per launch): the 2-process `trainer.sft` variants in one,
 the 1-process ones in another; the FusedAdam double replaces megatron-core's Adam for its whole process, so its

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from config.sections import ParallelConfig
-from model import build, generate, parallel
+from model import generate, parallel, providers, wrapping
 from model.tiny import ensure_tiny_checkpoint
 
 NEW_TOKENS = 40
@@ -75,14 +75,14 @@ def check(model, vocab: int, padded: bool) -> dict:
 
 def run(args) -> None:
     path = ensure_tiny_checkpoint()
-    bridge = build.auto_bridge(path)
+    bridge = providers.auto_bridge(path)
     vocab = bridge.hf_pretrained.config.vocab_size
     for tp in (2, 1):
         runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=5)
         result = {}
         for spec in ("sdpa", "local"):
-            provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=128, attention=spec)
-            model = build.build_chunks(provider)[0]
+            provider = providers.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=128, attention=spec)
+            model = wrapping.build_chunks(provider)[0]
             for padded in (True, False):
                 result[f"{spec}-{'padded' if padded else 'unpadded'}"] = check(model, vocab, padded)
         print(f"[continuation] TP={tp} rank {runtime.rank}: {json.dumps(result)}", flush=True)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from config.errors import UserError
 from config.sections import ParallelConfig
-from model import build, generate, parallel
+from model import generate, parallel, providers, wrapping
 from trainer import sft
 
 PROMPTS = [
@@ -73,9 +73,9 @@ def check_conversion(path: Path, reference: dict, out_dir: Path, tp: int) -> dic
 
     runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=7)
     try:
-        bridge = build.auto_bridge(path)
-        provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64)
-        chunks = build.build_chunks(provider)
+        bridge = providers.auto_bridge(path)
+        provider = providers.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64)
+        chunks = wrapping.build_chunks(provider)
         tokens, vocab = reference["tokens"], reference["vocab"]
         positions = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
         chunks[0].eval()
@@ -87,7 +87,7 @@ def check_conversion(path: Path, reference: dict, out_dir: Path, tp: int) -> dic
         result = {"max_abs_logit_diff": (logits - reference["logits"]).abs().max().item(),
                   "greedy_equal": completions == reference["completions"],
                   "generated_tokens": sum(len(completion) for completion in completions)}
-        build.export_hf(bridge, chunks, out_dir / "export")
+        providers.export_hf(bridge, chunks, out_dir / "export")
         torch.distributed.barrier()
         if runtime.is_main:
             original, exported = hf_weights(path), hf_weights(out_dir / "export")

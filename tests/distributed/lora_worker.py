@@ -18,7 +18,7 @@ import torch
 
 from config import cli
 from config.loops import SFTConfig
-from model import build, parallel
+from model import parallel, wrapping
 from tests.distributed.parity_worker import megatron_logits
 from trainer import sft
 
@@ -48,7 +48,7 @@ def check(policy, out_dir: Path, vocab: int) -> dict:
     """The straight run's policy against a fresh build, and its exports against transformers and peft. Each rank checks
     its own base tensors; the logits are checked where they exist (the last pipeline stage). Collective: every rank's
     findings, combined."""
-    fresh = build.build_chunks(policy.provider)
+    fresh = wrapping.build_chunks(policy.provider)
     trained, untouched = base_tensors(policy.chunks), base_tensors(fresh)
     tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     ours = logits(policy.chunks, tokens)

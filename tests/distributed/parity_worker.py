@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file
 
 from config.sections import ParallelConfig
-from model import build, generate, output, parallel
+from model import generate, output, parallel, providers, wrapping
 from model.tiny import ensure_tiny_checkpoint
 
 PROMPTS = [
@@ -100,9 +100,9 @@ def training_losses(path, pp: int, vpp: int) -> list[float]:
     from trainer.sft import run_microbatches
 
     parallel.init_distributed(ParallelConfig(pp=pp, vpp=vpp), seed=7)
-    provider = build.configure_provider(build.auto_bridge(path), dtype="fp32", tp=1, pp=pp, vpp=vpp if vpp > 1 else None,
+    provider = providers.configure_provider(providers.auto_bridge(path), dtype="fp32", tp=1, pp=pp, vpp=vpp if vpp > 1 else None,
                                         seq_length=64, transformer_overrides={"calculate_per_token_loss": True})
-    chunks = build.build_chunks(provider)
+    chunks = wrapping.build_chunks(provider)
     generator = torch.Generator().manual_seed(0)
     examples = [batches.Example(torch.randint(3, 200, (20,), generator=generator).tolist(), [1] * 20) for _ in range(16)]
     microbatches = [batches.collate(examples[start : start + 4], 32, 0) for start in range(0, 16, 4)]
@@ -118,9 +118,9 @@ def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamesp
     reference_completions, stopped_completions = expected.completions, expected.stopped_completions
     vocab = reference_logits.size(-1)
     runtime = parallel.init_distributed(ParallelConfig(tp=tp, pp=pp), seed=7)
-    bridge = build.auto_bridge(path)
-    provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=pp, vpp=None, seq_length=64)
-    chunks = build.build_chunks(provider)
+    bridge = providers.auto_bridge(path)
+    provider = providers.configure_provider(bridge, dtype="fp32", tp=tp, pp=pp, vpp=None, seq_length=64)
+    chunks = wrapping.build_chunks(provider)
     result = {"rank": runtime.rank, "world_size": runtime.world_size}
 
     logits = megatron_logits(chunks, tokens)
@@ -164,7 +164,7 @@ def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamesp
                                    for completion in two_ends]
 
     export_dir = out / "export"
-    build.export_hf(bridge, chunks, export_dir)
+    providers.export_hf(bridge, chunks, export_dir)
     torch.distributed.barrier()
     if runtime.is_main:
         original = load_file(str(path / "model.safetensors"))

@@ -20,7 +20,7 @@ import torch
 
 from config.sections import ParallelConfig
 from data import batches
-from model import build, generate, parallel
+from model import generate, parallel, providers, wrapping
 from model.routing import Routes
 from model.tiny import ensure_tiny_checkpoint
 from trainer.grpo_update import input_aligned_routes, label_aligned, token_logprobs
@@ -124,21 +124,21 @@ def continued(chunks: list, vocab: int, tp: int) -> dict:
 
 def run(args) -> None:
     path = ensure_tiny_checkpoint(name="tiny-moe")
-    bridge = build.auto_bridge(path)
+    bridge = providers.auto_bridge(path)
     vocab = bridge.hf_pretrained.config.vocab_size
     for tp in (2, 1):
         parallel.init_distributed(ParallelConfig(tp=tp), seed=0)
-        provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64,
+        provider = providers.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64,
                                             transformer_overrides={"sequence_parallel": tp > 1})
-        chunks = build.build_chunks(provider)
+        chunks = wrapping.build_chunks(provider)
         result = check(chunks, vocab, tp)
         result["multi_turn"] = continued(chunks, vocab, tp)
         if torch.distributed.get_rank() == 0:
             Path(args.out, f"tp{tp}.json").write_text(json.dumps(result))
     whole = staged_generation(chunks, vocab)  # PP=1: every layer's routes
     parallel.init_distributed(ParallelConfig(pp=2), seed=0)
-    provider = build.configure_provider(bridge, dtype="fp32", tp=1, pp=2, vpp=None, seq_length=64)
-    staged = staged_generation(build.build_chunks(provider), vocab)
+    provider = providers.configure_provider(bridge, dtype="fp32", tp=1, pp=2, vpp=None, seq_length=64)
+    staged = staged_generation(wrapping.build_chunks(provider), vocab)
     stage = torch.distributed.get_rank()  # PP=2 on 2 processes: rank r is stage r
     layers = staged["routes"][0].size(1)
     Path(args.out, f"pp2-rank{stage}.json").write_text(json.dumps({

@@ -18,7 +18,7 @@ import torch
 
 from config.sections import ParallelConfig
 from data.batches import Example, collate, collate_packed
-from model import build, generate, parallel
+from model import generate, parallel, providers, wrapping
 from model.tiny import ensure_tiny_checkpoint
 
 SPECS = ("local", "sdpa")
@@ -49,7 +49,7 @@ def run(args) -> None:
     path = ensure_tiny_checkpoint()
     for tp in [int(size) for size in args.tp.split(",")]:
         runtime = parallel.init_distributed(ParallelConfig(tp=tp), seed=5)
-        result = compare_specs(tp, build.auto_bridge(path))
+        result = compare_specs(tp, providers.auto_bridge(path))
         print(f"[sdpa] TP={tp} rank {runtime.rank}: {json.dumps(result)}", flush=True)
         Path(args.out, f"tp{tp}-rank{runtime.rank}.json").write_text(json.dumps(result))
     parallel.shutdown(runtime)
@@ -59,8 +59,8 @@ def compare_specs(tp: int, bridge) -> dict:
     """Everything the test asserts on, for one tensor-parallel size."""
     models = {}
     for spec in SPECS:
-        provider = build.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec)
-        models[spec] = parallel.unwrap(build.build_chunks(provider)[0])
+        provider = providers.configure_provider(bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec)
+        models[spec] = parallel.unwrap(wrapping.build_chunks(provider)[0])
     result = {"tp": tp, "core_attention": {
         spec: type(model.decoder.layers[0].self_attention.core_attention).__name__ for spec, model in models.items()}}
 
@@ -132,7 +132,7 @@ def compare_specs(tp: int, bridge) -> dict:
 
     # ---- a sliding window (4 tokens): megatron's local softmax then builds its own window mask and drops ours, so
     # that spec generates unpadded; SDPA applies both. Either way, batched prompts give what each gives alone.
-    windowed = {spec: parallel.unwrap(build.build_chunks(build.configure_provider(
+    windowed = {spec: parallel.unwrap(wrapping.build_chunks(providers.configure_provider(
         bridge, dtype="fp32", tp=tp, pp=1, vpp=None, seq_length=64, attention=spec,
         transformer_overrides={"window_size": (4, 0)}))[0]) for spec in SPECS}
     result["windowed_masks_pads"] = {spec: generate.masks_pads(model) for spec, model in windowed.items()}

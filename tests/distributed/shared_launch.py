@@ -54,7 +54,7 @@ def release_models() -> None:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer import TransformerConfig
 
-    from model.build import TRAINING_HOOKS
+    from model.wrapping import TRAINING_HOOKS
 
     for thing in gc.get_objects():
         try:
@@ -74,7 +74,7 @@ def release_models() -> None:
             dist.destroy_process_group(group)
     gc.collect()
     # What is left lives as long as the process (modules a run imported, tokenizers, data caches): out of the
-    # collector's sight, as model.build.freeze_imported_objects does with the imports, each later collection scans only
+    # collector's sight, as model.providers.freeze_imported_objects does with the imports, each later collection scans only
     # what the next run makes (each release took 1.3-2.6 s of collections after 54 runs in one launch).
     gc.freeze()
 
@@ -87,7 +87,7 @@ def import_bridge() -> None:
     lora.allow_import_without_te()
     import megatron.bridge  # noqa: F401
 
-    from model.build import freeze_imported_objects
+    from model.providers import freeze_imported_objects
 
     # As a loop does after the same import: `release_models`' object scan and collections then skip the imports' objects.
     freeze_imported_objects()

@@ -3,7 +3,7 @@ syncs every model chunk.
 
 Two small chunks stand in for virtual pipeline stages. Rank 1 perturbs both (the second one with an
 expert-style parameter too, which is replicated over the expert-data-parallel group), then
-`model.build.broadcast_parameters(chunks)` runs. Every rank writes `<out>/rank<R>.json`: for each
+`model.wrapping.broadcast_parameters(chunks)` runs. Every rank writes `<out>/rank<R>.json`: for each
 chunk, whether its parameters were equal on all ranks before and after the call.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from config.sections import ParallelConfig
-from model import build, parallel
+from model import parallel, wrapping
 
 
 def make_chunk() -> torch.nn.Module:
@@ -48,7 +48,7 @@ def run(args) -> None:
                 for param in chunk.parameters():
                     param.add_(1.0 + index)
     before = [equal_on_all_ranks(chunk) for chunk in chunks]
-    build.broadcast_parameters(chunks)
+    wrapping.broadcast_parameters(chunks)
     after = [equal_on_all_ranks(chunk) for chunk in chunks]
     result = {"rank": runtime.rank, "world_size": runtime.world_size, "dp_size": runtime.dp_size,
               "equal_before": before, "equal_after": after}

@@ -1,0 +1,195 @@
+"""Megatron-Bridge's provider for an HF checkpoint, set up as this trainer builds: AutoBridge loaded once (and the
+imported objects frozen out of the collector's sight), the layer spec chosen (`model.attention`), precision, parallel
+sizes, Mixture-of-Experts routing and the fusions a machine without Transformer Engine cannot run.
+"""
+
+import functools
+import gc
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from config.errors import UserError
+from config.sections import have_transformer_engine
+from model import lora, rules
+
+log = logging.getLogger(__name__)
+
+# Decided once, at import: the fused-Adam test double makes later calls of have_transformer_engine() say yes
+# (for the optimizer) while the layers stay the ones built without Transformer Engine.
+HAVE_TRANSFORMER_ENGINE = have_transformer_engine()
+
+
+
+def auto_bridge(hf_path: str | Path):
+    """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
+    lora.allow_import_without_te()  # Bridge's import reaches its LoRA layers, which import TE
+    # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
+    # and forces its own level and handler at import; disabling the logger is the only switch.
+    logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
+    from megatron.bridge import AutoBridge
+
+    freeze_imported_objects()
+    return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
+
+
+def freeze_imported_objects() -> None:
+    """Move the objects made so far (about a million, nearly all from importing torch, megatron-core, Megatron-Bridge and
+    transformers, alive for the process's life) out of the garbage collector's sight, once per process. Each full
+    collection during training scanned them all: a short GRPO run took 3.3 s against 4.3 s without this (median of 3,
+    alternating in one process). Objects made later are collected as usual, and frozen ones (the data a loop loaded before
+    this import among them) are still freed by reference counting when their last reference goes: only a reference
+    cycle among them would outlive its use."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
+def layer_spec_name(attention: str = "auto") -> str:
+    """The layer implementation `attention` names; `auto` is Transformer Engine when installed, else SDPA."""
+    if attention == "auto":
+        return "transformer_engine" if HAVE_TRANSFORMER_ENGINE else "sdpa"
+    return attention
+
+
+def _layer_spec(name: str):
+    """The provider callable that builds the named layer spec.
+
+    `sdpa` is megatron-core's local layers with `torch.nn.functional.scaled_dot_product_attention` as the
+    core attention (fused kernels on GPUs); `local` keeps megatron-core's own core attention, which
+    materialises the full score matrix (kept reachable for tests and the GPU benchmark).
+    """
+    from megatron.bridge.models import gpt_provider
+
+    from model.attention import local_layer_spec, sdpa_layer_spec
+    from model.norm import torch_norm_block_spec
+
+    # Without TE or apex, megatron-core's local norms refuse sequence parallelism; TorchNorm is the same norm without
+    # that refusal (model/norm.py), so both non-TE specs run with and without it.
+    specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec,
+             "sdpa": functools.partial(torch_norm_block_spec, sdpa_layer_spec),
+             "local": functools.partial(torch_norm_block_spec, local_layer_spec)}
+    return specs[name]
+
+
+def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
+                       attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None,
+                       ep: int = 1, etp: int | None = None, moe_dispatcher: str = "alltoall",
+                       moe_router: dict | None = None):
+    """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
+
+    `ep`/`etp` are the expert-parallel and expert tensor-parallel degrees (`etp=None`: megatron-core's default, `tp`);
+    `moe_dispatcher` is megatron-core's token dispatcher for a Mixture-of-Experts model (a dense one ignores both).
+
+    `moe_router` (`rules.moe_router_overrides`) sets a Mixture-of-Experts model's router; a dense model has none.
+    `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
+    passes `rules.transformer_overrides(config)` there (sequence parallelism, recomputation).
+    """
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    _refuse_family_specific_layer_spec(bridge, provider)
+    # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
+    # set it routes as without, so it costs nothing until GRPO records or replays routes.
+    provider.moe_enable_routing_replay = bool(getattr(provider, "num_moe_experts", None))
+    spec_name = layer_spec_name(attention)
+    provider.transformer_layer_spec = _layer_spec(spec_name)
+    log.info("layer spec: %s", spec_name)
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.virtual_pipeline_model_parallel_size = vpp
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = etp
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_token_dispatcher_type = moe_dispatcher
+    # Off unless the overrides switch it on (Bridge's providers may default it on; tp=1 refuses it).
+    provider.sequence_parallel = False
+    provider.seq_length = seq_length
+    provider.params_dtype = rules.DTYPES[dtype]
+    provider.pipeline_dtype = rules.DTYPES[dtype]
+    provider.bf16 = dtype == "bf16"
+    provider.fp16 = dtype == "fp16"
+    # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
+    provider.gradient_accumulation_fusion = HAVE_TRANSFORMER_ENGINE and torch.cuda.is_available()
+    provider.use_cpu_initialization = not torch.cuda.is_available()
+    # gloo: the pipeline schedule's stage-to-stage exchanges one by one, in megatron-core's paired order, not as one
+    # batch. gloo matches a batch's sends and receives between two ranks in the order they are listed, so at PP=2
+    # (the previous stage is also the next) the interleaved schedule's activation and gradient, exchanged together,
+    # arrived swapped: PP=2 x VPP=2 trained on wrong values (step-1 loss 1.005 against 0.030 for the same batch at
+    # VPP=1); unbatched, the losses are equal. NCCL's batches are grouped, and unaffected.
+    provider.batch_p2p_comm = torch.cuda.is_available()
+    # Local attention's fused softmax is a CUDA extension built with apex, not shipped with megatron-core;
+    # without it the fused path fails at import, so use megatron's PyTorch softmax (the same computation).
+    provider.masked_softmax_fusion = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+    router_settings = (moe_router or {}) if getattr(provider, "num_moe_experts", None) else {}
+    for key, value in {**router_settings, **(transformer_overrides or {})}.items():
+        setattr(provider, key, value)
+    disable_fusions_needing_transformer_engine(provider)
+    keep_routes_visible(provider)
+    provider.finalize()
+    return provider
+
+
+def keep_routes_visible(provider) -> None:
+    """A router with RouterReplay chooses its experts through it; TE's fused top-k (`moe_router_fusion`) bypasses it,
+    so GRPO would record no route (its first rollout failed) and replay none: with replay on, the fusion is off."""
+    if getattr(provider, "moe_enable_routing_replay", False) and getattr(provider, "moe_router_fusion", False):
+        provider.moe_router_fusion = False
+        log.info("moe_router_fusion turned off: Transformer Engine's fused top-k bypasses RouterReplay, which records and "
+                 "replays the rollouts' routes")
+
+
+def _refuse_family_specific_layer_spec(bridge, provider) -> None:
+    """Refuse a family whose Bridge provider brings its own layer spec, which configure_provider would replace with ours.
+
+    Gemma 2 and 3 are such families (measured with Megatron-Bridge 0.6.2): their specs add post-attention and post-MLP
+    norms inside Transformer Engine linear layers, soft-capping or per-layer sliding windows, and norms computing
+    x * (1 + w), which megatron-core's non-TE norm refuses. Built from our spec they would be a different model.
+    """
+    from megatron.bridge.models import gpt_provider
+
+    spec = provider.transformer_layer_spec
+    if spec is gpt_provider.default_layer_spec:
+        return
+    path = bridge.hf_pretrained.model_name_or_path
+    architecture = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
+    raise UserError(
+        f"`model.path={path}` is a {architecture} checkpoint, a family Megatron-Bridge builds from its own layer "
+        f"specification (`{getattr(spec, '__name__', type(spec).__name__)}`). This trainer builds every model from "
+        "megatron-core's standard GPT layers (Transformer Engine's, or the local/SDPA ones without it), which lack that "
+        "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "
+        "windows, norms scaled by 1 + weight), so it would train a different model and refuses the checkpoint. Point "
+        "`--model.path` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (README: Model families verified).")
+
+
+# Fusions a Bridge provider may switch on whose only implementation is Transformer Engine's. The rest
+# (bias_activation_fusion, bias_dropout_fusion, native cross_entropy_loss_fusion) are megatron-core's own
+# torch.compile'd PyTorch and run anywhere; masked_softmax_fusion and gradient_accumulation_fusion are set
+# above from whether their CUDA extensions are installed.
+TRANSFORMER_ENGINE_FUSIONS = {
+    "apply_rope_fusion": "TE's fused rotary kernel; finalize() fails without it (set by the Llama provider)",
+    "persist_layer_norm": "a fused CUDA LayerNorm kernel; megatron's non-TE norm refuses it (set by the Llama provider)",
+    "moe_permute_fusion": "TE >= 2.1's token permutation; finalize() fails without it (Qwen3-MoE and most MoE providers)",
+    "moe_router_fusion": "TE >= 2.7's top-k routing and aux-loss kernels",
+}
+
+
+def disable_fusions_needing_transformer_engine(provider) -> None:
+    """Without Transformer Engine, switch off the fusions only TE implements (logged once); with TE, change nothing."""
+    if HAVE_TRANSFORMER_ENGINE:
+        return
+    turned_off = [name for name in TRANSFORMER_ENGINE_FUSIONS if getattr(provider, name, False)]
+    for name in turned_off:
+        setattr(provider, name, False)
+    # TE's parallel cross entropy (DeepSeek/Kimi providers pick it); megatron-core's native fused one is the same loss.
+    uses_te_cross_entropy = getattr(provider, "cross_entropy_fusion_impl", "native") == "te"
+    if getattr(provider, "cross_entropy_loss_fusion", False) and uses_te_cross_entropy:
+        provider.cross_entropy_fusion_impl = "native"
+        turned_off.append("cross_entropy_fusion_impl=te (now native)")
+    if turned_off:
+        log.info("Transformer Engine is not installed: turned off %s", ", ".join(turned_off))
+
+
+def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
+    """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
+    bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)

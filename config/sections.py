@@ -17,7 +17,7 @@ IMPORTANCE_RATIOS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 FILTER_METRICS = ("accuracy", "reward")  # what dynamic sampling's groups must vary in (trainer/grpo.py)
 ROLLOUT_CORRECTIONS = ("none", "tis")  # grpo.rollout_correction (trainer/grpo_update.py)
-TOOL_ISOLATIONS = ("process", "thread")  # where a plain-function tool call runs (data/tool_runner.py)
+TOOL_ISOLATIONS = ("process", "thread")  # where a plain-function tool call runs (tool_runtime/runner.py)
 ATTENTION_NAMES = ("auto", "sdpa", "local", "transformer_engine")
 # megatron-core's MoE token dispatchers that run without extra kernels (`flex` needs DeepEP or HybridEP).
 MOE_DISPATCHERS = ("alltoall", "allgather")

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 
 from config.errors import UserError
-from data import user_code
+from config import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 
 RewardFunction = Callable[[str, str], float]

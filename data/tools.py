@@ -27,7 +27,8 @@ import math
 from collections.abc import Callable
 
 from config.errors import UserError
-from data import tool_runner, user_code
+from config import user_code
+from tool_runtime import runner as tool_runner
 from data.encode import encode_texts
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,11 @@ class Toolset:
                             f"named {' or '.join(ENVIRONMENT_HOOKS)}, or starting with `_`, are not tools).")
         return cls(functions, environment, schemas, specs)
 
-    def episode(self, row: dict, seed: int = 0) -> tuple["Episode", str | None]:
+    def episode(self, row: dict, seed: int = 0) -> tuple["EpisodeTools", str | None]:
         """A new episode's tools (its own environment instance, reset with the data row, and with `seed` when reset
         takes one: `reset_environment`) and the text reset returned."""
         if self.environment is None:
-            return Episode(dict(self.functions), None, self.specs), None
+            return EpisodeTools(dict(self.functions), None, self.specs), None
         try:
             environment = self.environment()
             extra = reset_environment(environment, row, seed)
@@ -116,7 +117,7 @@ class Toolset:
                             f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
                             "`--grpo.environment`.") from None
         tools = {**self.functions, **dict(environment_methods(environment))}
-        return Episode(tools, environment, self.specs), None if extra is None else str(extra)
+        return EpisodeTools(tools, environment, self.specs), None if extra is None else str(extra)
 
 
 def reset_environment(environment, row: dict, seed: int):
@@ -216,7 +217,7 @@ def parse_turn(tokenizer, text: str) -> tuple[str, list[Call], str | None]:
     return parsed.get("content") or "", calls, None
 
 
-class Episode:
+class EpisodeTools:
     """One episode's tools: the functions by name, the `module:function` of the plain ones (a worker process imports
     them by it), and its environment instance (None without)."""
 

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from config.hf import read_hf_config
-from model import parallel
+from model import collectives, pipeline
 from model.parallel import unwrap
 
 
@@ -165,7 +165,7 @@ class Completions(list):
     routes: list[torch.Tensor] | None = None
 
 
-class Generator:
+class Engine:
     """Generation by the policy, built once: its model chunk, end ids, vocabulary and data-parallel group inside.
 
     Collective over the data-parallel group: every rank must call `generate` the same number of times (with its
@@ -203,7 +203,7 @@ class Generator:
 
 def _agree(value: int, group, op) -> int:
     """`value` reduced over `group` (MAX or MIN); the value itself without a group."""
-    return value if group is None else parallel.all_reduce_int(value, op, group)
+    return value if group is None else collectives.all_reduce_int(value, op, group)
 
 
 @torch.no_grad()
@@ -238,7 +238,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     end_ids = torch.tensor([end_ids] if isinstance(end_ids, int) else list(end_ids), dtype=torch.long)  # [ends]
     filler = int(end_ids[0]) if len(end_ids) else 0  # written after a row has ended
     model = chunks[0]
-    stages = parallel.PipelineStages.of_this_rank()
+    stages = pipeline.PipelineStages.of_this_rank()
     device = next(unwrap(model).parameters()).device
     end_ids = end_ids.to(device)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [prompts]

@@ -1,9 +1,10 @@
-"""Distributed start-up in one place: process group from torchrun's environment, megatron parallel state, seeding."""
+"""Distributed start-up in one place: process group from torchrun's environment, megatron parallel state, seeding;
+the few facts of the layout the loops ask (`unwrap`, `fixed_microbatch_shape`). Collectives: `model.collectives`;
+user code once per model replica: `model.replica`; hops between pipeline stages: `model.pipeline`."""
 
 import datetime
 import logging
 import os
-import pickle
 import random
 import socket
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config.errors import UserError
 from config.process import is_global_rank_zero
 from model import cpu_compat, rules
 
@@ -155,24 +155,6 @@ def unwrap(chunk):
     return chunk
 
 
-# ---------------------------------------------------------------- small collectives
-
-
-def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
-    """NCCL needs CUDA tensors; gloo takes CPU tensors."""
-    return tensor.cuda() if torch.cuda.is_available() else tensor
-
-
-def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce a small tensor over a process group, returning it on the CPU."""
-    tensor = _on_backend_device(tensor)
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor.cpu()
-
-
-def all_reduce_sum(values: list[float], group=None) -> list[float]:
-    """Sum a few Python numbers over a process group (default: the whole world)."""
-    return _all_reduce(torch.tensor(values, dtype=torch.float64), group).tolist()
 
 
 def fixed_microbatch_shape() -> bool:
@@ -183,178 +165,3 @@ def fixed_microbatch_shape() -> bool:
     return parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
-def data_parallel_sum(values: list[float]) -> list[float]:
-    """Sum a few Python numbers over this rank's data-parallel group."""
-    from megatron.core import parallel_state
-
-    return all_reduce_sum(values, parallel_state.get_data_parallel_group())
-
-
-def data_parallel_gather(value) -> list:
-    """A picklable value from every rank of this rank's data-parallel group, in rank order (rare, small messages)."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)  # NCCL: through the current CUDA device, which init set
-    return gathered
-
-
-def all_reduce_float(value: float, op, group=None) -> float:
-    """One number reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
-    return float(_all_reduce(torch.tensor([value], dtype=torch.float64), group, op).item())
-
-
-def all_reduce_int(value: int, op, group=None) -> int:
-    """One integer reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
-    return int(_all_reduce(torch.tensor([value], dtype=torch.long), group, op).item())
-
-
-def world_max(value: int) -> int:
-    """The largest of one integer over every rank (what all ranks must agree on, such as a step's micro-batch count)."""
-    return all_reduce_int(value, dist.ReduceOp.MAX)
-
-
-def model_parallel_shared(compute, *args):
-    """`compute(*args)` run on the first rank of this rank's model-parallel group only (the tensor- and
-    pipeline-parallel ranks of one model replica), its (picklable) result sent to the others: user code that may
-    differ between calls (a tool, a reward: a clock, a network call) then gives every shard and stage of one replica
-    the same value, and runs once per replica. Without tensor or pipeline parallelism it is just the call. Collective
-    over the model-parallel group.
-
-    Every exception reaches every rank of the group, so no peer waits for a result that never comes: a UserError is
-    raised with its message on every rank; any other exception from `compute`, or a result that cannot be pickled,
-    is logged with its traceback on the computing rank and raised on every rank as one UserError paragraph naming
-    `compute`, the exception's type and message, and where the traceback is."""
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized() or parallel_state.get_model_parallel_group().size() == 1:
-        return compute(*args)
-    group = parallel_state.get_model_parallel_group()
-    source = dist.get_process_group_ranks(group)[0]
-    box, result, error = [None], None, None
-    if dist.get_rank() == source:
-        result, error, pickled = _compute_for_peers(compute, args)
-        box = [pickled]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    dist.broadcast_object_list(box, src=source, group=group, device=device)
-    if error is not None:
-        raise error
-    if dist.get_rank() == source:
-        return result
-    failed, value = pickle.loads(box[0])
-    if failed:
-        raise UserError(value)
-    return value
-
-
-def _compute_for_peers(compute, args) -> tuple[object, UserError | None, bytes]:
-    """On the computing rank: `compute(*args)`, the UserError to raise (None when it succeeded), and the pickled
-    outcome its peers receive, `(False, result)` or `(True, the error's paragraph)`.
-
-    The result is pickled here rather than inside the broadcast, so one that cannot be pickled fails before the
-    collective and its error is what the peers receive."""
-    try:
-        result = compute(*args)
-    except UserError as error:
-        return None, error, pickle.dumps((True, str(error)))
-    except Exception as error:
-        failure = _shared_failure(compute, error, f"{_qualified_name(compute)} raised")
-    else:
-        try:
-            return result, None, pickle.dumps((False, result))
-        except Exception as error:
-            failure = _shared_failure(compute, error, f"Pickling the result of {_qualified_name(compute)} (a "
-                                      f"{type(result).__name__}), to send it to the other ranks, failed",
-                                      " Return plain data from it (no locks, threads, open files or lambdas).")
-    return None, failure, pickle.dumps((True, str(failure)))
-
-
-def _shared_failure(compute, error: Exception, problem: str, fix: str = "") -> UserError:
-    """The paragraph every model-parallel rank raises for `error` on the computing rank; logs the traceback there,
-    once. Call it in the `except` block that caught `error`."""
-    rank = dist.get_rank()
-    log.exception("%s failed on global rank %d, which runs it for its model-parallel group", _qualified_name(compute),
-                  rank)
-    detail = " ".join(str(error).split()).rstrip(".") or "(no message)"
-    failure = UserError(f"{problem} on global rank {rank}, the rank of its model-parallel group (the tensor- and "
-                        f"pipeline-parallel ranks of one model replica) that runs it for the others: "
-                        f"{type(error).__name__}: {detail}. Its full traceback is logged on that rank (logger "
-                        f"{log.name!r}); every rank of the group stops with this message rather than wait for the "
-                        f"result.{fix}")
-    failure.__cause__ = error
-    return failure
-
-
-def _qualified_name(function) -> str:
-    """`module.Qualified.name` of a function or bound method; the repr of another callable (a partial)."""
-    qualified = getattr(function, "__qualname__", None)
-    return f"{function.__module__}.{qualified}" if qualified else repr(function)
-
-
-@dataclass(frozen=True)
-class PipelineStages:
-    """This rank's place in its pipeline, for forwards outside megatron-core's schedule (generation): one forward at a
-    time passes stage to stage (no microbatch pipelining), as megatron-core's own static-batching inference does.
-    Each tensor-parallel rank talks to the same tensor-parallel rank of the next and previous stages."""
-
-    first: bool
-    last: bool
-    group: object  # the pipeline group: one rank per stage, this rank's tensor-parallel rank
-    previous_rank: int  # global ranks
-    next_rank: int
-    last_rank: int
-
-    @classmethod
-    def of_this_rank(cls) -> "PipelineStages | None":
-        """The stages of megatron's parallel state; None at pipeline size 1."""
-        from megatron.core import parallel_state
-
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return None
-        return cls(parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-                   parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-                   parallel_state.get_pipeline_model_parallel_group(),
-                   parallel_state.get_pipeline_model_parallel_prev_rank(),
-                   parallel_state.get_pipeline_model_parallel_next_rank(),
-                   parallel_state.get_pipeline_model_parallel_last_rank())
-
-    def receive(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The previous stage's output (its shape and dtype known to both sides)."""
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensor, src=self.previous_rank)
-        return tensor
-
-    def send(self, tensor: torch.Tensor) -> None:
-        """This stage's output to the next stage."""
-        dist.send(tensor.contiguous(), dst=self.next_rank)
-
-    def from_last(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's `tensor` on every stage (the others pass a tensor of its shape and dtype)."""
-        dist.broadcast(tensor, src=self.last_rank, group=self.group)
-        return tensor
-
-
-def reduce_loss_over_data_parallel(losses_reduced: list[dict]) -> tuple[float, float]:
-    """Global-batch (loss sum, token count) from the microbatch outputs, made known to every rank (`last_stage_sum`)."""
-    totals = torch.zeros(2, dtype=torch.float64)
-    for item in losses_reduced:
-        totals += item["loss"].detach().to("cpu", torch.float64)
-    loss_sum, tokens = last_stage_sum(totals.tolist())
-    return loss_sum, tokens
-
-
-def last_stage_sum(values: list[float]) -> list[float]:
-    """A few numbers only the last pipeline stage holds (the losses of megatron-core's schedule), summed over its
-    data-parallel ranks and made known to every stage, so rank 0 (first stage) can log them. Collective."""
-    from megatron.core import parallel_state
-
-    totals = torch.tensor(values, dtype=torch.float64)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        totals = _all_reduce(totals, parallel_state.get_data_parallel_group())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        totals = _on_backend_device(totals)
-        dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-        totals = totals.cpu()
-    return totals.tolist()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 from config import outputs
-from model import moe, parallel
+from model import collectives, moe
 from model.providers import export_hf
 from model.wrapping import build_chunks, experts_span_data_parallel, training_hooks_detached
 
@@ -42,21 +42,21 @@ class Policy:
         return len(self.chunks) == 1
 
     @functools.cached_property
-    def generator(self):
+    def engine(self):
         """The policy's generation object: end ids from the tokenizer and `generation_config.json`; under Megatron-FSDP,
         whose every forward gathers parameters, and where a Mixture-of-Experts layer exchanges tokens between
         data-parallel ranks (`experts_span_data_parallel`), the data-parallel group inside (so every rank runs the same
         forwards). DDP's forwards otherwise communicate nothing across data-parallel ranks, so there each rank
-        generates on its own, with no agreement per step, but for multi-turn rollouts (see `Generator`)."""
+        generates on its own, with no agreement per step, but for multi-turn rollouts (see `Engine`)."""
         from megatron.core import parallel_state
 
-        from model.generate import Generator, end_token_ids
+        from model.generate import Engine, end_token_ids
 
         gathers_per_forward = any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)
                                   for chunk in self.chunks) or experts_span_data_parallel(self.provider)
         data_parallel = (parallel_state.get_data_parallel_group()
                          if parallel_state.get_data_parallel_world_size() > 1 else None)
-        return Generator(self.chunks, self.vocab_size,
+        return Engine(self.chunks, self.vocab_size,
                          end_token_ids(self.bridge.hf_pretrained.model_name_or_path, self.tokenizer),
                          data_parallel if gathers_per_forward else None, data_parallel, self.routes)
 
@@ -77,7 +77,7 @@ class Policy:
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
         provider = self.provider
-        return parallel.all_reduce_sum([float(local_tokens)])[0] / (provider.tensor_model_parallel_size
+        return collectives.all_reduce_sum([float(local_tokens)])[0] / (provider.tensor_model_parallel_size
                                                                      * provider.pipeline_model_parallel_size)
 
     def sync_parameters(self) -> None:

@@ -1,5 +1,5 @@
 """Tool execution cost: one turn of N episodes each calling a pure-Python tool that computes for 50 ms (it holds the
-GIL), run by `data.tool_runner` in threads and in worker processes, at the default `grpo.tool_timeout` (10 s) and
+GIL), run by `tool_runtime.runner` in threads and in worker processes, at the default `grpo.tool_timeout` (10 s) and
 `grpo.tool_workers` (this rank's share of the cores); and, for comparison, the way calls ran before (every call of
 the turn in its own thread at once, one deadline for all). Then the cost of one call of a tool that does nothing.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import tool_runner  # noqa: E402
+from tool_runtime import runner as tool_runner  # noqa: E402
 
 TIMEOUT = 10.0  # grpo.tool_timeout's default
 SPEC = "bench_tool_calls:busy"  # this script's directory is on the import path a worker process is given

@@ -312,7 +312,7 @@ def test_a_tool_worker_killed_mid_program_leaves_no_process_and_no_directory(no_
     import glob
     import tempfile
 
-    from data import tool_runner
+    from tool_runtime import runner as tool_runner
 
     pattern = os.path.join(tempfile.gettempdir(), "sandbox-*")
     before = set(glob.glob(pattern))

@@ -13,7 +13,8 @@ import torch
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig
-from data import rewards, tool_runner, tools
+from data import rewards, tools
+from tool_runtime import runner as tool_runner
 from data.prompts import prompts_from_conversations
 from model import generate, tiny
 from tests import tool_fixtures
@@ -97,7 +98,7 @@ def test_a_tokenizers_own_response_schema_is_used(tokenizer):
 
 
 def test_calls_run_within_the_timeout_and_failures_become_the_tools_answer():
-    episode = tools.Episode({name: getattr(tool_fixtures, name) for name in ("digits", "raises", "sleeps")}, None)
+    episode = tools.EpisodeTools({name: getattr(tool_fixtures, name) for name in ("digits", "raises", "sleeps")}, None)
     calls = [tools.Call("digits", {"number": "123"}), tools.Call("raises", {"number": "9"}), tools.Call("nope", {}),
              tools.Call("digits", {"bad": 1}), tools.Call("sleeps", {"number": "1"}), tools.Call("sleeps", {"number": "2"})]
     started = time.monotonic()
@@ -162,8 +163,8 @@ def test_templates_that_cannot_continue_are_refused_naming_the_template(template
 # ---------------------------------------------------------------- the rollout's bookkeeping
 
 
-class ScriptedGenerator:
-    """Stands in for `model.generate.Generator` where only the rollout's bookkeeping is under test: each row "samples"
+class ScriptedEngine:
+    """Stands in for `model.generate.Engine` where only the rollout's bookkeeping is under test: each row "samples"
     its scripted turns in order (each closed by the end id) and, as the real one does, asks `continue_rows` after each."""
 
     def __init__(self, tokenizer, turns):
@@ -200,13 +201,13 @@ def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environ
     prompts[0].row = row or {"question": "What is 12 + 5?"}
     rollout = rollout_data.Rollout(tokenizer, loaded, [2], max_turns=max_turns,
                                    max_tool_response_tokens=max_tool_response_tokens, **{"tool_timeout": 0.3, **settings})
-    generator = ScriptedGenerator(tokenizer, turns)
+    engine = ScriptedEngine(tokenizer, turns)
     try:
-        episodes, seconds = rollout.run(generator, prompts, samples=len(turns), max_new_tokens=max_new_tokens,
+        episodes, seconds = rollout.run(engine, prompts, samples=len(turns), max_new_tokens=max_new_tokens,
                                         sampling=generate.Sampling(seed=seed))
     finally:
         rollout.close()
-    return episodes, generator
+    return episodes, engine
 
 
 def test_only_sampled_ids_are_trained_and_the_appended_ones_are_the_tool_messages(tokenizer):
@@ -251,8 +252,8 @@ def test_a_long_tool_answer_is_cut_and_says_so_and_an_episode_out_of_room_ends(t
                          max_tool_response_tokens=1)
     assert cut[0].counts["truncated_tool_responses"] == 1
     assert "[cut: " in rollout_data.trajectory(tokenizer, cut[0])[1]["appended"]
-    full, generator = run_rollout(tokenizer, [[CALL % "12", "#### 17"]], max_new_tokens=len(tokenizer(CALL % "12")["input_ids"]) + 10)
-    assert full[0].counts["out_of_room"] == 1 and full[0].counts["turns"] == 1 and len(generator.requests) == 1
+    full, engine = run_rollout(tokenizer, [[CALL % "12", "#### 17"]], max_new_tokens=len(tokenizer(CALL % "12")["input_ids"]) + 10)
+    assert full[0].counts["out_of_room"] == 1 and full[0].counts["turns"] == 1 and len(engine.requests) == 1
 
 
 def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
@@ -267,7 +268,7 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     loaded.environment = Broken
     with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
         loaded.episode({"question": "q"})
-    assert tools.Episode({}, Broken()).reward() == (0.0, None)
+    assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None)
 
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):

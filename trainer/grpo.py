@@ -49,8 +49,10 @@ Words: a completion is what the policy writes after a prompt; an episode is one 
 or, with tools, its trajectory (the turns and the tool messages appended between them, kept as token ids); a group is
 the `grpo.n_samples` episodes of one prompt, whose rewards give their advantages; a round is one generation pass over
 a set of prompts (a step has one, or with dynamic sampling up to `grpo.max_sampling_rounds`); the step's batch is the
-groups it trains on. `trainer/grpo_sampling.py` samples and scores the batch, `trainer/grpo_update.py` computes the
-loss and steps the optimizer, `trainer/grpo_metrics.py` builds the rows metrics.jsonl and samples.jsonl get.
+groups it trains on. The episode sampler (`trainer.rollout.Rollout`) turns prompts into episodes through the policy's
+generation engine (`model.generate.Engine`), running the tools of each episode (`data.tools.EpisodeTools`).
+`trainer/grpo_sampling.py` samples and scores the batch, `trainer/grpo_update.py` computes the loss and steps the
+optimizer, `trainer/grpo_metrics.py` builds the rows metrics.jsonl and samples.jsonl get.
 
 parse -> validate -> build -> resume -> loop -> save. With no arguments it starts from the default SFT's
 output `outputs/sft/hf`, running that SFT first, in the same process group, when it is missing.
@@ -152,7 +154,7 @@ def main(argv: list[str]):
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
     evaluate = functools.partial(evaluation.held_out_metrics, policy, eval_prompts, reward, runtime, config,
-                                 max_new_tokens=config.grpo.max_new_tokens, rollout=episode_sampler)
+                                 max_new_tokens=config.grpo.max_new_tokens, episode_sampler=episode_sampler)
     with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
         startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate()):

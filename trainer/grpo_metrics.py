@@ -1,7 +1,7 @@
 """What a GRPO step reports: its metrics.jsonl row (the update's loss figures, throughput, and the global figures of
 every completion sampled for it) and the few episodes shown in samples.jsonl."""
 
-from model import parallel
+from model import collectives
 from trainer import metrics, rollout
 from trainer.grpo_sampling import StepBatch
 
@@ -13,7 +13,7 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     figures (`rollout_figures`), the step's phases (`phase_figures`), then the update's other figures (KL, entropy, clip
     fraction). Collective."""
     totals = {**rollout_totals(step_batch), **timer.phases}
-    global_totals = dict(zip(totals, parallel.data_parallel_sum(list(totals.values()))))
+    global_totals = dict(zip(totals, collectives.data_parallel_sum(list(totals.values()))))
     row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
            "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),

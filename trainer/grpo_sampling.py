@@ -9,7 +9,7 @@ import torch
 
 from config.errors import UserError
 from data import batches, prompts as prompt_data, rewards
-from model import generate, parallel
+from model import collectives, generate
 from trainer import grpo_math, rollout
 from trainer.metrics import log
 
@@ -111,7 +111,7 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
     start = time.perf_counter()
-    episodes, tool_seconds = episode_sampler.run(policy.generator, prompts, samples=grpo.n_samples,
+    episodes, tool_seconds = episode_sampler.run(policy.engine, prompts, samples=grpo.n_samples,
                                                  max_new_tokens=grpo.max_new_tokens, sampling=sampling,
                                                  record_routes=bool(policy.routes))
     seconds = time.perf_counter() - start
@@ -124,7 +124,7 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
         shaped, penalty = shaped + penalties, float(penalties.sum())
     advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
     kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
-    truncated = [policy.generator.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
+    truncated = [policy.engine.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
     return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
                  time.perf_counter() - start - seconds)
 
@@ -161,7 +161,7 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
                            runtime, reward)]
     while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
         short = max(0, wanted - sum(int(sampling_round.kept.sum()) for sampling_round in rounds))
-        if parallel.data_parallel_sum([short])[0] == 0:
+        if collectives.data_parallel_sum([short])[0] == 0:
             break
         round_index = len(rounds)
         rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
@@ -195,7 +195,7 @@ def refuse_a_batch_of_skipped_prompts(skipped: int, groups: int, config, step: i
     all-reduce)."""
     if not config.grpo.environment:  # only an environment's reset text makes a prompt too long during a run
         return
-    skipped, groups = parallel.data_parallel_sum([skipped, groups])
+    skipped, groups = collectives.data_parallel_sum([skipped, groups])
     if groups and skipped == groups:
         budget = config.data.max_seq_len - config.grpo.max_new_tokens
         raise UserError(f"Step {step} has nothing to train: all {int(groups)} groups of its batch were skipped. With "
@@ -220,13 +220,13 @@ class RewardFailures:
         """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed)."""
         local_errors = sum(sampling_round.scores.errors for sampling_round in step_batch.rounds)
         local_count = sum(len(sampling_round.episodes) for sampling_round in step_batch.rounds)
-        errors, count = parallel.data_parallel_sum([local_errors, local_count])
+        errors, count = collectives.data_parallel_sum([local_errors, local_count])
         if errors == 0:
             return
         failures = {}
         local_failures = {kind: text for sampling_round in step_batch.rounds
                           for kind, text in sampling_round.scores.failures.items()}
-        for rank_failures in parallel.data_parallel_gather(local_failures):
+        for rank_failures in collectives.data_parallel_gather(local_failures):
             for kind, text in rank_failures.items():
                 failures.setdefault(kind, text)
         if errors == count and not self.config.grpo.tolerate_reward_errors:

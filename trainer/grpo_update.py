@@ -19,7 +19,7 @@ import functools
 import torch
 
 from data import batches
-from model import build, moe, output, parallel, routing
+from model import build, collectives, moe, output, parallel, routing
 from trainer import grpo_math
 from trainer.grpo_sampling import StepBatch
 from trainer.metrics import log
@@ -213,7 +213,7 @@ def microbatch_rows(step_batch: StepBatch, config, pad) -> list[list[int]]:
         return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
     per_mini_batch = rows // config.grpo.mini_batches
     mini_batches = [list(range(start, start + per_mini_batch)) for start in range(0, rows, per_mini_batch)]
-    return batches.token_budget_microbatches(step_batch.examples, mini_batches, budget, pad, parallel.world_max)
+    return batches.token_budget_microbatches(step_batch.examples, mini_batches, budget, pad, collectives.world_max)
 
 
 def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:
@@ -260,15 +260,15 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
             for output in outputs:
                 totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(output["gap_max"]))
-    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = parallel.last_stage_sum(totals.tolist())
-    padded, positions = parallel.data_parallel_sum(batches.padding_counts(microbatches))
+    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = collectives.last_stage_sum(totals.tolist())
+    padded, positions = collectives.data_parallel_sum(batches.padding_counts(microbatches))
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
             **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),
             "kl": kl / max(tokens, 1) if settings.kl_coef > 0 else None,
             "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
             "rollout_logprob_diff_mean": gap / max(tokens, 1),
-            "rollout_logprob_diff_max": parallel.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
+            "rollout_logprob_diff_max": collectives.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
             "rollout_kl": rollout_kl / max(tokens, 1), "padding_share": padded / max(positions, 1),
             **route_mismatch(policy.routes),
             **policy.routing_figures.step_figures()}
@@ -281,6 +281,6 @@ def route_mismatch(routes) -> dict:
     if not routes.model_has_experts:
         return {}
     routes.clear()
-    differ, compared = parallel.all_reduce_sum(list(routes.take_mismatch()))
+    differ, compared = collectives.all_reduce_sum(list(routes.take_mismatch()))
     return {"moe_route_mismatch": differ / max(compared, 1)}
 

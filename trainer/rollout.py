@@ -5,7 +5,7 @@ turns, kept as token ids from the first to the last:
 - a turn ends at an end id; its text (special tokens kept: a call marker may be one) is parsed for tool calls
   (`data.tools.parse_turn`). No call: the episode ends, and that turn is its answer (what the reward function
   scores). Calls: an episode's run one after another in the order written, different episodes' side by side, each
-  within `grpo.tool_timeout` of its own start (`data.tool_runner`); their results become the template's tool
+  within `grpo.tool_timeout` of its own start (`tool_runtime.runner`); their results become the template's tool
   messages, and the ids of those messages and of the next assistant header (`data.tools.appended_ids`: the
   results tokenized as plain text, so they cannot forge a turn) are appended into the same KV cache while
   generation goes on (`model.generate`'s `continue_rows`); the policy's own ids are never re-tokenized;
@@ -22,7 +22,7 @@ turns, kept as token ids from the first to the last:
   term, and every token-counting normaliser of the loss counts sampled tokens only.
 
 Under tensor and pipeline parallelism the user's code (tools, environments, and the reward) runs on the first rank of
-the model-parallel group only, and its results are sent to the others (`model.parallel.model_parallel_shared`), so a
+the model-parallel group only, and its results are sent to the others (`model.parallel.run_once_per_replica`), so a
 tool runs once per model replica, and one that answers differently each call never splits the peers that hold one
 model's shards and stages.
 """
@@ -34,11 +34,12 @@ import logging
 import time
 
 from config.errors import UserError
-from data import prompts as prompt_data, rewards, tool_runner, tools as tool_data
-from model import generate, parallel
+from data import prompts as prompt_data, rewards, tools as tool_data
+from tool_runtime import runner as tool_runner
+from model import generate, replica
 
 log = logging.getLogger(__name__)
-# A tool call's outcome (`data.tool_runner.Outcome.kind`) -> the counter it adds to.
+# A tool call's outcome (`tool_runtime.runner.Outcome.kind`) -> the counter it adds to.
 FAILURES = {"error": "tool_errors", "timeout": "tool_timeouts", "unknown_tool": "unknown_tools"}
 
 # Per-episode counters of tool use, summed over a step's episodes for metrics.jsonl.
@@ -112,13 +113,13 @@ class Rollout:
 
     # ---- sampling
 
-    def run(self, generator, prompts: list, *, samples: int, max_new_tokens: int, sampling: generate.Sampling,
+    def run(self, engine, prompts: list, *, samples: int, max_new_tokens: int, sampling: generate.Sampling,
             record_routes: bool = False) -> tuple[list[Episode], float]:
         """`samples` episodes of each prompt (a prompt's consecutively) and the seconds spent in tools. Collective like
-        `Generator.generate`, and over the model-parallel group with tools. `record_routes`: a Mixture-of-Experts
+        `Engine.generate`, and over the model-parallel group with tools. `record_routes`: a Mixture-of-Experts
         policy's episodes keep their routes (`Episode.routes`)."""
         if self.toolset is None:
-            completions = generator.generate([prompt.ids for prompt in prompts], samples=samples,
+            completions = engine.generate([prompt.ids for prompt in prompts], samples=samples,
                                              max_new_tokens=max_new_tokens, sampling=sampling, record_routes=record_routes)
             texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
             rows = [prompt for prompt in prompts for _ in range(samples)]
@@ -126,17 +127,17 @@ class Rollout:
             return [Episode(prompt, prompt.ids, ids, [1] * len(ids), text, collections.Counter({"turns": 1}),
                             logprobs=logprobs, routes=taken)
                     for prompt, ids, text, logprobs, taken in zip(rows, completions, texts, completions.logprobs, routes)], 0.0
-        prompt_ids, skipped_prompts = parallel.model_parallel_shared(self._start, prompts, samples, sampling.seed)
+        prompt_ids, skipped_prompts = replica.run_once_per_replica(self._start, prompts, samples, sampling.seed)
         self.counts = [collections.Counter() for _ in range(len(prompts) * samples)]
         for index in skipped_prompts:
             self.counts[index * samples]["prompts_too_long"] += 1  # once per prompt, on its group's first episode
         self.spans = [[] for _ in range(len(prompts) * samples)]  # (start, length) of each appended run of ids
         self.tool_seconds = 0.0
-        completions = generator.generate(prompt_ids, samples=samples, max_new_tokens=max_new_tokens, sampling=sampling,
+        completions = engine.generate(prompt_ids, samples=samples, max_new_tokens=max_new_tokens, sampling=sampling,
                                          continue_rows=self._continue_rows, record_routes=record_routes)
         routes = completions.routes or [None] * len(completions)
         rows = [index for index in range(len(prompts)) for _ in range(samples)]
-        finals = parallel.model_parallel_shared(self._finish, completions)
+        finals = replica.run_once_per_replica(self._finish, completions)
         episodes = []
         for row, (prompt_index, ids) in enumerate(zip(rows, completions)):
             sampled = [1] * len(ids)
@@ -204,8 +205,8 @@ class Rollout:
                     "prompts_too_long). Raise --data.max_seq_len or shorten reset's text.", size, self.max_prompt_tokens)
 
     def _continue_rows(self, requests: list[tuple[int, list[int], int]]) -> list[list[int] | None]:
-        """`Generator.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""
-        records, seconds = parallel.model_parallel_shared(self._advance, requests)
+        """`Engine.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""
+        records, seconds = replica.run_once_per_replica(self._advance, requests)
         self.tool_seconds += seconds
         appended = []
         for (row, _, _), (ids, start, counts) in zip(requests, records):
@@ -216,7 +217,7 @@ class Rollout:
         return appended
 
     def _advance(self, requests: list[tuple[int, list[int], int]]) -> list[tuple]:
-        """Parse each ended turn, run the calls (`data.tool_runner`), and render what each episode appends (on the
+        """Parse each ended turn, run the calls (`tool_runtime.runner`), and render what each episode appends (on the
         rank that runs the tools): per request (ids or None, where they start, counters), and the seconds in tools."""
         work = []  # (request index, trajectory, assistant message, calls, parse error)
         records = [(None, 0, collections.Counter({"turns": 1})) for _ in requests]
@@ -302,7 +303,7 @@ def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards
         scores.correct = [not episode.skipped and (correct if episode.environment_correct is None else episode.environment_correct)
                           for correct, episode in zip(scores.correct, episodes)]
         return scores
-    return parallel.model_parallel_shared(compute)
+    return replica.run_once_per_replica(compute)
 
 
 def totals(episodes: list[Episode]) -> dict[str, float]:

@@ -16,7 +16,7 @@ from config import cli, process
 from config.loops import SFTConfig
 from config.sections import DEFAULT_REWARD
 from data import batches, conversations as conversation_data, prompts as prompt_data, rewards, sft as sft_data
-from model import build, moe, output, parallel
+from model import build, collectives, moe, output, parallel
 from trainer import evaluation, metrics
 from trainer.metrics import log
 
@@ -64,7 +64,7 @@ def token_budget_indices(examples, microbatch_indices: list[list[int]], config) 
     pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
                             multiple=config.parallel.sequence_multiple)
     rows = [index for indices in microbatch_indices for index in indices]
-    return batches.token_budget_microbatches(examples, [rows], config.train.micro_batch_tokens, pad, parallel.world_max)
+    return batches.token_budget_microbatches(examples, [rows], config.train.micro_batch_tokens, pad, collectives.world_max)
 
 
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:
@@ -126,7 +126,7 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
         micro_batch_size=microbatches[0]["tokens"].size(0),
         forward_only=forward_only,
     )
-    return parallel.reduce_loss_over_data_parallel(losses)
+    return collectives.reduce_loss_over_data_parallel(losses)
 
 
 def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float]:

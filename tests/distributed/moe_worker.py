@@ -50,15 +50,15 @@ def uneven_generation(out: Path) -> dict:
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     model_path = build.resolve_model_path(config)
     policy = build.build_policy(config, model_path, build.load_tokenizer(model_path), trainable=False)
-    generator = policy.generator
+    engine = policy.engine
     if dist.get_rank() == 0:
-        generator.end_ids = tuple(range(policy.vocab_size))
+        engine.end_ids = tuple(range(policy.vocab_size))
     else:
-        generator.end_ids = ()
+        engine.end_ids = ()
     forwards = []
     hook = policy.chunks[0].register_forward_hook(lambda *_: forwards.append(1))
     prompts = [[3, 4, 5, 6], [7, 8, 9]]
-    completions = generator.generate(prompts, max_new_tokens=6, samples=2, sampling=generate.Sampling())
+    completions = engine.generate(prompts, max_new_tokens=6, samples=2, sampling=generate.Sampling())
     hook.remove()
     parallel.shutdown(runtime)
     return {"lengths": every_rank([len(completion) for completion in completions]), "forwards": every_rank(len(forwards))}

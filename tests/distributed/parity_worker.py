@@ -103,8 +103,8 @@ def training_losses(path, pp: int, vpp: int) -> list[float]:
     provider = providers.configure_provider(providers.auto_bridge(path), dtype="fp32", tp=1, pp=pp, vpp=vpp if vpp > 1 else None,
                                         seq_length=64, transformer_overrides={"calculate_per_token_loss": True})
     chunks = wrapping.build_chunks(provider)
-    generator = torch.Generator().manual_seed(0)
-    examples = [batches.Example(torch.randint(3, 200, (20,), generator=generator).tolist(), [1] * 20) for _ in range(16)]
+    seeded = torch.Generator().manual_seed(0)
+    examples = [batches.Example(torch.randint(3, 200, (20,), generator=seeded).tolist(), [1] * 20) for _ in range(16)]
     microbatches = [batches.collate(examples[start : start + 4], 32, 0) for start in range(0, 16, 4)]
     for batch in microbatches:  # as the loop's collation marks them: the positions the loss reads
         batch["read"] = output.ReadPositions.where(batch["loss_mask"])
@@ -155,11 +155,11 @@ def measure(path, tokenizer, tp: int, pp: int, out: Path, expected: SimpleNamesp
     declared.mkdir()
     (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, stop]}))
     end_ids = generate.end_token_ids(declared, tokenizer)
-    generator = generate.Generator(chunks, vocab, end_ids)
-    two_ends = generator.generate(prompts, max_new_tokens=16)
+    engine = generate.Engine(chunks, vocab, end_ids)
+    two_ends = engine.generate(prompts, max_new_tokens=16)
     result["end_ids"] = list(end_ids) == [tokenizer.eos_token_id, stop]
     result["stops_at_second_end_id"] = two_ends == stopped_completions
-    result["truncated"] = [generator.truncated(completion, 16) for completion in two_ends]
+    result["truncated"] = [engine.truncated(completion, 16) for completion in two_ends]
     result["truncated_by_hand"] = [len(completion) == 16 and completion[-1] not in (tokenizer.eos_token_id, stop)
                                    for completion in two_ends]
 

@@ -1,8 +1,8 @@
-"""`model.parallel.model_parallel_shared` at TP=2 (and PP=2) on 2 CPU processes: whatever fails on the computing rank (an
+"""`model.parallel.run_once_per_replica` at TP=2 (and PP=2) on 2 CPU processes: whatever fails on the computing rank (an
 exception, a result pickle refuses, a UserError) stops every rank of the group with the same one-paragraph UserError,
 within seconds, instead of leaving the other rank waiting in the broadcast (STYLE rule 16).
 
-The worker (tests/distributed/model_parallel_shared_worker.py) runs every case in the shared launch (conftest's `shared_launch`);
+The worker (tests/distributed/run_once_per_replica_worker.py) runs every case in the shared launch (conftest's `shared_launch`);
 its groups time out after 30 s, so a rank left waiting fails its case rather than hang the launch.
 """
 
@@ -12,13 +12,13 @@ import pytest
 
 from tests.conftest import worker_output
 
-WORKER = "model_parallel_shared_worker"  # shared_launch.py imports a worker by its file name
+WORKER = "run_once_per_replica_worker"  # shared_launch.py imports a worker by its file name
 QUICK_SECONDS = 10  # each case takes milliseconds; a rank left waiting takes the worker's 30-s group timeout
 
 
 def shared_worker(out) -> list[str]:
     """Every case in one worker, in the shared launch (conftest's `shared_launch`)."""
-    return ["tests/distributed/model_parallel_shared_worker.py", f"--out={out}"]
+    return ["tests/distributed/run_once_per_replica_worker.py", f"--out={out}"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def ranks(shared_launch) -> list[dict]:
 @pytest.mark.parametrize(("case", "expected"), [
     ("raises_runtime_error", [f"{WORKER}.raises_runtime_error raised on global rank 0",
                               "RuntimeError: the chat template failed. second line.",
-                              "traceback is logged on that rank (logger 'model.parallel')"]),
+                              "traceback is logged on that rank (logger 'model.replica')"]),
     ("returns_a_lock", [f"Pickling the result of {WORKER}.returns_a_lock (a lock)", "global rank 0",
                         "TypeError: cannot pickle '_thread.lock' object", "Return plain data"]),
     ("returns_a_lambda", [f"Pickling the result of {WORKER}.returns_a_lambda (a function)", "global rank 0",

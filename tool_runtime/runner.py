@@ -3,7 +3,7 @@ episodes' calls side by side on a bounded pool of `grpo.tool_workers`; every cal
 of its own start.
 
 Where a call runs (`grpo.tool_isolation`):
-- `process` (the default for plain functions): in a worker process of this module (`python -m data.tool_runner`),
+- `process` (the default for plain functions): in a worker process of this module (`python -m tool_runtime.runner`),
   started on first use and reused; a call past its timeout kills its worker (the next call starts a fresh one), so a
   hung or CPU-bound tool neither holds the trainer's GIL nor outlives its call. The worker imports the tool by its
   `module:function` name and sends back only text.
@@ -245,7 +245,7 @@ class Worker:
     caller goes on, until `wait_ready`."""
 
     def __init__(self, preload: list[str]):
-        self.process = subprocess.Popen([sys.executable, "-m", "data.tool_runner"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "tool_runtime.runner"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True, cwd=os.getcwd())
         self.ready = False  # whether its "ready" was read: a start past WORKER_START_SECONDS leaves it to the first call
         try:  # the trainer's import path, so the user's tool modules import alike, and the modules to import now
@@ -313,7 +313,7 @@ def worker_main() -> None:
     sys.stdout = sys.stderr  # Python's own prints line-buffered, in order with the log's lines
     path, preload = _receive(requests)
     sys.path[:] = path
-    from data import user_code
+    from config import user_code
 
     functions = {}
     for spec in preload:

@@ -1,11 +1,11 @@
-"""Run by tests/test_model_parallel_shared.py in the shared launch (shared_launch.py, 2 processes): what each rank of a
-tensor-parallel group of 2 gets from `model.parallel.model_parallel_shared` when the computing rank fails; then, at
+"""Run by tests/test_run_once_per_replica.py in the shared launch (shared_launch.py, 2 processes): what each rank of a
+tensor-parallel group of 2 gets from `model.replica.run_once_per_replica` when the computing rank fails; then, at
 PP=2 (the two ranks one replica's two pipeline stages), what each stage gets (`<out>/pp2-rank<R>.json`).
 
 No model: megatron's parallel state alone, with TP=2 over the launch's gloo group. Its groups are made with a
 30-second timeout, so a rank left waiting in the broadcast fails that check in 30 s instead of hanging the launch.
 Each rank writes `<out>/rank<R>.json`: per case, the error type and message it got (or the value returned), the
-seconds the call took, and how many tracebacks `model.parallel` logged on it.
+seconds the call took, and how many tracebacks `model.replica` logged on it.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config.errors import UserError
-from model import parallel
+from model import replica
 
 HANG_TIMEOUT_MINUTES = 0.5  # megatron's groups take minutes; timedelta accepts a fraction
 
@@ -52,7 +52,7 @@ CASES = [raises_runtime_error, returns_a_lock, returns_a_lambda, raises_user_err
 
 
 class CountTracebacks(logging.Handler):
-    """Counts the records with a traceback that `model.parallel` logs."""
+    """Counts the records with a traceback that `model.replica` logs."""
 
     def __init__(self):
         super().__init__()
@@ -74,7 +74,7 @@ def run(args) -> None:
     rank = dist.get_rank()
     for layout, prefix in (({"tensor_model_parallel_size": 2}, ""), ({"pipeline_model_parallel_size": 2}, "pp2-")):
         results = run_cases(layout)
-        print(f"[model-parallel shared] {prefix}rank {rank}: {json.dumps(results)}", flush=True)
+        print(f"[run once per replica] {prefix}rank {rank}: {json.dumps(results)}", flush=True)
         Path(args.out, f"{prefix}rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -86,18 +86,18 @@ def run_cases(layout: dict) -> dict:
     # 30-minute timeout, which a hang in a test must not wait for.
     parallel_state.initialize_model_parallel(**layout, distributed_timeout_minutes=HANG_TIMEOUT_MINUTES)
     counter = CountTracebacks()
-    logging.getLogger(parallel.__name__).addHandler(counter)
+    logging.getLogger(replica.__name__).addHandler(counter)
     results = {}
     try:
         for case in CASES:
             before, start = counter.count, time.perf_counter()
             try:
-                outcome = {"value": parallel.model_parallel_shared(case)}
+                outcome = {"value": replica.run_once_per_replica(case)}
             except Exception as error:
                 outcome = {"error": type(error).__name__, "message": str(error)}
             outcome |= {"seconds": time.perf_counter() - start, "tracebacks_logged": counter.count - before}
             results[case.__name__] = outcome
     finally:
-        logging.getLogger(parallel.__name__).removeHandler(counter)
+        logging.getLogger(replica.__name__).removeHandler(counter)
         parallel_state.destroy_model_parallel()
     return results

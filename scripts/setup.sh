@@ -16,9 +16,10 @@ find_python312() {
   return 1
 }
 
-# The stamp names the set-up's own version too, so a change here re-syncs existing environments.
-stamp=.venv/.uv-lock-synced-v3
-if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cmp -s uv.lock "$stamp"; then
+# The stamp names the set-up's own version too, so a change here re-syncs existing environments; it holds the lock
+# and pyproject.toml (whose package list the editable install records).
+stamp=.venv/.uv-lock-synced-v4
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cat uv.lock pyproject.toml | cmp -s - "$stamp"; then
   exit 0
 fi
 python312=$(find_python312) || {
@@ -35,6 +36,9 @@ start=$(date +%s)
 # machines) Python would otherwise compile torch, megatron and transformers from source in every process, which
 # was 37 of a run's 69.5 CPU-seconds of start-up (README, Start-up time).
 [ -x .venv/bin/uv ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.9
-UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --compile-bytecode --python .venv/bin/python
-cp uv.lock "$stamp"
+# The project itself is reinstalled every time: its editable install lists its packages, and a pull that adds one
+# (as tool_runtime/ was) would otherwise not be importable outside the checkout's directory.
+UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --compile-bytecode --python .venv/bin/python \
+    --reinstall-package megatron-trainer
+cat uv.lock pyproject.toml > "$stamp"
 echo "environment ready in $(( $(date +%s) - start )) s" >&2

@@ -10,7 +10,9 @@ It names the run's stateful parts and calls the modules beside it, each with one
     failures.py    what the ranks learn together: all arrived, every rank's failure as one line
     export.py      the Hugging Face export after the last step, staged and renamed; its failure's paragraph
     signals.py     stop signals (`catch_stop_signals`, `Preemption`) and the stop file
-The names the loops, tests and scripts reach through `ckpt.checkpoint` are imported here from those modules.
+The names the loops, tests and scripts reach through `ckpt.checkpoint` are imported here from those modules. What
+the modules share among themselves is their declared internal API: public names (no leading underscore), imported
+from the module that defines them; underscore names stay inside their module.
 """
 
 import logging
@@ -20,12 +22,12 @@ import time
 from pathlib import Path
 
 from ckpt.export import missing_exports, write_exports
-from ckpt.failures import _size
+from ckpt.failures import bytes_in_words
 from ckpt.layout import checkpoint_dir
-from ckpt.publish import _tree_bytes, clean_stale_saves, save
+from ckpt.publish import tree_bytes, clean_stale_saves, save
 from ckpt.resume import model_fingerprint, resolve_resume
-from ckpt.signals import STOP_FILE_VARIABLE, _write_stop_file, catch_stop_signals
-from ckpt.state import _estimated_save_bytes, _uses_megatron_fsdp, load
+from ckpt.signals import STOP_FILE_VARIABLE, write_stop_file, catch_stop_signals
+from ckpt.state import estimated_save_bytes, uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
 from config.cli import to_dict
 from config.process import is_global_rank_zero
@@ -34,9 +36,9 @@ from config.hf import read_hf_config
 # Re-exported: the loops, tests and scripts reach these through `ckpt.checkpoint`.
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, SHARDED_DIR, STATE_FILE, checkpoint_name  # noqa: F401
 from ckpt.output_dir import check_output_dir, check_shared_directories  # noqa: F401
-from ckpt.publish import _prune, _publish  # noqa: F401
+from ckpt.publish import prune_checkpoints, publish_checkpoint  # noqa: F401
 from ckpt.signals import REPEAT_AFTER_S, Preemption  # noqa: F401
-from ckpt.state import _load_model_and_optimizer, _materialise_optimizer_state  # noqa: F401
+from ckpt.state import load_model_and_optimizer, materialise_optimizer_state  # noqa: F401
 from ckpt.writer import WriteResults  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -81,19 +83,19 @@ class Checkpointer:
         """Name what a checkpoint holds (stop signals are caught since start-up: see `catch_stop_signals`), and warn
         when `ckpt.dir` has room for fewer than two checkpoints (estimated from the parameters). Collective."""
         self.policy, self.parts = policy, parts
-        if self.background is not None and _uses_megatron_fsdp(policy.chunks):
+        if self.background is not None and uses_megatron_fsdp(policy.chunks):
             self.background = None
             if is_global_rank_zero():
                 log.info("ckpt.async_save: Megatron-FSDP saves synchronously (its DTensor checkpoints go through "
                          "torch.distributed.checkpoint, which megatron-core's asynchronous saving does not cover)")
-        estimate = _estimated_save_bytes(policy, self.config.peft.method == "lora")
+        estimate = estimated_save_bytes(policy, self.config.peft.method == "lora")
         self.save_bytes = (estimate, "estimated from the parameters and their Adam state")
         existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
         free = shutil.disk_usage(existing).free
         if free < 2 * estimate and is_global_rank_zero():
             log.warning("`ckpt.dir=%s` has %s free, and one checkpoint needs about %s (%s); a save writes a new one "
                         "before deleting the oldest, so saves may fail for space. Make room, or set `--ckpt.dir` on a "
-                        "larger disk.", self.directory, _size(free), _size(estimate), self.save_bytes[1])
+                        "larger disk.", self.directory, bytes_in_words(free), bytes_in_words(estimate), self.save_bytes[1])
 
     def resume(self) -> int:
         """Load every tracked part from the resume target; returns the step to continue after (0: fresh start)."""
@@ -121,7 +123,7 @@ class Checkpointer:
     def _published(self, path: Path) -> None:
         """After a checkpoint is published: what one save needs is now its measured size."""
         if is_global_rank_zero():
-            self.save_bytes = (_tree_bytes(path), f"the size of `{path.name}`")
+            self.save_bytes = (tree_bytes(path), f"the size of `{path.name}`")
 
     def wait(self) -> None:
         """Wait for the save in flight and publish it (before an export, and before the run exits). Collective."""
@@ -153,7 +155,7 @@ class Checkpointer:
                      "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
                      self.slowest_step_s, self.last_save_s)
             if is_global_rank_zero() and os.environ.get(STOP_FILE_VARIABLE):
-                _write_stop_file(Path(os.environ[STOP_FILE_VARIABLE]), step, path)
+                write_stop_file(Path(os.environ[STOP_FILE_VARIABLE]), step, path)
         elif stop:
             log.info("stopping at step %d (train.exit_interval); resume with --resume-from-checkpoint latest", step)
         return stop

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ckpt.failures import _barrier, _size, _underlying_error
+from ckpt.failures import barrier, bytes_in_words, underlying_error
 from ckpt.layout import LATEST, REPLACED
-from ckpt.publish import _fsync_directory, _fsync_tree, _tree_bytes
+from ckpt.publish import fsync_directory, fsync_tree, tree_bytes
 from config import outputs
 from config.errors import UserError
 from config.process import is_global_rank_zero
@@ -33,7 +33,7 @@ def write_exports(policy, out_dir: Path, model_path: Path, checkpoint_dir: Path)
     try:
         _stage_exports(policy, staged, is_main)
     except Exception as error:  # rank 0's own (only it writes); a peer's, its next collective once rank 0 has left
-        raise UserError(_export_failed(staged, _underlying_error(error), model_path, checkpoint_dir)) from None
+        raise UserError(_export_failed(staged, underlying_error(error), model_path, checkpoint_dir)) from None
     if is_main:
         for name, path in staged.items():
             final, replaced = out_dir / name, out_dir / f"{REPLACED}{name}"
@@ -42,10 +42,10 @@ def write_exports(policy, out_dir: Path, model_path: Path, checkpoint_dir: Path)
                 os.replace(final, replaced)
             os.replace(path, final)
             shutil.rmtree(replaced, ignore_errors=True)
-        _fsync_directory(out_dir)
+        fsync_directory(out_dir)
         log.info("saved the model as a Hugging Face checkpoint in %s%s", out_dir / outputs.HF,
                  f", its LoRA adapter in PEFT format in {out_dir / outputs.HF_ADAPTER}" if len(staged) > 1 else "")
-    _barrier()
+    barrier()
 
 
 def _stage_exports(policy, staged: dict, is_main: bool) -> None:
@@ -54,12 +54,12 @@ def _stage_exports(policy, staged: dict, is_main: bool) -> None:
         for path in staged.values():
             shutil.rmtree(path, ignore_errors=True)  # left by an export that was killed or failed
             path.mkdir(parents=True)
-    _barrier()
+    barrier()
     policy.export(staged, is_main)
-    _barrier()
+    barrier()
     if is_main:
         for path in staged.values():
-            _fsync_tree(path)
+            fsync_tree(path)
 
 
 def missing_exports(config) -> list[str]:
@@ -76,12 +76,12 @@ def _export_failed(staged: dict, text: str, model_path: Path, checkpoint_dir: Pa
     where = " and ".join(f"`{path}`" for path in staged.values())
     out_dir = next(iter(staged.values())).parent
     # The rerun deletes the partial export before writing a new one: its space counts as available.
-    available = shutil.disk_usage(out_dir).free + sum(_tree_bytes(path) for path in staged.values() if path.is_dir())
+    available = shutil.disk_usage(out_dir).free + sum(tree_bytes(path) for path in staged.values() if path.is_dir())
     needs = sum(path.stat().st_size for path in model_path.glob("*.safetensors"))
     pointer = checkpoint_dir / LATEST
     latest = f"`{pointer.read_text().strip()}`" if pointer.is_file() else "the last one"
     return (f"Writing the run's export into {where} failed on rank {dist.get_rank()}: {text}. `{out_dir}` has "
-            f"{_size(available)} available for it, and the export needs about {_size(needs)} (the weights in "
+            f"{bytes_in_words(available)} available for it, and the export needs about {bytes_in_words(needs)} (the weights in "
             f"`{model_path}`). The run's checkpoint {latest}, which `latest` in `{checkpoint_dir}` names, is complete and "
             "intact: make room (or fix what the error names) and rerun with `--resume-from-checkpoint latest`, which "
             "writes the export without training again.")

@@ -2,19 +2,19 @@
 
 Each phase of a save ends with every rank learning whether any rank's part failed (a full disk, a quota,
 permissions), so every rank raises the same one-paragraph UserError (the save's in `publish`, the export's in
-`export`) and none waits for a peer that stopped. Those paragraphs give sizes in words (`_size`).
+`export`) and none waits for a peer that stopped. Those paragraphs give sizes in words (`bytes_in_words`).
 """
 
 import torch.distributed as dist
 
 
-def _barrier() -> None:
+def barrier() -> None:
     """All ranks reach this point before anyone goes on."""
     if dist.is_initialized():
         dist.barrier()
 
 
-def _failures_everywhere(phase) -> list[tuple[int, str]]:
+def failures_everywhere(phase) -> list[tuple[int, str]]:
     """Run `phase` on this rank; return every rank's failure as (rank, `Type: message`), [] when all succeeded.
     Collective (in place of a barrier)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -23,7 +23,7 @@ def _failures_everywhere(phase) -> list[tuple[int, str]]:
     try:
         phase()
     except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-        failure = _underlying_error(error)
+        failure = underlying_error(error)
     outcomes = [(0, failure)]
     if dist.is_initialized():
         outcomes = [None] * dist.get_world_size()
@@ -31,7 +31,7 @@ def _failures_everywhere(phase) -> list[tuple[int, str]]:
     return [(rank, text) for rank, text in outcomes if text]
 
 
-def _underlying_error(error: BaseException) -> str:
+def underlying_error(error: BaseException) -> str:
     """The first rank's own exception inside torch.distributed.checkpoint's wrapper (and an OSError under a wrapper of
     its writer threads, such as `Local worker 0 encountered an error`), as `Type: message` on one line."""
     failures = getattr(error, "failures", None)
@@ -45,7 +45,7 @@ def _underlying_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _size(nbytes: float) -> str:
+def bytes_in_words(nbytes: float) -> str:
     """Bytes in words: `13.1 MB`, `2.4 GB`."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if nbytes < 1000 or unit == "TB":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ckpt.failures import _barrier
+from ckpt.failures import barrier
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, checkpoint_dir
 from config import outputs
 from config.errors import UserError
@@ -105,7 +105,7 @@ def check_shared_directories(config) -> None:
     if is_global_rank_zero():
         for probe in probes:
             probe.write_text(token)
-    _barrier()
+    barrier()
     unseen = [str(directory) for directory, probe in zip(directories, probes)
               if not (probe.is_file() and probe.read_text() == token)]
     everyone = [None] * dist.get_world_size()

@@ -2,7 +2,7 @@
 
 A save writes into `.partial-step_N/` (the model and optimizer in the background, `ckpt.async_save`), fsyncs it,
 and renames it when every rank has finished, then moves `latest` (fsynced), then prunes old checkpoints (never the
-one just written): `latest` names a complete checkpoint at every instant, whenever the process dies (`_publish`).
+one just written): `latest` names a complete checkpoint at every instant, whenever the process dies (`publish_checkpoint`).
 What a killed save leaves is removed at the next start-up.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckpt.failures import _failures_everywhere, _size
+from ckpt.failures import failures_everywhere, bytes_in_words
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, SHARDED_DIR, STATE_FILE, checkpoint_name
-from ckpt.state import _save_model_and_optimizer, rng_state
+from ckpt.state import save_model_and_optimizer, rng_state
 from ckpt.writer import BackgroundSaves
 from config.errors import UserError
 
@@ -46,21 +46,21 @@ def save(checkpoint_dir: Path, step: int, chunks: list, optimizer, state: dict, 
             (partial / "rng").mkdir()
 
     def write():  # torch.distributed.checkpoint raises a rank's write failure on every rank alike
-        written.append(_save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR, background is not None))
+        written.append(save_model_and_optimizer(chunks, optimizer, partial / SHARDED_DIR, background is not None))
         _write_durably(partial / "rng" / f"rank_{dist.get_rank():05d}.pt", rng_state())
         if is_main:
             _write_durably(partial / STATE_FILE, state)
 
     def publish():
         if is_main:
-            _fsync_tree(partial)
-            _publish(checkpoint_dir, partial, final)
-            _prune(checkpoint_dir, keep_last, keep=final)
+            fsync_tree(partial)
+            publish_checkpoint(checkpoint_dir, partial, final)
+            prune_checkpoints(checkpoint_dir, keep_last, keep=final)
             log.info("saved checkpoint %s", final)
 
     def run(*phases) -> None:
         for phase in phases:
-            failures = _failures_everywhere(phase)
+            failures = failures_everywhere(phase)
             if failures:
                 raise UserError(_save_failed(checkpoint_dir, step, failures, save_bytes, keep_last))
 
@@ -87,7 +87,7 @@ def _save_failed(checkpoint_dir: Path, step: int, failures: list, save_bytes: tu
     if "No space left on device" not in text and free < max(needs, 1):
         # torch.save reports a full disk as `unexpected pos N vs M`; the free space says what happened.
         text = f"No space left on device (the file system is full; the writer reported {text})"
-    need = f" and one checkpoint needs about {_size(needs)} ({how}); a save writes a new one before deleting the " \
+    need = f" and one checkpoint needs about {bytes_in_words(needs)} ({how}); a save writes a new one before deleting the " \
            f"oldest of `ckpt.keep_last={keep_last}`" if needs else ""
     pointer = checkpoint_dir / LATEST
     if pointer.is_file():
@@ -99,10 +99,10 @@ def _save_failed(checkpoint_dir: Path, step: int, failures: list, save_bytes: tu
         resume = ("no complete checkpoint was written before, so the run starts again from step 0: make room, or set "
                   "`--ckpt.dir` on a larger disk")
     return (f"Saving the checkpoint of step {step} into `{checkpoint_dir}` failed on rank {rank}{others}: {text}. "
-            f"`{checkpoint_dir}` has {_size(free)} free{need}. {resume}.")
+            f"`{checkpoint_dir}` has {bytes_in_words(free)} free{need}. {resume}.")
 
 
-def _publish(checkpoint_dir: Path, partial: Path, final: Path) -> None:
+def publish_checkpoint(checkpoint_dir: Path, partial: Path, final: Path) -> None:
     """Rename the complete `partial` to `final` and point `latest` at it, such that `latest` names a complete
     checkpoint at every instant, whenever the process dies.
 
@@ -132,10 +132,10 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(pointer, checkpoint_dir / LATEST)
-    _fsync_directory(checkpoint_dir)
+    fsync_directory(checkpoint_dir)
 
 
-def _prune(checkpoint_dir: Path, keep_last: int, keep: Path) -> None:
+def prune_checkpoints(checkpoint_dir: Path, keep_last: int, keep: Path) -> None:
     """Delete complete checkpoints beyond the newest `keep_last` (never `keep`)."""
     complete = sorted(path for path in checkpoint_dir.glob(f"{PREFIX}*") if path.is_dir())
     for path in complete[: max(len(complete) - keep_last, 0)]:
@@ -165,7 +165,7 @@ def _write_durably(path: Path, state) -> None:
         os.fsync(file.fileno())
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make the names in `directory` (renames, new entries) durable."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:
@@ -174,7 +174,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """fsync every file and directory under `root` (the shards torch.distributed.checkpoint wrote included)."""
     for directory, _, files in os.walk(root):
         for name in files:
@@ -183,9 +183,9 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(descriptor)
             finally:
                 os.close(descriptor)
-        _fsync_directory(Path(directory))
+        fsync_directory(Path(directory))
 
 
-def _tree_bytes(root: Path) -> int:
+def tree_bytes(root: Path) -> int:
     """Bytes of the files under `root`."""
     return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())

@@ -91,7 +91,7 @@ def catch_stop_signals() -> Preemption:
 STOP_FILE_VARIABLE = "TRAINER_STOP_FILE"
 
 
-def _write_stop_file(path: Path, step: int, checkpoint: Path) -> None:
+def write_stop_file(path: Path, step: int, checkpoint: Path) -> None:
     """One JSON line saying the run stopped on a signal after saving `checkpoint`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint), "reason": "signal"}) + "\n")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckpt.failures import _underlying_error
+from ckpt.failures import underlying_error
 from ckpt.layout import SHARDED_DIR, STATE_FILE
 from ckpt.writer import WriteResults
 from config.errors import UserError
@@ -60,7 +60,7 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------- saving the model and optimizer
 
 
-def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, background: bool):
+def save_model_and_optimizer(chunks: list, optimizer, directory: Path, background: bool):
     """Write model chunks and optimizer, sharded, into `directory`. Collective.
 
     DDP goes through megatron-core's dist_checkpointing with its fully parallel strategy (replicated tensors written
@@ -68,7 +68,7 @@ def _save_model_and_optimizer(chunks: list, optimizer, directory: Path, backgrou
     and megatron-core's `AsyncRequest` is returned: its write runs in a forked process (`BackgroundSaves`), its
     finalize functions write the index once every rank's part is on disk. Megatron-FSDP writes its DTensors through
     torch.distributed.checkpoint, synchronously."""
-    if _uses_megatron_fsdp(chunks):
+    if uses_megatron_fsdp(chunks):
         import torch.distributed.checkpoint as dcp
 
         state, _ = _fsdp_state_dict(chunks, optimizer, is_loading=False)
@@ -153,7 +153,7 @@ def _complete_optimizer_state(optimizer_state: dict, optimizer) -> set:
     return added
 
 
-def _estimated_save_bytes(policy, adapters_only: bool) -> int:
+def estimated_save_bytes(policy, adapters_only: bool) -> int:
     """Bytes of one checkpoint: the saved weights in their dtype (with LoRA the adapters only) plus 12 bytes per
     trained parameter (the optimizer's fp32 main copy and Adam's two moments; measured: 16.3 bytes per parameter of
     the fp32 tiny model). Collective: this rank's model shard, summed over every rank, each parameter over its copies:
@@ -184,12 +184,12 @@ def load(path: Path, chunks: list, optimizer) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        _load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
+        load_model_and_optimizer(chunks, optimizer, path / SHARDED_DIR)
     # A truncated or corrupted shard: torch.distributed.checkpoint gathers every rank's failure (an EOFError, say) into
     # one CheckpointException, raised on every rank alike (it derives from BaseException, not Exception).
     except (Exception, CheckpointException) as error:
         raise UserError(f"Checkpoint `{path}` cannot be loaded: {_damaged_shard(path / SHARDED_DIR)} "
-                        f"({_underlying_error(error)}). Resume from an earlier checkpoint with "
+                        f"({underlying_error(error)}). Resume from an earlier checkpoint with "
                         "`--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
@@ -219,14 +219,14 @@ def _damaged_shard(directory: Path) -> str:
     return f"its model/optimizer shards in `{directory}` are corrupted"
 
 
-def _load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
-    """Read model chunks and optimizer written by `_save_model_and_optimizer`. Collective."""
-    if _uses_megatron_fsdp(chunks):
+def load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:
+    """Read model chunks and optimizer written by `save_model_and_optimizer`. Collective."""
+    if uses_megatron_fsdp(chunks):
         _load_fsdp(chunks, optimizer, directory)
         return
     from megatron.core import dist_checkpointing
 
-    _materialise_optimizer_state(optimizer)
+    materialise_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(directory))
     for index, chunk in enumerate(chunks):
         if _uses_lora(chunks):
@@ -257,7 +257,7 @@ def _load_fsdp(chunks: list, optimizer, directory: Path) -> None:
         chunk.start_param_sync()
 
 
-def _materialise_optimizer_state(optimizer) -> None:
+def materialise_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer the state tensors a checkpoint is loaded into.
 
     torch's AdamW (megatron-core's optimizer when neither TE nor Apex is installed) creates its state at
@@ -291,7 +291,7 @@ def _restore_step_counters(optimizer) -> None:
 # ---------------------------------------------------------------- which layout
 
 
-def _uses_megatron_fsdp(chunks: list) -> bool:
+def uses_megatron_fsdp(chunks: list) -> bool:
     """Whether the chunks are wrapped in Megatron-FSDP (which checkpoints through its DTensor path)."""
     return bool(getattr(chunks[0], "ddp_config", None) and chunks[0].ddp_config.use_megatron_fsdp)
 

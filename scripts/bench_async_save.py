@@ -61,7 +61,7 @@ def main() -> None:
         model_path = wide_checkpoint(tiny, work_dir / "model", LARGE)
         policy = build.build_policy(config, model_path, build.load_tokenizer(model_path))
         chunks, optimizer = policy.chunks, policy.optimizer
-        checkpoint._materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
+        checkpoint.materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
         parameters = sum(param.numel() for param in chunks[0].parameters())
         tensors = [param for param in chunks[0].parameters()] + [
             value for part in getattr(optimizer, "chained_optimizers", [optimizer])
@@ -86,7 +86,7 @@ def main() -> None:
                 blocked += time.perf_counter() - polled
             times["async_total"].append(time.perf_counter() - started)
             times["async_blocked"].append(blocked)
-            megabytes = checkpoint._tree_bytes(directory / "async" / checkpoint.checkpoint_name(1)) / 1e6
+            megabytes = checkpoint.tree_bytes(directory / "async" / checkpoint.checkpoint_name(1)) / 1e6
             shutil.rmtree(directory)
     finally:
         shutil.rmtree(work_dir)

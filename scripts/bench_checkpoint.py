@@ -73,14 +73,14 @@ def measure(model_path: Path, work: Path, repeats: int, config) -> dict:
     """Median seconds of ours and torch's save and load, interleaved so machine load hits both alike."""
     policy = build.build_policy(config, model_path, build.load_tokenizer(model_path))
     chunks, optimizer = policy.chunks, policy.optimizer
-    checkpoint._materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
+    checkpoint.materialise_optimizer_state(optimizer)  # Adam state exists, as after the first step
     tensors = tensors_of(chunks, optimizer)
     sharded = work / "ours" / checkpoint.checkpoint_name(1) / checkpoint.SHARDED_DIR
     operations = {
         "ours_save": lambda: checkpoint.save(work / "ours", 1, chunks, optimizer, {"step": 1}, 1, True),
         "torch_save": lambda: torch.save(tensors, work / "plain.pt"),
         "torch_save_fsync": lambda: save_durably(tensors, work / "durable.pt"),
-        "ours_load": lambda: checkpoint._load_model_and_optimizer(chunks, optimizer, sharded),
+        "ours_load": lambda: checkpoint.load_model_and_optimizer(chunks, optimizer, sharded),
         "torch_load": lambda: torch.load(work / "plain.pt"),
     }
     times = {name: [] for name in operations}

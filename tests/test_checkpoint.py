@@ -53,7 +53,7 @@ def test_latest_follows_the_pointer_and_ignores_a_killed_save(tmp_path):
 def test_prune_keeps_the_newest_and_never_the_one_just_written(tmp_path):
     for step in (10, 20, 30, 40):
         fake_checkpoint(tmp_path, step)
-    checkpoint._prune(tmp_path, keep_last=2, keep=tmp_path / checkpoint.checkpoint_name(40))
+    checkpoint.prune_checkpoints(tmp_path, keep_last=2, keep=tmp_path / checkpoint.checkpoint_name(40))
     assert sorted(path.name for path in tmp_path.glob("step_*")) == ["step_00000030", "step_00000040"]
 
 
@@ -157,7 +157,7 @@ def test_saving_a_step_again_keeps_latest_naming_a_complete_checkpoint_at_every_
 
     monkeypatch.setattr(checkpoint.os, "replace", checked(checkpoint.os.replace))
     monkeypatch.setattr(checkpoint.shutil, "rmtree", checked(checkpoint.shutil.rmtree))
-    checkpoint._publish(tmp_path, partial, tmp_path / checkpoint.checkpoint_name(20))
+    checkpoint.publish_checkpoint(tmp_path, partial, tmp_path / checkpoint.checkpoint_name(20))
     assert (tmp_path / "step_00000020" / "new").is_file() and not partial.exists()
     assert (tmp_path / checkpoint.LATEST).read_text() == "step_00000020"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_00000020"]
@@ -170,7 +170,7 @@ def test_start_up_removes_what_killed_saves_left_but_not_what_latest_names(tmp_p
         (tmp_path / name / "rng").mkdir(parents=True)
     (tmp_path / f"{checkpoint.LATEST}.tmp").write_text("step_00000020")
     named_partial = fake_checkpoint(tmp_path, 30, point_latest=False).rename(tmp_path / f"{checkpoint.PARTIAL}step_00000030")
-    (tmp_path / checkpoint.LATEST).write_text(named_partial.name)  # killed between the two pointer moves of `_publish`
+    (tmp_path / checkpoint.LATEST).write_text(named_partial.name)  # killed between the two pointer moves of `publish_checkpoint`
     checkpoint.clean_stale_saves(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [".partial-step_00000030", "latest", "step_00000010"]
 

@@ -8,7 +8,7 @@ it as the user nobody, so that the process limit counts; where the OS refuses th
 no uid 65534) it runs nothing, answers why, and logs that once. Where the OS allows them it also gets a network
 namespace of its own (no network at all) and a Landlock rule that lets it write, make and remove files only beneath
 its directory (so multiprocessing's semaphores in /dev/shm are refused); `run(...).isolation` lists what a call got,
-and `scripts/bench_sandbox.py` prints it for a machine. What it does not isolate: reading files (it reads what any user
+and `scripts/bench/bench_sandbox.py` prints it for a machine. What it does not isolate: reading files (it reads what any user
 may, or the trainer's user; where the interpreter is readable to root only, as under /root, nobody keeps the capability
 to read everything), system calls (no seccomp), the kernel, and in a non-root run a program that kills its own
 supervisor. It keeps a well-meaning model's mistakes (endless loops, memory and fork bombs, huge prints, stray writes)

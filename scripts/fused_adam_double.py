@@ -1,4 +1,4 @@
-"""Test double of Transformer Engine's `FusedAdam` for scripts/bench_optimizer_memory.py and the tests; the product never uses it.
+"""Test double of Transformer Engine's `FusedAdam` for scripts/bench/bench_optimizer_memory.py and the tests; the product never uses it.
 
 megatron-core's precision-aware optimizer (`use_precision_aware_optimizer=True`) needs TE's FusedAdam,
 and TE cannot be installed without CUDA. This plain-torch class honours the part of FusedAdam's

@@ -11,9 +11,9 @@ On one GPU, for a random-weight model of Qwen2.5-0.5B's shape (model/tiny.py bui
   grpo      `trainer.grpo`, GRPO_STEPS steps at GRPO_NEW_TOKENS new tokens (the default batch: 64 prompts x 8): the
             step's phases (rollout, reward, reference, update), rollout tokens/s, peak memory, and the bf16
             rollout/training gap (`rollout_logprob_diff_mean/max`).
-  rollout   scripts/bench_rollout.py: our generation vs `transformers.generate` on the same GPU, prompts and lengths.
+  rollout   scripts/bench/bench_rollout.py: our generation vs `transformers.generate` on the same GPU, prompts and lengths.
   moe       `trainer.grpo` on tiny-moe in bf16 with routing replay off and on: the gap and `moe_route_mismatch`.
-  memory    bytes per parameter of each precision mode at DP=1 (scripts/bench_optimizer_memory.py).
+  memory    bytes per parameter of each precision mode at DP=1 (scripts/bench/bench_optimizer_memory.py).
   sft-local (only when named in --steps) the SFT again with megatron-core's local attention, for the SDPA/local ratio.
 Each step runs the project's own entry points in a subprocess (its own CUDA context); a failed step is reported and
 the others still run. `--steps a,b` runs only those (a second try of what failed). With --report, the JSON report is
@@ -397,9 +397,9 @@ def grpo(model_path: Path, settings: dict, work: Path) -> dict:
 
 
 def rollout_bench(model_path: Path, settings: dict, work: Path) -> dict:
-    """Step `rollout`: scripts/bench_rollout.py at the GRPO step's shape (64 prompts x 8, GRPO_NEW_TOKENS new tokens)."""
+    """Step `rollout`: scripts/bench/bench_rollout.py at the GRPO step's shape (64 prompts x 8, GRPO_NEW_TOKENS new tokens)."""
     batch, group = (512, 8) if settings["model"] == "qwen2-0.5b" else (16, 4)
-    command = [sys.executable, "scripts/bench_rollout.py", f"--model={model_path}", f"--batch={batch}", f"--group={group}",
+    command = [sys.executable, "scripts/bench/bench_rollout.py", f"--model={model_path}", f"--batch={batch}", f"--group={group}",
                f"--new-tokens={settings['grpo_new_tokens']}", f"--rounds={settings['rollout_rounds']}", "--dtype=bf16"]
     if not run_step("rollout", command, work, settings["limit_s"]):
         return {"error": "see rollout.log"}
@@ -428,7 +428,7 @@ def moe(settings: dict, work: Path) -> dict:
 
 def precision_memory(model_path: Path, settings: dict, work: Path) -> dict:
     """Step `memory`: bytes per parameter and peak memory of each precision mode (fp32, bf16, bf16 precision-aware)."""
-    command = [sys.executable, "scripts/bench_optimizer_memory.py", f"--model-path={model_path}", "--data-parallel-sizes=1"]
+    command = [sys.executable, "scripts/bench/bench_optimizer_memory.py", f"--model-path={model_path}", "--data-parallel-sizes=1"]
     if not run_step("memory", command, work, settings["limit_s"]):
         return {"error": "see memory.log"}
     table = "bytes per parameter" + (work / "memory.log").read_text().split("bytes per parameter", 1)[-1]

@@ -31,7 +31,7 @@ def test_the_versions_the_stack_cannot_run_with_are_named(monkeypatch):
 @pytest.mark.parametrize("script", sorted(path.name for path in (REPO / "scripts").glob("*.py")
                                           if "__main__" in path.read_text()))
 def test_each_script_puts_the_repository_on_the_path_before_importing_its_packages(script):
-    """scripts/bench_optimizer_memory.py imported `model` first and failed on the H200, where the project is not
+    """scripts/bench/bench_optimizer_memory.py imported `model` first and failed on the H200, where the project is not
     installed (only the venv's editable install had hidden it)."""
     inserted = False
     for node in ast.parse((REPO / "scripts" / script).read_text()).body:

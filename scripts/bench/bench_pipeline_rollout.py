@@ -1,7 +1,7 @@
 """A GRPO-sized rollout at PP=2 against PP=1 on the same 2 processes, side by side in one run.
 
-    .venv/bin/python scripts/bench_pipeline_rollout.py                      # the default model, 3 rounds
-    .venv/bin/python scripts/bench_pipeline_rollout.py --model MODEL_DIR --prompts 32 --samples 8 --new-tokens 64
+    .venv/bin/python scripts/bench/bench_pipeline_rollout.py                      # the default model, 3 rounds
+    .venv/bin/python scripts/bench/bench_pipeline_rollout.py --model MODEL_DIR --prompts 32 --samples 8 --new-tokens 64
 
 One torchrun launch of 2 processes builds the model at PP=1 (each rank a whole replica; both generate the batch, as two
 data-parallel ranks do with their shares) and at PP=2 (the two ranks one replica's two stages: every prefill and
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def worker(args) -> None:

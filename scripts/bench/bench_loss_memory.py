@@ -1,7 +1,7 @@
 """Peak memory of GRPO's loss and its backward on one micro-batch at Qwen2.5's vocabulary, with the logged entropy
 computed in one piece (as before) and in chunks (now), and with the entropy bonus, side by side in one run.
 
-Run: .venv/bin/python scripts/bench_loss_memory.py [--batch 4] [--seq 128] [--vocab 151936]
+Run: .venv/bin/python scripts/bench/bench_loss_memory.py [--batch 4] [--seq 128] [--vocab 151936]
 
 One process (a tensor-parallel group of one, gloo on CPU; CUDA when there is a GPU). The logits stand for the
 model's output: an fp32 leaf tensor [1, read positions, vocab] that requires grad (every position read here). `trainer.grpo_update.policy_loss` runs on them
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class PeakMemory(TorchDispatchMode):

@@ -9,7 +9,7 @@ is full), so they sample exactly the same number of tokens; that hook is called 
 rollout calls it once a turn, so single-turn through the same hook is timed too, and the 3-turn rollout is also
 compared with it. They run in alternating rounds after a warm-up each; prints the median seconds of each and the ratios.
 
-    .venv/bin/python scripts/bench_tool_rollout.py [--model tiny|HF_DIR] [--batch 64] [--turn-tokens 32] [--appended 24]
+    .venv/bin/python scripts/bench/bench_tool_rollout.py [--model tiny|HF_DIR] [--batch 64] [--turn-tokens 32] [--appended 24]
         [--rounds 5]
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config.loops import SFTConfig  # noqa: E402
 from config.sections import DataConfig, ModelConfig  # noqa: E402

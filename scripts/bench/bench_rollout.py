@@ -7,7 +7,7 @@ prompts are the bundled arithmetic task's (26-33 tokens), or GSM8K's questions w
 (read from ../shared/data/gsm8k). The two run in alternating rounds (one warm-up each first), so a busy
 machine slows both alike; prints the median generated tokens/s of each and their ratio.
 
-    .venv/bin/python scripts/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--group 1] [--new-tokens 32]
+    .venv/bin/python scripts/bench/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--group 1] [--new-tokens 32]
         [--prompts arithmetic|gsm8k] [--rounds 7] [--dtype fp32|bf16]
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config.loops import SFTConfig  # noqa: E402
 from config.sections import DataConfig, ModelConfig  # noqa: E402
@@ -29,7 +29,7 @@ from data.arithmetic import EVAL_SEED, generate_problems  # noqa: E402
 from model import build, generate, parallel  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def synchronize() -> None:

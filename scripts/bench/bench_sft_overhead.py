@@ -1,7 +1,7 @@
 """Trainer overhead: one SFT step through our loop vs a bare megatron-core forward/backward/optimizer step.
 
 Same model, optimizer and batch, same process; the two are interleaved and the medians compared.
-Run: .venv/bin/python scripts/bench_sft_overhead.py [--steps 30]
+Run: .venv/bin/python scripts/bench/bench_sft_overhead.py [--steps 30]
 """
 
 import argparse
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config.loops import SFTConfig  # noqa: E402
 from data import conversations as conversation_data, sft as sft_data  # noqa: E402

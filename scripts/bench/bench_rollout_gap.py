@@ -2,8 +2,8 @@
 EP=2, routing replay off and on; one table of GRPO's per-step `rollout_logprob_diff_mean`, `_max`, `rollout_kl` and
 `moe_route_mismatch` (medians over the steps).
 
-    .venv/bin/python scripts/bench_rollout_gap.py                  # from outputs/sft/hf and outputs/sft-moe/hf
-    .venv/bin/python scripts/bench_rollout_gap.py --dense tiny --moe tiny-moe --steps 2   # untrained, quick
+    .venv/bin/python scripts/bench/bench_rollout_gap.py                  # from outputs/sft/hf and outputs/sft-moe/hf
+    .venv/bin/python scripts/bench/bench_rollout_gap.py --dense tiny --moe tiny-moe --steps 2   # untrained, quick
 
 Each row is `torchrun --nproc-per-node 2 -m trainer.grpo --model.path=... --train.steps=N` (default batch: 8 prompts x
 8 samples), learning rate as the default GRPO's. Start from trained policies (`torchrun -m trainer.sft` and

@@ -6,7 +6,7 @@
    the imports' objects in the collector's sight and frozen out of it (`model.providers.freeze_imported_objects`):
    Python runs such collections on its own during training, and the tests' shared launches between runs.
 
-    .venv/bin/python scripts/bench_run_overhead.py [--rounds 5]
+    .venv/bin/python scripts/bench/bench_run_overhead.py [--rounds 5]
 """
 
 import argparse
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config.loops import GRPOConfig  # noqa: E402
 from data import prompts as prompt_data  # noqa: E402

@@ -1,7 +1,7 @@
 """The Mixture-of-Experts SFT step at EP=2 against EP=1 on 2 processes, side by side in one run.
 
-    .venv/bin/python scripts/bench_moe.py                     # tiny-moe, 12 steps per layout, 2 rounds
-    .venv/bin/python scripts/bench_moe.py --steps 20 --rounds 3 --model MODEL_DIR
+    .venv/bin/python scripts/bench/bench_moe.py                     # tiny-moe, 12 steps per layout, 2 rounds
+    .venv/bin/python scripts/bench/bench_moe.py --steps 20 --rounds 3 --model MODEL_DIR
 
 One torchrun launch of 2 processes runs `trainer.sft` (its `main`, as the entry point does) on `tiny-moe` for each
 layout, one after another in the same process group, `--rounds` times in turn (EP=1, EP=2 with the alltoall
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"EP=1 (DP=2)": ["--parallel.ep=1"],
            "EP=2, alltoall": ["--parallel.ep=2", "--model.moe_dispatcher=alltoall"]}
 WARMUP_STEPS = 2

@@ -12,16 +12,16 @@ How: both sides load the HF checkpoint `--model` (default: the default SFT's exp
 else the embedded tiny model), prompt with the bundled arithmetic train split through the tokenizer's chat template and
 score with `data/rewards.py`. Every other setting is GRPO's default in our config, mapped once onto TRL's `GRPOConfig`
 fields (`trl_arguments`, which names each counterpart). TRL is no dependency of the project: its side runs in a scratch
-virtualenv built once with uv from `scripts/bench_vs_trl.requirements.txt` (under `$TRAINER_CACHE_DIR`, default
+virtualenv built once with uv from `scripts/bench/bench_vs_trl.requirements.txt` (under `$TRAINER_CACHE_DIR`, default
 `~/.cache/megatron-trainer`; torch is the project's pin, so uv's cache supplies it), as a subprocess of this script
 (`--trl-worker`): the two stacks never share a process. The runs alternate, the side that starts swapping each round,
 and both get the same intra-op thread count (`--threads`) and no GPU (`CUDA_VISIBLE_DEVICES=`). Run it on an idle
 machine, or give `--threads` no more than the idle cores: an intra-op thread whose core is busy holds up every other
 one, and the slowdown differs between the stacks (the summary prints the load average before and after).
 
-    .venv/bin/python scripts/bench_vs_trl.py                       # 6 steps x 2 rounds at GRPO's default batch
-    .venv/bin/python scripts/bench_vs_trl.py --steps 2 --rounds 1 --batch-prompts 4    # a check that both sides run
-    .venv/bin/python scripts/bench_vs_trl.py --ours=--train.micro_batch_tokens=8192     # ours with a token budget
+    .venv/bin/python scripts/bench/bench_vs_trl.py                       # 6 steps x 2 rounds at GRPO's default batch
+    .venv/bin/python scripts/bench/bench_vs_trl.py --steps 2 --rounds 1 --batch-prompts 4    # a check that both sides run
+    .venv/bin/python scripts/bench/bench_vs_trl.py --ours=--train.micro_batch_tokens=8192     # ours with a token budget
 """
 
 import argparse
@@ -39,7 +39,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REQUIREMENTS = Path(__file__).with_suffix(".requirements.txt")
 # Our loss aggregations under TRL's `loss_type` names (docs/grpo.md, "Coming from verl or TRL").
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning: trainable parameters and Adam state, and the peak memory of a GRPO step.
 
-    .venv/bin/python scripts/bench_lora.py                          # counts: the tiny model and a Qwen2.5-7B shape
-    .venv/bin/python scripts/bench_lora.py --memory outputs/sft/hf  # also peak resident memory, 2 GRPO steps each
+    .venv/bin/python scripts/bench/bench_lora.py                          # counts: the tiny model and a Qwen2.5-7B shape
+    .venv/bin/python scripts/bench/bench_lora.py --memory outputs/sft/hf  # also peak resident memory, 2 GRPO steps each
 
 Counts follow the adapters Megatron-Bridge's LoRA puts on megatron-core's fused layers (the default
 `peft.target_modules`): an adapter on an `in -> out` layer is A (rank x in) and B (out x rank). Adam state in fp32 is
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QWEN25_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
              "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
 

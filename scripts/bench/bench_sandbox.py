@@ -3,7 +3,7 @@
 Times `--calls` calls of `python('print(1)')` after one warm-up, against `--calls` bare starts of the same interpreter
 (`python -I -c pass`, what any subprocess tool pays), and prints the medians and what `run(...).isolation` reports.
 
-    .venv/bin/python scripts/bench_sandbox.py [--calls 20]
+    .venv/bin/python scripts/bench/bench_sandbox.py [--calls 20]
 """
 
 import argparse
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.sandbox import python, run  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The GRPO recipes side by side on the embedded default: sampled reward gain, held-out accuracy, time per step, clip_frac, wall time, 3 seeds.
 
-    .venv/bin/python scripts/bench_recipes.py                        # every recipe, seeds 1234 1 2, from outputs/sft/hf
-    .venv/bin/python scripts/bench_recipes.py --recipes dapo grpo --seeds 1234 --extra --train.eval_interval=5
+    .venv/bin/python scripts/bench/bench_recipes.py                        # every recipe, seeds 1234 1 2, from outputs/sft/hf
+    .venv/bin/python scripts/bench/bench_recipes.py --recipes dapo grpo --seeds 1234 --extra --train.eval_interval=5
 
 Each run is `torchrun --nproc-per-node 2 -m trainer.grpo --config RECIPE --train.seed=SEED` from the default SFT's
 export (run `torchrun --nproc-per-node 2 -m trainer.sft` first), one after another so that wall times compare. A run
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))
 
 

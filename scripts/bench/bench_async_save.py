@@ -14,7 +14,7 @@ takes CPU from training, which the blocked time does not show.
 Both sides run with one intra-op thread, as every torchrun worker does. Prints medians of --repeats interleaved
 rounds and the ratio blocked/sync (target: at most 0.2).
 
-Run: .venv/bin/python scripts/bench_async_save.py [--repeats 3]
+Run: .venv/bin/python scripts/bench/bench_async_save.py [--repeats 3]
 """
 
 import argparse
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a run's start-up goes, and what the import choices cost: `trainer.sft` for one step, one process, in rounds.
 
-    .venv/bin/python scripts/bench_startup.py [--rounds 3]
+    .venv/bin/python scripts/bench/bench_startup.py [--rounds 3]
 
 Each round starts the entry point once per variant (interleaved, so machine load affects all alike) and reads the
 start-up line it prints (wall/CPU seconds per phase). Variants:
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--train.steps=1", "--train.global_batch_size=8", "--train.micro_batch_size=8", "--train.eval_samples=0"]
 # variant: (Python run before main(), extra environment)
 VARIANTS = {"now": ("", {}), "no-bytecode": ("", {"PYTHONPYCACHEPREFIX": "<scratch>/no-pycache"}),

@@ -9,7 +9,7 @@ at every position although only response positions are projected: about 1% more 
 it fed, padding included (`tokens_per_s`). The ratio is the step's FLOP/s over the bound: 1.0 would be a step that
 only multiplies matrices, as fast as the largest products go.
 
-    .venv/bin/python scripts/bench_sft_bound.py [--rounds 2] [--steps 12] [--threads 1] [--micro-batch 16]
+    .venv/bin/python scripts/bench/bench_sft_bound.py [--rounds 2] [--steps 12] [--threads 1] [--micro-batch 16]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from model import tiny  # noqa: E402

@@ -12,7 +12,7 @@ Both sides run with one intra-op thread, as every torchrun worker does (torchrun
 on a 2-core machine shared with other jobs, torch's parallel tensor copies otherwise wait on descheduled
 threads and the measured copy speed collapses (median save 199 ms vs 72 ms on the tiny model here).
 
-Run: .venv/bin/python scripts/bench_checkpoint.py [--repeats 11] [--sizes tiny,wide]
+Run: .venv/bin/python scripts/bench/bench_checkpoint.py [--repeats 11] [--sizes tiny,wide]
 """
 
 import argparse
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

@@ -5,7 +5,7 @@ first is the control the others are divided by. Every run is `torchrun --nproc-p
 model and seed, without evaluation; each run's first step (warm-up) is left out and the medians are over the other
 steps of every round. Rounds alternate the variants' order, so a busy machine slows them alike.
 
-    .venv/bin/python scripts/bench_grpo_phases.py --model outputs/sft/hf \\
+    .venv/bin/python scripts/bench/bench_grpo_phases.py --model outputs/sft/hf \\
         --variant rows= --variant budget=--train.micro_batch_tokens=8192 [--steps 6] [--rounds 2] [--nproc 1]
 """
 
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEYS = ("step_time_s", "rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s", "update_time_s",
         "padding_share")
 

@@ -3,7 +3,7 @@ GIL), run by `tool_runtime.runner` in threads and in worker processes, at the de
 `grpo.tool_workers` (this rank's share of the cores); and, for comparison, the way calls ran before (every call of
 the turn in its own thread at once, one deadline for all). Then the cost of one call of a tool that does nothing.
 
-    .venv/bin/python scripts/bench_tool_calls.py [--episodes 64 512] [--rounds 3]
+    .venv/bin/python scripts/bench/bench_tool_calls.py [--episodes 64 512] [--rounds 3]
 
 Prints, per way and episode count, the median turn wall time over the rounds and the calls that timed out.
 """
@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tool_runtime import runner as tool_runner  # noqa: E402
 

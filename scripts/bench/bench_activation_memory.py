@@ -1,6 +1,6 @@
 """Activation memory per token per layer: bytes saved for backward, per recompute setting and with/without sequence parallelism.
 
-Run: .venv/bin/python scripts/bench_activation_memory.py [--seq-len 1024] [--dtype bf16]
+Run: .venv/bin/python scripts/bench/bench_activation_memory.py [--seq-len 1024] [--dtype bf16]
 It launches itself under `torchrun --nproc-per-node 2` (`--worker`). Each variant builds, through the loops' seam
 (`model.build.build_policy`), a random-weight model with Qwen2.5-0.5B's layer shape (hidden 896, 14 heads over 2
 KV groups, MLP 4864; the tiny tokenizer's 512-row vocabulary instead of 151,936, which changes no layer) with 2 and
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository's packages, also where the project is not installed (a GPU image)
 
 from model.parallel import free_port  # noqa: E402

@@ -1,6 +1,6 @@
 """Bytes per parameter of gradient buffers and optimizer state, counted from the tensors megatron-core allocated.
 
-Run: .venv/bin/python scripts/bench_optimizer_memory.py [--model-path DIR] [--data-parallel-sizes 1,2]
+Run: .venv/bin/python scripts/bench/bench_optimizer_memory.py [--model-path DIR] [--data-parallel-sizes 1,2]
 It launches two sub-runs itself (`torchrun --nproc-per-node 1` and `2` with `--worker`), each of which
 builds the tiny model once per variant exactly as trainer.sft does, takes one optimizer step (Adam
 state is created lazily) and sums numel x element_size over:
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository's packages, also where the project is not installed (a GPU image)
 
 from model.parallel import free_port  # noqa: E402

@@ -166,9 +166,7 @@ def main(argv: list[str]):
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
                 reward_failures.check(step_batch, step)
                 microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device, timer)
-                with timer.phase("update"):
-                    update = update_policy(policy, microbatches, seq_len, config, settings)
-                policy.lr_schedule.step(increment=1)
+                update = update_policy(policy, microbatches, seq_len, config, settings, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step) and eval_prompts:
                 row.update(metrics.timed("eval", evaluate, into=row))

@@ -236,7 +236,16 @@ def input_aligned_routes(routes: list[torch.Tensor], seq_len: int) -> tuple[torc
     return out, routed
 
 
-def update_policy(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings) -> dict:
+def update_policy(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings, timer) -> dict:
+    """The step's update, timed as its `update` phase (`timer`, a `trainer.metrics.StepTimer`): the optimizer steps
+    (`optimizer_steps`), then the learning-rate schedule's one step per GRPO step; the update's figures."""
+    with timer.phase("update"):
+        update = optimizer_steps(policy, microbatches, seq_len, config, settings)
+    policy.lr_schedule.step(increment=1)
+    return update
+
+
+def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings) -> dict:
     """`grpo.ppo_epochs` passes over the microbatches, `grpo.mini_batches` optimizer steps each; global loss figures, and
     a Mixture-of-Experts policy's routing figures over all of them (`model.moe.RoutingFigures`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func

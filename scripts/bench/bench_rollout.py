@@ -5,7 +5,8 @@ ignored by both), sampling at temperature 1. `--group N` samples N completions o
 distinct prompts, as a GRPO step does (`samples=N` here, `num_return_sequences=N` in transformers). The
 prompts are the bundled arithmetic task's (26-33 tokens), or GSM8K's questions with `--prompts gsm8k`
 (read from ../shared/data/gsm8k). The two run in alternating rounds (one warm-up each first), so a busy
-machine slows both alike; prints the median generated tokens/s of each and their ratio.
+machine slows both alike; prints the median generated tokens/s of each and their ratio (ours with the sampler's
+log-probs, as GRPO's rollouts, and without, as held-out evaluation).
 
     .venv/bin/python scripts/bench/bench_rollout.py [--model tiny|HF_DIR] [--batch 64] [--group 1] [--new-tokens 32]
         [--prompts arithmetic|gsm8k] [--rounds 7] [--dtype fp32|bf16]
@@ -88,24 +89,29 @@ def main() -> None:
     runtime = parallel.init_distributed(config.parallel, seed=0)
     policy = build.build_policy(config, path, tokenizer, trainable=False)
 
-    def run_ours():
+    def run_ours(with_logprobs: bool = True):
         # end_ids=() never matches a token, so every row runs the full length, as with min_new_tokens above.
         generate.generate(policy.chunks, prompt_ids, samples=args.group, max_new_tokens=args.new_tokens, end_ids=(),
-                          vocab_size=policy.vocab_size, temperature=1.0, seed=0)
+                          vocab_size=policy.vocab_size, temperature=1.0, seed=0, with_logprobs=with_logprobs)
 
-    run_transformers(), run_ours()  # warm-up
-    theirs, ours = [], []
+    def run_ours_without_logprobs():
+        run_ours(with_logprobs=False)
+
+    run_transformers(), run_ours(), run_ours_without_logprobs()  # warm-up
+    theirs, ours, bare = [], [], []
     for _ in range(args.rounds):
         theirs.append(tokens_per_second(run_transformers, args.batch, args.new_tokens))
         ours.append(tokens_per_second(run_ours, args.batch, args.new_tokens))
-    theirs, ours = statistics.median(theirs), statistics.median(ours)
+        bare.append(tokens_per_second(run_ours_without_logprobs, args.batch, args.new_tokens))
+    theirs, ours, bare = statistics.median(theirs), statistics.median(ours), statistics.median(bare)
     lengths = sorted(map(len, prompt_ids))
     print(f"model {args.model} ({args.dtype}, {device}), batch {args.batch} = {distinct} {args.prompts} prompts x "
           f"{args.group}, prompts of {lengths[0]}-{lengths[-1]} tokens, {args.new_tokens} new tokens per row, median of "
           f"{args.rounds} alternating rounds")
     print(f"transformers generate: {theirs:10.0f} tokens/s")
-    print(f"model.generate:        {ours:10.0f} tokens/s")
-    print(f"ratio ours / transformers: {ours / theirs:.2f}")
+    print(f"model.generate:        {ours:10.0f} tokens/s (with the sampler's log-probs, as GRPO's rollouts)")
+    print(f"  without log-probs:   {bare:10.0f} tokens/s (as held-out evaluation; transformers computes none either)")
+    print(f"ratio ours / transformers: {ours / theirs:.2f} ({bare / theirs:.2f} without log-probs)")
     parallel.shutdown(runtime)
 
 

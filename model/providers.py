@@ -5,13 +5,16 @@ sizes, Mixture-of-Experts routing and the fusions a machine without Transformer 
 
 import functools
 import gc
+import importlib
 import importlib.util
 import logging
+import sys
 from pathlib import Path
 
 import torch
 
 from config.errors import UserError
+from config.hf import read_hf_config
 from config.sections import have_transformer_engine
 from model import lora, rules
 
@@ -23,16 +26,55 @@ HAVE_TRANSFORMER_ENGINE = have_transformer_engine()
 
 
 
+# HF architecture -> the Megatron-Bridge package whose import registers its bridge, for the families this trainer
+# tests (docs/models.md); any other architecture imports every bridge, as `import megatron.bridge` does.
+FAMILY_BRIDGES = {"Qwen2ForCausalLM": "megatron.bridge.models.qwen", "Qwen3ForCausalLM": "megatron.bridge.models.qwen",
+                  "Qwen3MoeForCausalLM": "megatron.bridge.models.qwen", "LlamaForCausalLM": "megatron.bridge.models.llama",
+                  "MistralForCausalLM": "megatron.bridge.models.mistral"}
+# Packages whose `__init__` imports every bridge (and the diffusion models): run only when a name they define is used.
+EAGER_BRIDGE_PACKAGES = ("megatron.bridge", "megatron.bridge.models")
+
+
 def auto_bridge(hf_path: str | Path):
     """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
     lora.allow_import_without_te()  # Bridge's import reaches its LoRA layers, which import TE
     # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
     # and forces its own level and handler at import; disabling the logger is the only switch.
     logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
-    from megatron.bridge import AutoBridge
+    architectures = read_hf_config(Path(hf_path), "model.path").get("architectures") or [None]
+    family = FAMILY_BRIDGES.get(architectures[0])
+    if family is not None and not any(name in sys.modules for name in EAGER_BRIDGE_PACKAGES):
+        for name in EAGER_BRIDGE_PACKAGES:
+            lazy_package(name)
+        importlib.import_module(family)  # its bridges register themselves
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
 
     freeze_imported_objects()
     return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
+
+
+def lazy_package(name: str) -> None:
+    """Put package `name` into `sys.modules` without running its `__init__`: its submodules import as usual, and the
+    first use of a name the `__init__` defines runs it then (PEP 562's module `__getattr__`). Megatron-Bridge's
+    `__init__` imports all of its model bridges, about a third of its import time, where a run needs one family's."""
+    spec = importlib.util.find_spec(name)
+    package = importlib.util.module_from_spec(spec)
+    initialised = False
+
+    def __getattr__(attribute: str):
+        nonlocal initialised
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        if importlib.util.find_spec(f"{name}.{attribute}") is not None:  # a submodule: import it alone
+            return importlib.import_module(f"{name}.{attribute}")
+        if initialised:
+            raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
+        initialised = True
+        spec.loader.exec_module(package)  # the whole package, as a plain import would have done
+        return getattr(package, attribute)
+
+    package.__getattr__ = __getattr__
+    sys.modules[name] = package
 
 
 def freeze_imported_objects() -> None:

@@ -1,4 +1,5 @@
-"""Our GRPO step against TRL's `GRPOTrainer` (1.16), on the same CPU, model, prompts, reward and settings.
+"""Our GRPO step against TRL's `GRPOTrainer` (1.16), on the same CPU, model, prompts, reward and settings; with
+`--loop sft`, our SFT step against TRL's `SFTTrainer` on the same model, conversations and settings.
 
 What it measures: the seconds of one GRPO step on each side (sample `--batch-prompts` x 8 completions of at most
 `--new-tokens` tokens, score them with the project's `arithmetic` reward, the KL reference's and the policy's forwards,
@@ -22,6 +23,12 @@ one, and the slowdown differs between the stacks (the summary prints the load av
     .venv/bin/python scripts/bench/bench_vs_trl.py                       # 6 steps x 2 rounds at GRPO's default batch
     .venv/bin/python scripts/bench/bench_vs_trl.py --steps 2 --rounds 1 --batch-prompts 4    # a check that both sides run
     .venv/bin/python scripts/bench/bench_vs_trl.py --ours=--train.micro_batch_tokens=8192     # ours with a token budget
+    .venv/bin/python scripts/bench/bench_vs_trl.py --loop sft --model tiny --steps 12    # SFT's default step
+
+SFT: ours is `trainer.sft`'s step (global batch 64 in micro-batches of 32, the loss on the response tokens, fp32,
+AdamW, warmup then cosine); TRL's `SFTTrainer` gets the same rows of the bundled arithmetic train split as
+prompt-completion conversations (`completion_only_loss`: the loss on the completion only, as ours), the same batch,
+sequence cap (`max_length`), optimizer and schedule (`sft_trl_arguments`), no packing.
 """
 
 import argparse
@@ -167,23 +174,27 @@ def run_logged(command: list[str], log: Path, env: dict, cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_ours(arguments: list[str], work: Path, env: dict) -> dict:
-    """Per-step seconds, mean reward and mean completion length of one `trainer.grpo` run."""
+def run_ours(loop: str, arguments: list[str], work: Path, env: dict) -> dict:
+    """Per-step seconds and what the run learned (GRPO: mean reward and completion length; SFT: the loss) of one
+    `trainer.grpo` or `trainer.sft` run."""
     out = work / "ours"
     torchrun = Path(sys.executable).parent / "torchrun"
     # --standalone: a free rendezvous port, so a test suite's torchrun on the default port does not collide.
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "1", "-m", "trainer.grpo", *arguments,
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "1", "-m", f"trainer.{loop}", *arguments,
                f"--train.out_dir={out}"]
     wall = run_logged(command, work / "ours.log", env, REPO)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((row for row in rows if "step_time_s" in row), key=lambda row: row["step"])
-    return {"step_time_s": [row["step_time_s"] for row in steps], "wall_s": wall,
-            "reward": statistics.mean(row["reward_mean"] for row in steps),
-            "completion_tokens": statistics.mean(row["response_len"] for row in steps)}
+    if loop == "sft":
+        outcome = f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}"
+    else:
+        outcome = (f"reward {statistics.mean(row['reward_mean'] for row in steps):.3f}, completion "
+                   f"{statistics.mean(row['response_len'] for row in steps):.1f} tokens")
+    return {"step_time_s": [row["step_time_s"] for row in steps], "wall_s": wall, "outcome": outcome}
 
 
 def run_trl(python: Path, job: dict, work: Path, env: dict) -> dict:
-    """Per-step seconds, mean reward, mean completion length and versions of one TRL run, in the scratch venv."""
+    """Per-step seconds, what it learned and the versions of one TRL run, in the scratch venv."""
     job_file, result_file = work / "trl-job.json", work / "trl-result.json"
     job_file.write_text(json.dumps({**job, "output_dir": str(work / "trl"), "result": str(result_file)}))
     command = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(job_file)]
@@ -192,9 +203,12 @@ def run_trl(python: Path, job: dict, work: Path, env: dict) -> dict:
 
 
 def trl_worker(job_file: Path) -> None:
-    """The TRL side, in the scratch venv: GRPOTrainer on the job's model, prompts and reward; writes the step times."""
+    """The TRL side, in the scratch venv: GRPOTrainer on the job's model, prompts and reward (or SFTTrainer on its
+    conversations); writes the step times."""
     job = json.loads(job_file.read_text())
     sys.path.append(str(REPO))  # our data/ package, for the prompts and the reward, not our stack
+    if job["loop"] == "sft":
+        return trl_sft_worker(job)
     import datasets
     import torch
     import trl
@@ -211,9 +225,48 @@ def trl_worker(job_file: Path) -> None:
         texts = [completion[-1]["content"] for completion in completions]
         return rewards.score(reward, texts, reference, job["format_bonus"]).rewards
 
-    class StepTimes(TrainerCallback):
-        """Seconds from each optimizer step's begin to its end: generation, scoring, forwards, backwards, update."""
+    problems = generate_problems(*job["problems"])
+    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": problem["question"]}],
+                                           "reference": problem["answer"]} for problem in problems])
+    times = step_times(TrainerCallback)
+    arguments = trl.GRPOConfig(output_dir=job["output_dir"], **job["arguments"])
+    trainer = trl.GRPOTrainer(model=job["model"], reward_funcs=project_reward, args=arguments, train_dataset=dataset,
+                              callbacks=[times])
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    outcome = (f"reward {statistics.mean(entry['reward'] for entry in logged):.3f}, completion "
+               f"{statistics.mean(entry['completions/mean_length'] for entry in logged):.1f} tokens")
+    write_trl_result(job, times, outcome, arguments)
 
+
+def trl_sft_worker(job: dict) -> None:
+    """TRL's SFTTrainer on the bundled arithmetic train split as prompt-completion conversations, the loss on the
+    completion only; writes the step times."""
+    import datasets
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    from data.conversations import load_rows
+
+    torch.set_num_threads(job["threads"])
+    rows = load_rows("arithmetic", split="train", sft_targets=True)
+    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": row["question"]}],
+                                           "completion": [{"role": "assistant", "content": row["answer"]}]}
+                                          for row in rows])
+    times = step_times(TrainerCallback)
+    arguments = trl.SFTConfig(output_dir=job["output_dir"], **job["arguments"])
+    trainer = trl.SFTTrainer(model=job["model"], args=arguments, train_dataset=dataset, callbacks=[times])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    write_trl_result(job, times, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", arguments)
+
+
+def step_times(callback_class):
+    """A TrainerCallback timing each optimizer step from its begin to its end (GRPO: generation, scoring, forwards,
+    backwards, update; SFT: forwards, backwards, update), in `.seconds`."""
+
+    class StepTimes(callback_class):
         def __init__(self):
             self.seconds, self.start = [], None
 
@@ -223,20 +276,16 @@ def trl_worker(job_file: Path) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self.start)
 
-    problems = generate_problems(*job["problems"])
-    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": problem["question"]}],
-                                           "reference": problem["answer"]} for problem in problems])
-    times = StepTimes()
-    arguments = trl.GRPOConfig(output_dir=job["output_dir"], **job["arguments"])
-    trainer = trl.GRPOTrainer(model=job["model"], reward_funcs=project_reward, args=arguments, train_dataset=dataset,
-                              callbacks=[times])
-    trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    return StepTimes()
+
+
+def write_trl_result(job: dict, times, outcome: str, arguments) -> None:
+    """The TRL run's step times, what it learned, its versions and settings, for the parent process."""
+    import torch
+
     versions = {name: metadata.version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")}
     Path(job["result"]).write_text(json.dumps({
-        "step_time_s": times.seconds, "reward": statistics.mean(entry["reward"] for entry in logged),
-        "completion_tokens": statistics.mean(entry["completions/mean_length"] for entry in logged),
-        "versions": versions, "threads": torch.get_num_threads(),
+        "step_time_s": times.seconds, "outcome": outcome, "versions": versions, "threads": torch.get_num_threads(),
         "optim": getattr(arguments.optim, "value", arguments.optim),
         "checkpointing": arguments.gradient_checkpointing}))
 
@@ -249,16 +298,60 @@ def describe(side: str, round_number: int, rounds: int, result: dict) -> str:
     first, timed = result["step_time_s"][0], result["step_time_s"][1:]
     return (f"round {round_number}/{rounds} {side:4s}: median {statistics.median(timed):.3f} s/step over {len(timed)} "
             f"steps [{', '.join(f'{seconds:.3f}' for seconds in timed)}], warm-up step {first:.3f} s, "
-            f"wall {result['wall_s']:.0f} s; reward {result['reward']:.3f}, "
-            f"completion {result['completion_tokens']:.1f} tokens")
+            f"wall {result['wall_s']:.0f} s; {result['outcome']}")
+
+
+def grpo_setup(args, model: Path) -> tuple[list[str], dict, str]:
+    """(our arguments, TRL's job, a header line) for the GRPO step at GRPO's defaults."""
+    from config.loops import GRPOConfig
+    from data.conversations import ARITHMETIC_SPLITS
+
+    config = GRPOConfig()
+    batch_prompts = args.batch_prompts or config.train.global_batch_size // config.grpo.n_samples
+    new_tokens = args.new_tokens or config.grpo.max_new_tokens
+    completions = batch_prompts * config.grpo.n_samples
+    micro_batch = math.gcd(config.train.micro_batch_size, completions)  # our default micro-batch, or what divides
+    job = {"reward": config.grpo.reward, "format_bonus": config.grpo.format_bonus,
+           "problems": ARITHMETIC_SPLITS["train"],
+           "arguments": trl_arguments(config, completions, micro_batch, new_tokens, args.steps)}
+    header = (f"{batch_prompts} prompts x {config.grpo.n_samples} completions of at most {new_tokens} tokens per step, "
+              f"micro-batch {micro_batch}")
+    return our_arguments(model, completions, micro_batch, new_tokens, args.steps), job, header
+
+
+def sft_setup(args, model: Path) -> tuple[list[str], dict, str]:
+    """(our arguments, TRL's job, a header line) for the SFT step at SFT's defaults."""
+    from config.loops import SFTConfig
+
+    config = SFTConfig()
+    train, optim = config.train, config.optim
+    ours = [f"--model.path={model}", f"--train.steps={args.steps}", "--train.eval_samples=0", "--train.log_interval=1",
+            "--train.overwrite_output_dir=true"]
+    arguments = {
+        "per_device_train_batch_size": train.micro_batch_size,
+        "gradient_accumulation_steps": train.global_batch_size // train.micro_batch_size,
+        "max_steps": args.steps, "max_length": config.data.max_seq_len, "completion_only_loss": True, "packing": False,
+        # The optimizer and schedule: AdamW, linear warmup, then cosine down to optim.lr x optim.min_lr_ratio.
+        "learning_rate": optim.lr, "adam_beta1": optim.betas[0], "adam_beta2": optim.betas[1],
+        "adam_epsilon": optim.eps, "weight_decay": optim.weight_decay, "max_grad_norm": optim.clip_grad,
+        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": optim.min_lr_ratio},
+        "warmup_steps": optim.warmup_steps,
+        "use_cpu": True, "bf16": False, "fp16": False, "model_init_kwargs": {"dtype": "float32"},
+        "gradient_checkpointing": False, "seed": train.seed,
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+    }
+    header = (f"global batch {train.global_batch_size} in micro-batches of {train.micro_batch_size}, sequences of at "
+              f"most {config.data.max_seq_len} tokens, the bundled arithmetic SFT set")
+    return ours, {"arguments": arguments}, header
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run; the first is warm-up, left out")
+    parser.add_argument("--loop", choices=["grpo", "sft"], default="grpo", help="which loop's step to compare")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is warm-up, left out")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both sides")
-    parser.add_argument("--model", default=None, help="HF checkpoint directory, or `tiny` (default: outputs/sft/hf "
-                                                      "when it exists, else the embedded tiny model)")
+    parser.add_argument("--model", default=None, help="HF checkpoint directory, or `tiny` (default: GRPO, outputs/sft/hf "
+                                                      "when it exists, else the embedded tiny model; SFT, tiny)")
     parser.add_argument("--batch-prompts", type=int, default=None, help="prompts per step (default: GRPO's, 64)")
     parser.add_argument("--new-tokens", type=int, default=None, help="completion budget (default: GRPO's, 32)")
     parser.add_argument("--threads", type=int, default=None,
@@ -275,28 +368,18 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from config.loops import GRPOConfig
-    from data.conversations import ARITHMETIC_SPLITS
-
-    config = GRPOConfig()
-    batch_prompts = args.batch_prompts or config.train.global_batch_size // config.grpo.n_samples
-    new_tokens = args.new_tokens or config.grpo.max_new_tokens
-    completions = batch_prompts * config.grpo.n_samples
-    micro_batch = math.gcd(config.train.micro_batch_size, completions)  # our default micro-batch, or what divides
     threads = args.threads or torch.get_num_threads()
-    model = resolve_model(args.model)
+    model = resolve_model(args.model or ("tiny" if args.loop == "sft" else None))  # each loop's default start
     python = trl_python()
-    ours = our_arguments(model, completions, micro_batch, new_tokens, args.steps) + args.ours
-    job = {"model": str(model), "reward": config.grpo.reward, "format_bonus": config.grpo.format_bonus,
-           "problems": ARITHMETIC_SPLITS["train"], "threads": threads,
-           "arguments": trl_arguments(config, completions, micro_batch, new_tokens, args.steps)}
+    ours, job, header = (sft_setup if args.loop == "sft" else grpo_setup)(args, model)
+    ours += args.ours
+    job |= {"loop": args.loop, "model": str(model), "threads": threads}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"model {model}; {batch_prompts} prompts x {config.grpo.n_samples} completions of at most {new_tokens} "
-          f"tokens per step, micro-batch {micro_batch}; {args.steps} steps x {args.rounds} rounds; {threads} threads",
-          flush=True)
-    print(f"ours: torchrun --nproc-per-node 1 -m trainer.grpo {' '.join(ours)}", flush=True)
-    print(f"TRL:  GRPOConfig({', '.join(f'{key}={value!r}' for key, value in job['arguments'].items())})", flush=True)
+    print(f"model {model}; {header}; {args.steps} steps x {args.rounds} rounds; {threads} threads", flush=True)
+    print(f"ours: torchrun --nproc-per-node 1 -m trainer.{args.loop} {' '.join(ours)}", flush=True)
+    print(f"TRL:  {'SFTConfig' if args.loop == 'sft' else 'GRPOConfig'}"
+          f"({', '.join(f'{key}={value!r}' for key, value in job['arguments'].items())})", flush=True)
 
     load_before = os.getloadavg()[0]
     results = {"ours": [], "TRL": []}
@@ -304,7 +387,7 @@ def main() -> None:
         order = ["ours", "TRL"] if round_number % 2 else ["TRL", "ours"]  # the side that starts alternates
         for side in order:
             with tempfile.TemporaryDirectory(prefix=f"bench-vs-trl-{side}-") as work:
-                result = (run_ours(ours, Path(work), env) if side == "ours"
+                result = (run_ours(args.loop, ours, Path(work), env) if side == "ours"
                           else run_trl(python, job, Path(work), env))
             results[side].append(result)
             print(describe(side, round_number, args.rounds, result), flush=True)

@@ -6,12 +6,15 @@ One worker covers every family (tests/distributed/family_worker.py, in the share
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import worker_output
+from tests.conftest import REPO, worker_output
 
 WORKER = "tests/distributed/family_worker.py"
 LOGIT_TOLERANCE = 1e-5
@@ -180,3 +183,25 @@ def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(mon
     with_te = provider()
     providers.disable_fusions_needing_transformer_engine(with_te)
     assert vars(with_te) == vars(provider())
+
+
+def test_only_the_checkpoints_family_bridge_is_imported_and_the_rest_on_first_use(tmp_path):
+    """`model.providers.auto_bridge` imports the Qwen2 family's bridge alone (Megatron-Bridge's package `__init__`, which
+    imports every family's, runs only when a name it defines is used); such a use then finds it, and the bridge built
+    is the one `import megatron.bridge` gives."""
+    script = """
+import sys
+from model import providers, tiny
+bridge = providers.auto_bridge(tiny.ensure_tiny_checkpoint(name="tiny"))
+print("RESULT", type(bridge._model_bridge).__name__, "megatron.bridge.models.bailing" in sys.modules,
+      "megatron.bridge.models.llama" in sys.modules)
+from megatron.bridge import AutoBridge
+from megatron.bridge.models import GPTModelProvider
+print("RESULT", AutoBridge is type(bridge), "megatron.bridge.models.bailing" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    # (Bridge's own loggers print to stdout too: only the script's lines are read.)
+    assert [line for line in result.stdout.splitlines() if line.startswith("RESULT ")] == [
+        "RESULT Qwen2Bridge False False", "RESULT True True"]

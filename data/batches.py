@@ -6,6 +6,7 @@ crosses into the next sample and per-token losses equal the unpacked ones.
 """
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -25,6 +26,12 @@ def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) 
     longest = max(len(example.input_ids) - 1 for example in examples)
     step = math.lcm(8, multiple)
     return min(max_seq_len, step * math.ceil(longest / step))
+
+
+def padded_length_for(config):
+    """`padded_length` at the run's `data.max_seq_len` and sequence multiple (sequence parallelism's)."""
+    return functools.partial(padded_length, max_seq_len=config.data.max_seq_len,
+                             multiple=config.parallel.sequence_multiple)
 
 
 def token_budget_microbatches(examples: list[Example], mini_batches: list[list[int]], budget: int, pad,

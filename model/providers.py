@@ -43,10 +43,14 @@ def auto_bridge(hf_path: str | Path):
     logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
     architectures = read_hf_config(Path(hf_path), "model.path").get("architectures") or [None]
     family = FAMILY_BRIDGES.get(architectures[0])
-    if family is not None and not any(name in sys.modules for name in EAGER_BRIDGE_PACKAGES):
+    if family is None:  # every bridge, as `import megatron.bridge` gives (and a lazy package of an earlier call runs)
         for name in EAGER_BRIDGE_PACKAGES:
-            lazy_package(name)
-        importlib.import_module(family)  # its bridges register themselves
+            getattr(importlib.import_module(name), "AutoBridge")
+    else:
+        if not any(name in sys.modules for name in EAGER_BRIDGE_PACKAGES):
+            for name in EAGER_BRIDGE_PACKAGES:
+                lazy_package(name)
+        importlib.import_module(family)  # its bridges register themselves (a later call may bring another family)
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
 
     freeze_imported_objects()

@@ -187,21 +187,31 @@ def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(mon
 
 def test_only_the_checkpoints_family_bridge_is_imported_and_the_rest_on_first_use(tmp_path):
     """`model.providers.auto_bridge` imports the Qwen2 family's bridge alone (Megatron-Bridge's package `__init__`, which
-    imports every family's, runs only when a name it defines is used); such a use then finds it, and the bridge built
-    is the one `import megatron.bridge` gives."""
-    script = """
+    imports every family's, runs only when a name it defines is used). A later call in the same process brings its own
+    family (Llama), one outside the table brings every bridge (Gemma 2, refused later by the layer-spec check), and a
+    name of the package's `__init__` then finds what `import megatron.bridge` gives."""
+    from model import tiny
+
+    tokenizer_dir = tiny.ensure_tiny_checkpoint(name="tiny")
+    for family in ("llama", "gemma2"):
+        (tmp_path / family).mkdir()
+        build_family_checkpoint(family, tmp_path / family, tokenizer_dir)
+    script = f"""
 import sys
 from model import providers, tiny
+def loaded(name):
+    return "megatron.bridge.models." + name in sys.modules
 bridge = providers.auto_bridge(tiny.ensure_tiny_checkpoint(name="tiny"))
-print("RESULT", type(bridge._model_bridge).__name__, "megatron.bridge.models.bailing" in sys.modules,
-      "megatron.bridge.models.llama" in sys.modules)
+print("RESULT", type(bridge._model_bridge).__name__, loaded("bailing"), loaded("llama"))
+print("RESULT", type(providers.auto_bridge("{tmp_path / 'llama'}")._model_bridge).__name__, loaded("bailing"))
+print("RESULT", type(providers.auto_bridge("{tmp_path / 'gemma2'}")._model_bridge).__name__, loaded("bailing"))
 from megatron.bridge import AutoBridge
 from megatron.bridge.models import GPTModelProvider
-print("RESULT", AutoBridge is type(bridge), "megatron.bridge.models.bailing" in sys.modules)
+print("RESULT", AutoBridge is type(bridge))
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-3000:]
     # (Bridge's own loggers print to stdout too: only the script's lines are read.)
     assert [line for line in result.stdout.splitlines() if line.startswith("RESULT ")] == [
-        "RESULT Qwen2Bridge False False", "RESULT True True"]
+        "RESULT Qwen2Bridge False False", "RESULT LlamaBridge False", "RESULT Gemma2Bridge True", "RESULT True"]

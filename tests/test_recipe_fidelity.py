@@ -197,6 +197,8 @@ def launches(default_sft, tmp_path_factory):
         grpo_command("dapo1", "--config", "dapo", *ten, "--parallel.tp=2"),
         grpo_command("dapo2_budget_fsdp", "--config", "dapo", *ten, "--train.micro_batch_tokens=256",
                      "--parallel.use_megatron_fsdp=true"),
+        grpo_command("dapo1_budget", "--config", "dapo", *ten, "--parallel.tp=2", "--train.micro_batch_tokens=256",
+                     "--train.steps=1"),
         grpo_command("gspo2", "--config", "gspo", *ten, "--train.steps=1"),
         grpo_command("text", *brief, "--grpo.reward=fidelity_rewards:text", expect_error=True),
         grpo_command("third", *brief, "--grpo.reward=fidelity_rewards:third"),
@@ -239,17 +241,20 @@ def test_dapo_and_gspo_clip_with_several_updates_a_step_on_a_set_smaller_than_a_
 @pytest.mark.distributed
 def test_a_token_budget_regroups_the_micro_batches_and_leaves_the_loss_as_it_was(runs):
     """DAPO (4 updates a step, each the token mean over its mini-batch) with `train.micro_batch_tokens=256` under
-    Megatron-FSDP against 16 rows a micro-batch under DDP: the same rollouts, the loss and figures of step 1 within
-    summation order (measured: 1e-7 relative), and the micro-batch counts agreed over the ranks (no hang)."""
+    Megatron-FSDP at DP=2, and at TP=2 with sequence parallelism (padding to its multiple), against 16 rows a
+    micro-batch at the same layouts: the same rollouts, the loss and figures of step 1 within summation order
+    (measured: 1e-7 relative), and the micro-batch counts agreed over the ranks (no hang)."""
     root = runs["root"]
-    budget, rows = ([row for row in metrics(root / name) if "loss" in row] for name in ("dapo2_budget_fsdp", "dapo2"))
-    assert [row["step"] for row in budget] == [1, 2]
-    first, reference = budget[0], rows[0]
-    assert (first["reward_mean"], first["response_len"]) == (reference["reward_mean"], reference["response_len"])
-    for key in ("loss", "grad_norm", "entropy"):
-        print(key, first[key], reference[key])
-        assert math.isclose(first[key], reference[key], rel_tol=1e-5, abs_tol=1e-9), key
-    assert abs(first["clip_frac"] - reference["clip_frac"]) < 2e-3  # a token at the clip's edge may round across it
+    for budget_run, control, steps in (("dapo2_budget_fsdp", "dapo2", [1, 2]), ("dapo1_budget", "dapo1", [1])):
+        budget, rows = ([row for row in metrics(root / name) if "loss" in row] for name in (budget_run, control))
+        assert [row["step"] for row in budget] == steps
+        first, reference = budget[0], rows[0]
+        assert (first["reward_mean"], first["response_len"]) == (reference["reward_mean"], reference["response_len"])
+        for key in ("loss", "grad_norm", "entropy"):
+            print(budget_run, key, first[key], reference[key])
+            assert math.isclose(first[key], reference[key], rel_tol=1e-5, abs_tol=1e-9), key
+        assert abs(first["clip_frac"] - reference["clip_frac"]) < 2e-3  # a token at the clip's edge may round across it
+        assert first["padding_share"] < reference["padding_share"]
 
 
 @pytest.mark.distributed

@@ -175,8 +175,7 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device,
     schedule's)."""
     temperature = config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
-    pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
-                            multiple=config.parallel.sequence_multiple)
+    pad = batches.padded_length_for(config)
     step_len = pad(step_batch.examples)
     microbatches = []
     for rows in microbatch_rows(step_batch, config, pad):
@@ -266,9 +265,9 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
                 micro_batch_size=microbatches[start]["tokens"].size(0), forward_only=False)
             _, grad_norm, _ = policy.optimizer.step()
             grad_norms.append(float(grad_norm or 0.0))
-            for output in outputs:
-                totals += torch.cat([output["loss"], output["stats"]]).detach().to("cpu", torch.float64)
-                gap_max = max(gap_max, float(output["gap_max"]))
+            for reported in outputs:  # one per micro-batch (`policy_loss`'s report)
+                totals += torch.cat([reported["loss"], reported["stats"]]).detach().to("cpu", torch.float64)
+                gap_max = max(gap_max, float(reported["gap_max"]))
     loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = collectives.last_stage_sum(totals.tolist())
     padded, positions = collectives.data_parallel_sum(batches.padding_counts(microbatches))
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.

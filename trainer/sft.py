@@ -61,8 +61,7 @@ def token_budget_indices(examples, microbatch_indices: list[list[int]], config) 
     """A step's micro-batches regrouped by length under `train.micro_batch_tokens` (as they are without it)."""
     if not config.train.micro_batch_tokens:
         return microbatch_indices
-    pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
-                            multiple=config.parallel.sequence_multiple)
+    pad = batches.padded_length_for(config)
     rows = [index for indices in microbatch_indices for index in indices]
     return batches.token_budget_microbatches(examples, [rows], config.train.micro_batch_tokens, pad, collectives.world_max)
 
@@ -77,8 +76,7 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
         seq_len = config.data.max_seq_len
         collated = [batches.collate_packed(batches.pack(group, seq_len), seq_len, pad_id) for group in groups]
     else:
-        pad = functools.partial(batches.padded_length, max_seq_len=config.data.max_seq_len,
-                                multiple=config.parallel.sequence_multiple)
+        pad = batches.padded_length_for(config)
         seq_len = pad([example for group in groups for example in group])
         # Each microbatch padded to its own longest row; pipeline stages exchange one shape, so there the step's.
         collated = [batches.collate(group, seq_len if parallel.fixed_microbatch_shape() else pad(group), pad_id)

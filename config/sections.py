@@ -227,6 +227,7 @@ class GRPOSection:
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss (they still count in their group's advantages)"})
     entropy_coef: float = field(default=0.0, metadata={"help": "weight of an entropy bonus: the loss subtracts entropy_coef x the aggregated token entropy"})
     loss_aggregation: str = field(default="token_mean", metadata={"help": f"token losses to one loss: {' | '.join(LOSS_AGGREGATIONS)} (the token mean over the global batch, DAPO; the mean over completions of each one's token mean, GRPO; each completion's token sum over max_new_tokens, Dr. GRPO)"})
+    share_prompts: bool = field(default=True, metadata={"help": "the training forwards (the update's, pi_old's, the reference's) lay each group out as one row, its prompt once and then every completion, each completion seeing the prompt and itself: the same log-probs and gradients as a row per completion, the prompt computed once per group (off by itself, with a start-up line saying why, where the attention cannot take the layout: pipeline stages, Transformer Engine or fused-softmax attention, sliding windows, context parallelism)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each step's rollouts"})
     mini_batches: int = field(default=1, metadata={"help": "optimizer updates per pass (the rollouts are split into this many)"})
     max_new_tokens: int = field(default=32, metadata={"help": "longest completion in tokens (generation stops earlier at EOS)"})

@@ -20,12 +20,16 @@ class Example:
     loss_mask: list[int]
 
 
-def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) -> int:
-    """The row length a batch of these examples is padded to: the longest input, rounded up to 8 and to `multiple`
-    (sequence parallelism's), at most `max_seq_len` (which start-up checks is a multiple of `multiple`)."""
-    longest = max(len(example.input_ids) - 1 for example in examples)
+def padded_size(longest: int, max_seq_len: int, multiple: int = 1) -> int:
+    """The row length `longest` input positions are padded to: rounded up to 8 and to `multiple` (sequence
+    parallelism's), at most `max_seq_len` (which start-up checks is a multiple of `multiple`)."""
     step = math.lcm(8, multiple)
     return min(max_seq_len, step * math.ceil(longest / step))
+
+
+def padded_length(examples: list[Example], max_seq_len: int, multiple: int = 1) -> int:
+    """The row length a batch of these examples is padded to: `padded_size` of the longest input."""
+    return padded_size(max(len(example.input_ids) - 1 for example in examples), max_seq_len, multiple)
 
 
 def padded_length_for(config):
@@ -34,24 +38,32 @@ def padded_length_for(config):
                              multiple=config.parallel.sequence_multiple)
 
 
-def token_budget_microbatches(examples: list[Example], mini_batches: list[list[int]], budget: int, pad,
-                              agree_max) -> list[list[int]]:
-    """`train.micro_batch_tokens`: each mini-batch's example indices grouped into micro-batches of at most `budget`
-    tokens, rows x the padded length `pad(examples)` (verl's `ppo_max_token_len_per_gpu`): longest first, each
-    micro-batch filled with the next-longest rows while they fit, so rows of similar length share one. Every mini-batch
-    is then split to the same number of micro-batches, `agree_max(the largest count)` (the most over the data-parallel
-    ranks, whose forwards must pair up), by halving the micro-batch of most rows. A row longer than the budget goes
-    alone (start-up checks the budget holds `data.max_seq_len`)."""
+def padded_size_for(config):
+    """`padded_size` at the run's `data.max_seq_len` and sequence multiple (sequence parallelism's)."""
+    return functools.partial(padded_size, max_seq_len=config.data.max_seq_len, multiple=config.parallel.sequence_multiple)
+
+
+def token_budget_microbatches(lengths, mini_batches: list[list[int]], budget: int, pad, agree_max,
+                              members: list[list[int]] | None = None) -> list[list[int]]:
+    """`train.micro_batch_tokens`: each mini-batch's row indices grouped into micro-batches of at most `budget`
+    tokens, rows x the padded length `pad(the longest row's input positions)` (verl's `ppo_max_token_len_per_gpu`):
+    longest first (`lengths[index]`, a row's input positions), each micro-batch filled with the next-longest rows while they
+    fit, so rows of similar length share one. Every mini-batch is then split to the same number of micro-batches,
+    `agree_max(the largest count)` (the most over the data-parallel ranks, whose forwards must pair up), by halving
+    the micro-batch of most rows. A row longer than the budget goes alone (start-up checks the budget holds
+    `data.max_seq_len`). With `members`, index i is one row of the model's input holding the rows `members[i]` (a GRPO
+    group with its prompt once): the micro-batches list those rows, and halving splits them."""
     grouped = []
     for indices in mini_batches:
-        order = sorted(indices, key=lambda index: (-len(examples[index].input_ids), index))
+        order = sorted(indices, key=lambda index: (-lengths[index], index))
         groups: list[list[int]] = []
         for index in order:
-            if groups and (len(groups[-1]) + 1) * pad([examples[groups[-1][0]]]) <= budget:
+            if groups and (len(groups[-1]) + 1) * pad(lengths[groups[-1][0]]) <= budget:
                 groups[-1].append(index)
             else:
                 groups.append([index])
-        grouped.append(groups)
+        grouped.append(groups if members is None else [[row for index in group for row in members[index]]
+                                                         for group in groups])
     count = agree_max(max(len(groups) for groups in grouped))
     for groups in grouped:
         while len(groups) < count:  # never short of rows: every rank's mini-batch has as many as the others'
@@ -98,6 +110,83 @@ def collate_packed(rows_of_examples: list[list[Example]], seq_len: int, pad_id: 
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [batch, query, key]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # [query, key]
     return batch | {"attention_mask": ~(same_segment & causal)[:, None]}  # mask: [batch, 1, query, key]
+
+
+def common_prefix(examples: list[Example]) -> int:
+    """How many input positions (`input_ids[:-1]`) all the examples share from their start."""
+    inputs = [example.input_ids[:-1] for example in examples]
+    length, shortest = 0, min(len(ids) for ids in inputs)
+    while length < shortest and all(ids[length] == inputs[0][length] for ids in inputs[1:]):
+        length += 1
+    return length
+
+
+def shared_length(examples: list[Example]) -> int:
+    """Input positions of examples laid out in one row with their common prefix once: the prefix, then each one's own."""
+    prefix = common_prefix(examples)
+    return prefix + sum(len(example.input_ids) - 1 - prefix for example in examples)
+
+
+def prompt_units(examples: list[Example], rows: list[int], group_size: int, limit: int) -> list[list[int]]:
+    """`rows` (in order) as units of one shared row each: consecutive rows of one prompt group (`row // group_size`),
+    as many as fit `limit` input positions laid out with their common prefix once (`shared_length`)."""
+    units: list[list[int]] = []
+    for row in rows:
+        unit = units[-1] if units else None
+        if (unit is None or unit[0] // group_size != row // group_size
+                or shared_length([examples[index] for index in unit + [row]]) > limit):
+            units.append([row])
+        else:
+            unit.append(row)
+    return units
+
+
+def collate_shared(units: list[list[Example]], seq_len: int, packed_len: int, pad_id: int) -> dict:
+    """Collate rows whose units share a prefix (a GRPO group's prompt): the model's input has one row per unit, the
+    prefix once and then each example's own positions, while the loss's tensors keep `collate`'s layout.
+
+    Model input, [units, packed_len]: `tokens`, `position_ids` (each example's own positions continue from the prefix,
+    so every token has the position it has in its own row; `model.shared_prefix` rotates by them), `padding_mask`, and
+    `attention_mask` [units, 1, packed, packed] (True = masked): causal, each example seeing the prefix and itself.
+    Every token so has the context it has alone, and so the same hidden state. The loss's layout, [rows, seq_len]:
+    `labels` and `loss_mask` as `collate`'s; `hidden_index` [rows, seq_len], each position's place in the flattened
+    [units x packed_len] input (the prefix's for a position within it: one hidden state read by every example);
+    `source_index` [units, packed_len], each input position's place in the flattened [rows x seq_len] layout (-1 on
+    padding), to lay per-token inputs such as routes out like `tokens`."""
+    examples = [example for unit in units for example in unit]
+    layout = collate(examples, seq_len, pad_id)
+    tokens = torch.full((len(units), packed_len), pad_id, dtype=torch.int64)  # [units, packed]
+    position_ids = torch.zeros(len(units), packed_len, dtype=torch.int64)  # [units, packed]
+    segment_ids = torch.full((len(units), packed_len), -1, dtype=torch.int64)  # [units, packed]: 0 prefix, -1 pad
+    source_index = torch.full((len(units), packed_len), -1, dtype=torch.int64)  # [units, packed]
+    hidden_index = torch.zeros(len(examples), seq_len, dtype=torch.int64)  # [rows, seq]
+    row = 0
+    for number, unit in enumerate(units):
+        prefix, base = common_prefix(unit), number * packed_len
+        inputs = [example.input_ids[:-1] for example in unit]
+        tokens[number, :prefix] = torch.tensor(inputs[0][:prefix], dtype=torch.int64)
+        position_ids[number, :prefix] = torch.arange(prefix)
+        segment_ids[number, :prefix] = 0
+        source_index[number, :prefix] = row * seq_len + torch.arange(prefix)
+        start = prefix
+        for segment, ids in enumerate(inputs, start=1):
+            end = start + len(ids) - prefix
+            if end > packed_len:
+                raise ValueError(f"a unit of {end} input positions does not fit packed_len={packed_len}")
+            tokens[number, start:end] = torch.tensor(ids[prefix:], dtype=torch.int64)
+            position_ids[number, start:end] = torch.arange(prefix, len(ids))
+            segment_ids[number, start:end] = segment
+            source_index[number, start:end] = row * seq_len + torch.arange(prefix, len(ids))
+            hidden_index[row, :prefix] = base + torch.arange(prefix)
+            hidden_index[row, prefix : len(ids)] = base + torch.arange(start, end)
+            start, row = end, row + 1
+    # A query sees the earlier keys of the prefix and of its own segment (padding: of the padding, never empty).
+    causal = torch.ones(packed_len, packed_len, dtype=torch.bool).tril()  # [query, key]
+    keys, queries = segment_ids[:, None, :], segment_ids[:, :, None]
+    allowed = causal & ((keys == 0) | (keys == queries))  # [units, query, key]
+    return {"tokens": tokens, "position_ids": position_ids, "padding_mask": segment_ids < 0,
+            "attention_mask": ~allowed[:, None], "labels": layout["labels"], "loss_mask": layout["loss_mask"],
+            "hidden_index": hidden_index, "source_index": source_index}
 
 
 def fill_rows(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) -> tuple[dict, torch.Tensor]:

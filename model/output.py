@@ -13,7 +13,9 @@ gradient over the tensor-parallel ranks; the gather's backward then takes this r
 
 `ReadPositions` names the positions of a [batch, sequence] micro-batch: the logits come back as [1, positions, vocab
 shard], and `scatter` lays per-position values back out as [batch, sequence] (zero elsewhere), so every term of the
-loss reads as before.
+loss reads as before. When the model's input is laid out otherwise than the loss (GRPO's groups with their prompt once,
+`data.batches.collate_shared`), each position also names where its hidden state is in the input: several positions
+may read one hidden state (a prompt's last, for each completion's first token), and their gradients add up there.
 """
 
 import dataclasses
@@ -28,15 +30,21 @@ class ReadPositions:
     rows: torch.Tensor  # [positions]
     columns: torch.Tensor  # [positions]
     shape: tuple[int, int]  # [batch, sequence]
+    hidden_rows: torch.Tensor  # [positions]: each position's row in the model's input
+    hidden_columns: torch.Tensor  # [positions]: and its column there
 
     @classmethod
-    def where(cls, mask: torch.Tensor) -> "ReadPositions":
+    def where(cls, mask: torch.Tensor, hidden_index: torch.Tensor | None = None, width: int = 0) -> "ReadPositions":
         """The positions where `mask` ([batch, sequence]) is non-zero; at least one (a micro-batch with nothing to train
-        still runs the layer, so every rank's backward reaches the same parameters)."""
+        still runs the layer, so every rank's backward reaches the same parameters). Their hidden states are at the
+        same places of the input, or at `hidden_index` [batch, sequence] of the input flattened, rows of `width`."""
         rows, columns = mask.nonzero(as_tuple=True)
         if rows.numel() == 0:
             rows, columns = torch.zeros(1, dtype=torch.long, device=mask.device), torch.zeros(1, dtype=torch.long, device=mask.device)
-        return cls(rows, columns, tuple(mask.shape))
+        if hidden_index is None:
+            return cls(rows, columns, tuple(mask.shape), rows, columns)
+        flat = hidden_index[rows, columns]
+        return cls(rows, columns, tuple(mask.shape), flat // width, flat % width)
 
     def pick(self, values: torch.Tensor) -> torch.Tensor:
         """[batch, sequence, ...] values at the positions: [1, positions, ...]."""
@@ -76,7 +84,7 @@ def _logits_at(read: ReadPositions, hidden_states, output_layer, output_weight, 
         hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
             hidden_states, tensor_parallel_output_grad=False,
             group=parallel_state.get_tensor_model_parallel_group())  # [sequence, batch, hidden]
-    picked = hidden_states[read.columns, read.rows].unsqueeze(1)  # [positions, 1, hidden]
+    picked = hidden_states[read.hidden_columns, read.hidden_rows].unsqueeze(1)  # [positions, 1, hidden]
     output_layer.sequence_parallel = False  # the positions are whole on every rank now
     try:
         logits, _ = output_layer(picked, weight=output_weight, runtime_gather_output=runtime_gather_output)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from data.batches import Example, collate, collate_packed, pack, padded_length, token_budget_microbatches
+from data.batches import Example, collate, collate_packed, pack, padded_length, padded_size, token_budget_microbatches
 from data.conversations import DropReport, load_rows, to_conversations
 from data.encode import encode_texts
 from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation
@@ -382,27 +382,29 @@ def test_pack_is_first_fit_in_order_and_keeps_every_example_once():
 def test_a_token_budget_groups_rows_of_similar_length_and_agrees_on_the_count():
     """`train.micro_batch_tokens`: longest rows first, a micro-batch filled while rows x padded length fits; each
     mini-batch split (halving its largest micro-batch) to the count the ranks agree on; every row exactly once."""
-    lengths = [9, 100, 17, 33, 100, 9, 60, 17]  # padded: 8, 104, 16, 32, 104, 8, 64, 16
-    examples = [Example(list(range(n)), [1] * n) for n in lengths]
+    lengths = [8, 99, 16, 32, 99, 8, 59, 16]  # input positions; padded: 8, 104, 16, 32, 104, 8, 64, 16
 
-    def pad(group):
-        return padded_length(group, max_seq_len=128)
+    def pad(longest):
+        return padded_size(longest, max_seq_len=128)
 
-    assert token_budget_microbatches(examples, [list(range(8))], 256, pad, lambda count: count) == [
+    def padded(group):
+        return pad(max(lengths[index] for index in group))
+
+    assert token_budget_microbatches(lengths, [list(range(8))], 256, pad, lambda count: count) == [
         [1, 4], [6, 3, 2, 7], [0, 5]]
     # Another rank needed 5: the largest micro-batch is halved, then the first of two rows.
-    assert token_budget_microbatches(examples, [list(range(8))], 256, pad, lambda count: max(count, 5)) == [
+    assert token_budget_microbatches(lengths, [list(range(8))], 256, pad, lambda count: max(count, 5)) == [
         [1], [4], [6, 3], [2, 7], [0, 5]]
     # GRPO's mini-batches are grouped apart and get one count: here 2 each (the second needed 2, the first 2).
-    assert token_budget_microbatches(examples, [[0, 1, 2, 3], [4, 5, 6, 7]], 256, pad, lambda count: count) == [
+    assert token_budget_microbatches(lengths, [[0, 1, 2, 3], [4, 5, 6, 7]], 256, pad, lambda count: count) == [
         [1, 3], [2, 0], [4, 6], [7, 5]]
     for budget in (128, 256, 1000):
-        groups = token_budget_microbatches(examples, [list(range(8))], budget, pad, lambda count: count)
+        groups = token_budget_microbatches(lengths, [list(range(8))], budget, pad, lambda count: count)
         assert sorted(index for group in groups for index in group) == list(range(8))
-        assert all(len(group) * pad([examples[index] for index in group]) <= budget for group in groups)
+        assert all(len(group) * padded(group) <= budget for group in groups)
     # Against 2 rows a micro-batch in order (padded to 104, 32, 104, 64: 608 tokens), 480: 208 + 256 + 16.
-    assert sum(len(group) * pad([examples[index] for index in group])
-               for group in token_budget_microbatches(examples, [list(range(8))], 256, pad, lambda count: count)) == 480
+    assert sum(len(group) * padded(group)
+               for group in token_budget_microbatches(lengths, [list(range(8))], 256, pad, lambda count: count)) == 480
 
 
 def test_packed_and_unpacked_batches_give_identical_token_losses(checkpoint, tokenizer):

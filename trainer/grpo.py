@@ -143,7 +143,7 @@ def main(argv: list[str]):
     # ---- build
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
     reference = KLReference(policy) if config.grpo.kl_coef > 0 else None
-    settings = LossSettings.from_config(config.grpo)
+    settings = LossSettings.for_run(config, policy)
     reward_failures = RewardFailures(config, runtime)
     startup.mark("reference model")
 
@@ -165,7 +165,7 @@ def main(argv: list[str]):
             with metrics.StepTimer() as timer:
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
                 reward_failures.check(step_batch, step)
-                microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, runtime.device, timer)
+                microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, settings, runtime.device, timer)
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step) and eval_prompts:

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from data import batches
-from model import build, collectives, moe, output, parallel, routing
+from model import build, collectives, moe, output, parallel, routing, shared_prefix
 from trainer import grpo_math
 from trainer.grpo_sampling import StepBatch
 from trainer.metrics import log
@@ -44,14 +44,25 @@ class LossSettings:
     budget: int  # grpo.max_new_tokens, the constant normaliser's
     correction_cap: float | None  # grpo.rollout_correction=tis: the truncated importance weight's cap (None: off)
     routing_replay: bool
+    share_prompts: bool = False  # each group one row of the model's input, its prompt once (`model.shared_prefix`)
 
     @classmethod
-    def from_config(cls, grpo) -> "LossSettings":
+    def from_config(cls, grpo, share_prompts: bool = False) -> "LossSettings":
         """The `grpo` section's loss settings, with the named functions looked up."""
         return cls(grpo.temperature, grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.kl_coef,
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
                    grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
-                   grpo.rollout_correction_cap if grpo.rollout_correction == "tis" else None, grpo.routing_replay)
+                   grpo.rollout_correction_cap if grpo.rollout_correction == "tis" else None, grpo.routing_replay,
+                   share_prompts)
+
+    @classmethod
+    def for_run(cls, config, policy) -> "LossSettings":
+        """`from_config`, prompts shared where this run's model and layout allow it (a start-up line says why not
+        where `grpo.share_prompts` asked for it)."""
+        reason = shared_prefix.reason_not_shared(config, policy.provider)
+        if reason and config.grpo.share_prompts:
+            log.info(f"each completion is its own row in the training forwards (grpo.share_prompts is off): {reason}")
+        return cls.from_config(config.grpo, share_prompts=reason is None)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -74,8 +85,7 @@ def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor | 
     def logprobs_step(data_iterator, model):
         microbatch = next(data_iterator)
         read = microbatch["read"]
-        logits = model(input_ids=microbatch["tokens"], position_ids=microbatch["position_ids"], attention_mask=None,
-                       output_processor=output.project_positions, output_processor_context=read)  # [1, read, vocab shard]
+        logits = read_logits(model, microbatch)  # [1, read, vocab shard]
         return logits, lambda logits, non_loss_data=True: read.scatter(
             token_logprobs(logits, read.pick(microbatch["labels"]), temperature))
 
@@ -85,6 +95,14 @@ def forward_logprobs(chunks, batch: dict, temperature: float) -> torch.Tensor | 
             seq_length=batch["tokens"].size(1), micro_batch_size=batch["tokens"].size(0), forward_only=True,
             collect_non_loss_data=True)
     return outputs[0] if outputs else None
+
+
+def read_logits(model, batch: dict, **kwargs) -> torch.Tensor:
+    """The vocab-parallel logits [1, read positions, vocab shard] of a collated micro-batch at `batch["read"]`
+    (`model.output`); with its prompts shared (`data.batches.collate_shared`), each token rotated by its position id."""
+    with shared_prefix.rotary_positions(model, batch["position_ids"] if "hidden_index" in batch else None):
+        return model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
+                     output_processor=output.project_positions, output_processor_context=batch["read"], **kwargs)
 
 
 def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
@@ -132,9 +150,7 @@ def forward_step(settings: LossSettings, routes, data_iterator, model):
     batch = next(data_iterator)
     if "routes" in batch:  # compared here only when this forward has the sampling weights (no separate pi_old pass)
         routes.load(batch["routes"], batch["routed"], settings.routing_replay, compare=not batch["pi_old_recomputed"])
-    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
-                   padding_mask=moe.routing_padding_mask(batch, model), output_processor=output.project_positions,
-                   output_processor_context=batch["read"])
+    logits = read_logits(model, batch, padding_mask=moe.routing_padding_mask(batch, model))
     return logits, functools.partial(policy_loss, batch, settings)
 
 
@@ -168,7 +184,8 @@ class KLReference:
                 self.routes.clear()
 
 
-def build_microbatches(step_batch: StepBatch, policy, reference, config, device, timer) -> tuple[list[dict], int]:
+def build_microbatches(step_batch: StepBatch, policy, reference, config, settings: LossSettings, device,
+                       timer) -> tuple[list[dict], int]:
     """This rank's step batch as microbatches (each padded to its own longest row, or with pipeline stages to the step's),
     with advantages, old log-probs (policy) and reference log-probs, their forwards timed as the step's `pi_old` and
     `reference` phases (`timer`, a `trainer.metrics.StepTimer`); and the step's padded length (the pipeline
@@ -178,16 +195,13 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device,
     pad = batches.padded_length_for(config)
     step_len = pad(step_batch.examples)
     microbatches = []
-    for rows in microbatch_rows(step_batch, config, pad):
-        examples = [step_batch.examples[row] for row in rows]
+    for rows in microbatch_rows(step_batch, config, settings.share_prompts):
         # Each micro-batch padded to its own longest row; pipeline stages exchange one shape, so there the step's.
-        seq_len = step_len if parallel.fixed_microbatch_shape() else pad(examples)
-        batch = batches.collate(examples, seq_len, policy.tokenizer.pad_token_id)
-        batch["sampler_logprobs"] = label_aligned([step_batch.sampler_logprobs[row] for row in rows], seq_len)  # [micro, seq]
-        if step_batch.routes is not None:
-            batch["routes"], batch["routed"] = input_aligned_routes([step_batch.routes[row] for row in rows], seq_len)
-        batch = batches.to_device(batch, device)
-        batch["read"] = output.ReadPositions.where(batch["loss_mask"])  # the only positions projected onto the vocabulary
+        seq_len = step_len if parallel.fixed_microbatch_shape() else pad([step_batch.examples[row] for row in rows])
+        batch = batches.to_device(collate_rows(step_batch, rows, seq_len, config, settings.share_prompts,
+                                               policy.tokenizer.pad_token_id), device)
+        # The only positions projected onto the vocabulary.
+        batch["read"] = output.ReadPositions.where(batch["loss_mask"], batch.get("hidden_index"), batch["tokens"].size(1))
         batch["advantages"] = step_batch.advantages[rows, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         if recompute_old and "routes" in batch:
@@ -202,17 +216,50 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, device,
     return microbatches, step_len
 
 
-def microbatch_rows(step_batch: StepBatch, config, pad) -> list[list[int]]:
+def microbatch_rows(step_batch: StepBatch, config, share_prompts: bool) -> list[list[int]]:
     """The step batch's rows of each micro-batch: `train.micro_batch_size` rows in order, or grouped by length within
-    each of the `grpo.mini_batches` (`train.micro_batch_tokens`, `data.batches.token_budget_microbatches`); either way
-    every mini-batch has the same number of micro-batches on every rank."""
-    rows, budget = len(step_batch.examples), config.train.micro_batch_tokens
+    each of the `grpo.mini_batches` (`train.micro_batch_tokens`, `data.batches.token_budget_microbatches`; with the
+    prompts shared, each group's rows stay together, budgeted as the one row they are laid out in); either way every
+    mini-batch has the same number of micro-batches on every rank."""
+    examples, budget = step_batch.examples, config.train.micro_batch_tokens
     if not budget:
         size = config.train.micro_batch_size
-        return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
-    per_mini_batch = rows // config.grpo.mini_batches
-    mini_batches = [list(range(start, start + per_mini_batch)) for start in range(0, rows, per_mini_batch)]
-    return batches.token_budget_microbatches(step_batch.examples, mini_batches, budget, pad, collectives.world_max)
+        return [list(range(start, min(start + size, len(examples)))) for start in range(0, len(examples), size)]
+    per_mini_batch = len(examples) // config.grpo.mini_batches
+    mini_batches = [list(range(start, start + per_mini_batch)) for start in range(0, len(examples), per_mini_batch)]
+    pad = batches.padded_size_for(config)
+    if not share_prompts:
+        lengths = [len(example.input_ids) - 1 for example in examples]
+        return batches.token_budget_microbatches(lengths, mini_batches, budget, pad, collectives.world_max)
+    units, unit_mini_batches = [], []
+    for rows in mini_batches:
+        found = batches.prompt_units(examples, rows, config.grpo.n_samples, config.data.max_seq_len)
+        unit_mini_batches.append(list(range(len(units), len(units) + len(found))))
+        units += found
+    lengths = [batches.shared_length([examples[row] for row in unit]) for unit in units]
+    return batches.token_budget_microbatches(lengths, unit_mini_batches, budget, pad, collectives.world_max, units)
+
+
+def collate_rows(step_batch: StepBatch, rows: list[int], seq_len: int, config, share_prompts: bool, pad_id: int) -> dict:
+    """One micro-batch's tensors: the model's input (with the prompts shared, a row per group, `batches.collate_shared`),
+    the loss's [rows, seq_len] layout, the sampler's log-probs and a Mixture-of-Experts rollout's routes."""
+    examples = [step_batch.examples[row] for row in rows]
+    if share_prompts:
+        units = [[step_batch.examples[row] for row in unit]
+                 for unit in batches.prompt_units(step_batch.examples, rows, config.grpo.n_samples, config.data.max_seq_len)]
+        packed_len = batches.padded_size_for(config)(max(batches.shared_length(unit) for unit in units))
+        batch = batches.collate_shared(units, seq_len, packed_len, pad_id)
+    else:
+        batch = batches.collate(examples, seq_len, pad_id)
+    batch["sampler_logprobs"] = label_aligned([step_batch.sampler_logprobs[row] for row in rows], seq_len)  # [micro, seq]
+    if step_batch.routes is not None:
+        routes, routed = input_aligned_routes([step_batch.routes[row] for row in rows], seq_len)
+        if share_prompts:  # laid out as the input: each position's routes from its place in the layout
+            source = batch["source_index"]  # [units, packed]
+            routes = routes.flatten(0, 1)[source.clamp(min=0)]  # [units, packed, layers, top-k]
+            routed = routed.flatten()[source.clamp(min=0)] & (source >= 0)  # [units, packed]
+        batch["routes"], batch["routed"] = routes, routed
+    return batch
 
 
 def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:

@@ -61,9 +61,10 @@ def token_budget_indices(examples, microbatch_indices: list[list[int]], config) 
     """A step's micro-batches regrouped by length under `train.micro_batch_tokens` (as they are without it)."""
     if not config.train.micro_batch_tokens:
         return microbatch_indices
-    pad = batches.padded_length_for(config)
     rows = [index for indices in microbatch_indices for index in indices]
-    return batches.token_budget_microbatches(examples, [rows], config.train.micro_batch_tokens, pad, collectives.world_max)
+    lengths = {index: len(examples[index].input_ids) - 1 for index in rows}  # input positions
+    return batches.token_budget_microbatches(lengths, [rows], config.train.micro_batch_tokens,
+                                             batches.padded_size_for(config), collectives.world_max)
 
 
 def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -> tuple[list[dict], int]:

@@ -14,13 +14,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from config import sections
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig, SFTConfig
 from data import batches
-from model import rules
+from model import output, rules
 from tests.conftest import worker_output
 
 LOSS_TOLERANCE = 1e-6
@@ -82,6 +83,42 @@ def test_recompute_layers_are_checked_against_the_checkpoint(tmp_path):
 def test_grpo_shares_the_keys():
     config = make("--parallel.tp=2", "--model.recompute=full", config_class=GRPOConfig)
     assert config.parallel.uses_sequence_parallel and config.model.recompute == "full"
+
+
+def test_a_group_is_laid_out_with_its_prompt_once_and_every_token_keeps_its_context():
+    """`grpo.share_prompts`: a group's rows share their common prefix in one row of the model's input; each own token
+    keeps its position in its own row and sees the prefix and its own earlier tokens only; the loss's layout is
+    `collate`'s and each of its positions names the hidden state it reads (the prefix's last for every row's first)."""
+    prompt = [11, 12, 13, 14]
+    rows = [batches.Example(prompt + completion, [0] * 4 + [1] * len(completion)) for completion in ([5, 6, 7], [5, 8], [9])]
+    assert batches.common_prefix(rows) == 4 and batches.shared_length(rows) == 4 + 2 + 1 + 0
+    batch = batches.collate_shared([rows], seq_len=8, packed_len=8, pad_id=0)
+    assert batch["tokens"].tolist() == [[11, 12, 13, 14, 5, 6, 5, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 4, 0]]
+    assert batch["padding_mask"].tolist() == [[False] * 7 + [True]]
+    assert batch["hidden_index"][:, :6].tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 0], [0, 1, 2, 3, 0, 0]]
+    assert batch["source_index"].tolist() == [[0, 1, 2, 3, 4, 5, 8 + 4, -1]]
+    plain = batches.collate(rows, 8, 0)
+    assert torch.equal(batch["labels"], plain["labels"]) and torch.equal(batch["loss_mask"], plain["loss_mask"])
+    sees = (~batch["attention_mask"][0, 0]).int().tolist()  # [query, key], 1 = attends
+    assert sees[5] == [1, 1, 1, 1, 1, 1, 0, 0]  # the first row's second own token: the prompt, its own first
+    assert sees[6] == [1, 1, 1, 1, 0, 0, 1, 0]  # the second row's own token: the prompt and itself, not the first row
+    assert sees[3] == [1, 1, 1, 1, 0, 0, 0, 0] and sees[7] == [1, 1, 1, 1, 0, 0, 0, 1]  # causal prompt; a pad sees pads
+    read = output.ReadPositions.where(batch["loss_mask"], batch["hidden_index"], 8)
+    # Every row's first completion token is read at the prompt's last position, 3.
+    assert read.hidden_columns.tolist() == [3, 4, 5, 3, 6, 3] and read.hidden_rows.tolist() == [0] * 6
+    assert read.rows.tolist() == [0, 0, 0, 1, 1, 2] and read.columns.tolist() == [3, 4, 5, 3, 4, 3]
+    # Units: one prompt group (rows // group_size) per unit, split where the shared row would pass the limit.
+    examples = rows + rows
+    assert batches.prompt_units(examples, list(range(6)), 3, 64) == [[0, 1, 2], [3, 4, 5]]
+    assert batches.prompt_units(examples, list(range(6)), 3, 7) == [[0, 1, 2], [3, 4, 5]]
+    assert batches.prompt_units(examples, list(range(6)), 3, 6) == [[0, 1], [2], [3, 4], [5]]
+    # A token budget groups whole units and lists their rows; halving to the agreed count splits rows.
+    units = [[0, 1, 2], [3, 4, 5]]
+    assert batches.token_budget_microbatches([7, 7], [[0, 1]], 16, lambda n: 8, lambda count: count, units) == [
+        [0, 1, 2, 3, 4, 5]]
+    assert batches.token_budget_microbatches([7, 7], [[0, 1]], 16, lambda n: 8, lambda count: 3, units) == [
+        [0, 1], [2], [3, 4, 5]]
 
 
 def test_sequence_length_is_padded_to_the_tensor_parallel_size():

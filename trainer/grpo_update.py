@@ -217,18 +217,19 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, setting
 
 
 def microbatch_rows(step_batch: StepBatch, config, share_prompts: bool) -> list[list[int]]:
-    """The step batch's rows of each micro-batch: `train.micro_batch_size` rows in order, or grouped by length within
-    each of the `grpo.mini_batches` (`train.micro_batch_tokens`, `data.batches.token_budget_microbatches`; with the
-    prompts shared, each group's rows stay together, budgeted as the one row they are laid out in); either way every
-    mini-batch has the same number of micro-batches on every rank."""
+    """The step batch's rows of each micro-batch, within each of the `grpo.mini_batches`: `train.micro_batch_size`
+    rows in order (with the prompts shared, groups ordered by their shared row's length, so a micro-batch's shared rows
+    are of similar length), or grouped by length (`train.micro_batch_tokens`, `data.batches.token_budget_microbatches`;
+    with the prompts shared, each group's rows stay together, budgeted as the one row they are laid out in); either
+    way every mini-batch has the same number of micro-batches on every rank."""
     examples, budget = step_batch.examples, config.train.micro_batch_tokens
-    if not budget:
-        size = config.train.micro_batch_size
-        return [list(range(start, min(start + size, len(examples)))) for start in range(0, len(examples), size)]
     per_mini_batch = len(examples) // config.grpo.mini_batches
     mini_batches = [list(range(start, start + per_mini_batch)) for start in range(0, len(examples), per_mini_batch)]
     pad = batches.padded_size_for(config)
     if not share_prompts:
+        if not budget:
+            size = config.train.micro_batch_size
+            return [list(range(start, min(start + size, len(examples)))) for start in range(0, len(examples), size)]
         lengths = [len(example.input_ids) - 1 for example in examples]
         return batches.token_budget_microbatches(lengths, mini_batches, budget, pad, collectives.world_max)
     units, unit_mini_batches = [], []
@@ -237,7 +238,14 @@ def microbatch_rows(step_batch: StepBatch, config, share_prompts: bool) -> list[
         unit_mini_batches.append(list(range(len(units), len(units) + len(found))))
         units += found
     lengths = [batches.shared_length([examples[row] for row in unit]) for unit in units]
-    return batches.token_budget_microbatches(lengths, unit_mini_batches, budget, pad, collectives.world_max, units)
+    if budget:
+        return batches.token_budget_microbatches(lengths, unit_mini_batches, budget, pad, collectives.world_max, units)
+    size = config.train.micro_batch_size
+    microbatches = []
+    for numbers in unit_mini_batches:
+        rows = [row for number in sorted(numbers, key=lambda number: -lengths[number]) for row in units[number]]
+        microbatches += [rows[start : start + size] for start in range(0, len(rows), size)]
+    return microbatches
 
 
 def collate_rows(step_batch: StepBatch, rows: list[int], seq_len: int, config, share_prompts: bool, pad_id: int) -> dict:

@@ -121,6 +121,27 @@ def test_a_group_is_laid_out_with_its_prompt_once_and_every_token_keeps_its_cont
         [0, 1], [2], [3, 4, 5]]
 
 
+def test_prompts_are_shared_only_where_the_attention_takes_the_layout():
+    """`grpo.share_prompts` is off by itself, with the reason, wherever a group's row would be attended wrongly."""
+    from model.shared_prefix import reason_not_shared
+
+    def reason(attention="sdpa", pp=1, share=True, **provider):
+        config = SimpleNamespace(grpo=SimpleNamespace(share_prompts=share), parallel=SimpleNamespace(pp=pp),
+                                 model=SimpleNamespace(attention=attention))
+        settings = {"context_parallel_size": 1, "masked_softmax_fusion": False, "position_embedding_type": "rope",
+                    "multi_latent_attention": False, "apply_rope_fusion": False, "window_size": None, **provider}
+        return reason_not_shared(config, SimpleNamespace(**settings))
+
+    assert reason() is None and reason("local") is None and reason(position_embedding_type="learned_absolute") is None
+    assert reason(share=False) == "grpo.share_prompts=false"
+    assert "pipeline stages" in reason(pp=2)
+    assert "context parallelism" in reason(context_parallel_size=2)
+    assert "--model.attention=sdpa" in reason("transformer_engine") and "--model.attention=sdpa" in reason(
+        "local", masked_softmax_fusion=True)
+    assert "yarn" in reason(position_embedding_type="yarn") and reason(multi_latent_attention=True)
+    assert "fused rotary" in reason(apply_rope_fusion=True) and "sliding-window" in reason(window_size=(4, 0))
+
+
 def test_sequence_length_is_padded_to_the_tensor_parallel_size():
     examples = [batches.Example(list(range(12)), [1] * 12)]  # 11 inputs
     assert batches.padded_length(examples, 128) == 16

@@ -41,20 +41,27 @@ def value_of(config, dotted: str):
 class ModelChecks:
     """The parallel layout against the model and the machine, the model's settings, MoE routers, recomputation."""
 
+    def check_layout_divides(self, hf: dict, name: str = "model") -> int:
+        """TP divides the heads of a checkpoint (its config.json `hf`; `name` says which), PP x VPP its layers; the
+        layers each model chunk holds."""
+        parallel = self.parallel
+        heads = hf.get("num_attention_heads", 1)
+        kv_heads = hf.get("num_key_value_heads") or heads
+        require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,
+                 f"`parallel.tp={parallel.tp}` must divide the {name}'s {heads} attention heads and {kv_heads} key/value "
+                 "heads. Change `--parallel.tp`.")
+        layers = hf.get("num_hidden_layers", 1)
+        require(layers % (parallel.pp * parallel.vpp) == 0,
+                 f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the {name}'s {layers} layers.")
+        return layers // (parallel.pp * parallel.vpp)
+
     def validate_model_shape(self, model_path: Path) -> None:
         """The parallel layout against the checkpoint's shape (heads and layers), before the model is built."""
         hf = read_hf_config(model_path, "model.path")
         read_hf_config(model_path, "model.path", "generation_config.json")  # its end ids are read later
         parallel = self.parallel
-        heads = hf.get("num_attention_heads", 1)
-        kv_heads = hf.get("num_key_value_heads") or heads
-        require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,
-                 f"`parallel.tp={parallel.tp}` must divide the model's {heads} attention heads and {kv_heads} key/value heads. "
-                 "Change `--parallel.tp`.")
+        per_chunk = self.check_layout_divides(hf)
         layers = hf.get("num_hidden_layers", 1)
-        require(layers % (parallel.pp * parallel.vpp) == 0,
-                 f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the model's {layers} layers.")
-        per_chunk = layers // (parallel.pp * parallel.vpp)
         model = self.model
         require(model.recompute != "full" or model.recompute_num_layers <= per_chunk,
                  f"`model.recompute_num_layers={model.recompute_num_layers}` exceeds the {per_chunk} layers each model chunk "

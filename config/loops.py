@@ -147,11 +147,33 @@ class GRPOConfig(TrainerConfig):
                  f"seq_mean_token_mean`, the mean over completions GSPO optimises; `{grpo.loss_aggregation}` would weigh "
                  "each completion's ratio by its length instead. Use `--config gspo`, set `--grpo.loss_aggregation="
                  "seq_mean_token_mean`, or use `--grpo.importance_ratio=token`.")
-        require(grpo.reward != "none" or grpo.environment,
-                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward, "
-                 "but no `grpo.environment` is set: every reward would be 0 and nothing would be learned. Set "
-                 "`--grpo.environment module:Class`, or choose a reward function with `--grpo.reward`.")
+        require(grpo.reward != "none" or grpo.environment or grpo.teacher,
+                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward "
+                 "or a teacher whose log-probs are the whole signal, but neither `grpo.environment` nor `grpo.teacher` is "
+                 "set: every reward would be 0 and nothing would be learned. Set `--grpo.environment module:Class` or "
+                 "`--grpo.teacher DIR`, or choose a reward function with `--grpo.reward`.")
+        self._validate_teacher()
         super().validate(world_size)
+
+    def _validate_teacher(self) -> None:
+        """`grpo.teacher`: an HF directory of a dense model the parallel layout divides (its tokenizer is compared with
+        the policy's once both are loaded)."""
+        grpo = self.grpo
+        require(grpo.teacher_coef >= 0 and grpo.reward_weight >= 0,
+                 f"`grpo.teacher_coef` and `grpo.reward_weight` must be 0 or more, got {grpo.teacher_coef} and "
+                 f"{grpo.reward_weight}. Change them.")
+        require(grpo.teacher or grpo.reward_weight == 1.0,
+                 f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward against a teacher's term, and no "
+                 "`grpo.teacher` is set (alone it would only scale the learning rate). Set `--grpo.teacher DIR`, or "
+                 "leave `grpo.reward_weight` at 1.")
+        if not grpo.teacher:
+            return
+        hf = read_hf_config(Path(grpo.teacher), "grpo.teacher")
+        self.check_layout_divides(hf, "teacher")
+        require(not hf_expert_count(hf),
+                 f"`grpo.teacher={grpo.teacher}` is a Mixture-of-Experts model; a teacher is built at the policy's parallel "
+                 "layout, which expert parallelism would have to match, and that is not supported: distil from a dense "
+                 "teacher, or leave `--grpo.teacher` empty.")
 
     def _validate_batch(self, world_size: int) -> None:
         train, grpo = self.train, self.grpo

@@ -22,7 +22,7 @@ from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
-    "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.share_prompts", "grpo.ppo_epochs",
+    "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.share_prompts", "grpo.teacher", "grpo.teacher_coef", "grpo.reward_weight", "grpo.ppo_epochs",
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
     "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.filter_metric",
     "grpo.tolerate_reward_errors", "grpo.overlong_buffer",

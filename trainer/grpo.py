@@ -71,7 +71,7 @@ from model import build, generate, parallel
 from trainer import default_start, evaluation, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
 from trainer.grpo_sampling import RewardFailures, collect_rollouts
-from trainer.grpo_update import KLReference, LossSettings, build_microbatches, update_policy
+from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, update_policy
 
 
 def validated_world_size(config) -> int:
@@ -142,8 +142,8 @@ def main(argv: list[str]):
 
     # ---- build
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
-    reference = KLReference(policy) if config.grpo.kl_coef > 0 else None
-    settings = LossSettings.for_run(config, policy)
+    frozen = FrozenModels.for_run(config, policy)  # the KL reference and the distillation teacher
+    settings = LossSettings.for_run(config, policy, frozen.teacher)
     reward_failures = RewardFailures(config, runtime)
     startup.mark("reference model")
 
@@ -165,7 +165,7 @@ def main(argv: list[str]):
             with metrics.StepTimer() as timer:
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
                 reward_failures.check(step_batch, step)
-                microbatches, seq_len = build_microbatches(step_batch, policy, reference, config, settings, runtime.device, timer)
+                microbatches, seq_len = build_microbatches(step_batch, policy, frozen, config, settings, runtime.device, timer)
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step) and eval_prompts:

@@ -15,9 +15,11 @@ kl = 8.8e-7 with identical weights, 0 with the reference replaying)."""
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import torch
 
+from config.errors import UserError
 from data import batches
 from model import build, collectives, moe, output, parallel, routing, shared_prefix
 from trainer import grpo_math
@@ -45,6 +47,8 @@ class LossSettings:
     correction_cap: float | None  # grpo.rollout_correction=tis: the truncated importance weight's cap (None: off)
     routing_replay: bool
     share_prompts: bool = False  # each group one row of the model's input, its prompt once (`model.shared_prefix`)
+    teacher_coef: float | None = None  # grpo.teacher's weight in each token's advantage (None: no teacher)
+    reward_weight: float = 1.0  # the group advantage's weight beside a teacher's term
 
     @classmethod
     def from_config(cls, grpo, share_prompts: bool = False) -> "LossSettings":
@@ -53,13 +57,14 @@ class LossSettings:
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
                    grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
                    grpo.rollout_correction_cap if grpo.rollout_correction == "tis" else None, grpo.routing_replay,
-                   share_prompts)
+                   share_prompts, grpo.teacher_coef if grpo.teacher else None, grpo.reward_weight)
 
     @classmethod
-    def for_run(cls, config, policy) -> "LossSettings":
-        """`from_config`, prompts shared where this run's model and layout allow it (a start-up line says why not
+    def for_run(cls, config, policy, teacher=None) -> "LossSettings":
+        """`from_config`, prompts shared where this run's models and layout allow it (a start-up line says why not
         where `grpo.share_prompts` asked for it)."""
-        reason = shared_prefix.reason_not_shared(config, policy.provider)
+        reason = shared_prefix.reason_not_shared(config, policy.provider) or (
+            teacher and shared_prefix.reason_not_shared(config, teacher.model.provider))
         if reason and config.grpo.share_prompts:
             log.info(f"each completion is its own row in the training forwards (grpo.share_prompts is off): {reason}")
         return cls.from_config(config.grpo, share_prompts=reason is None)
@@ -138,8 +143,12 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     loss_sum, count = settings.aggregation(per_token, mask, settings.budget)
     # KL(sampler || pi_old) from the sampler's samples, in fp64: a gap of 1e-7 has a k3 of 1e-14, which fp32 rounds to 0.
     rollout_kl = grpo_math.kl_k3(batch["sampler_logprobs"].double(), old_logprobs.double())
+    # With a teacher: the reverse KL log pi_sampler - log pi_teacher and the teacher's log-prob, over the trained tokens.
+    teacher = batch.get("teacher_logprobs")
+    teacher_sums = ([torch.zeros((), device=mask.device)] * 2 if teacher is None
+                    else [((batch["sampler_logprobs"] - teacher) * mask).sum(), (teacher * mask).sum()])
     stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum(),
-                         gap.abs().sum(), (rollout_kl * mask).sum().float()]).detach()
+                         gap.abs().sum(), (rollout_kl * mask).sum().float(), *teacher_sums]).detach()
     return loss_sum, count.to(torch.int), {"loss": torch.stack([loss_sum.detach(), count.detach()]), "stats": stats,
                                            "gap_max": gap.abs().max().detach()}
 
@@ -184,12 +193,62 @@ class KLReference:
                 self.routes.clear()
 
 
-def build_microbatches(step_batch: StepBatch, policy, reference, config, settings: LossSettings, device,
+class Teacher:
+    """On-policy distillation's teacher (`grpo.teacher`): a frozen dense model with the policy's tokenizer, built at the
+    policy's parallel layout (any size), forward only. Its log-prob of each sampled token enters that token's advantage
+    as `grpo.teacher_coef` x (log pi_teacher - log pi_sampler) (`distilled_advantages`): the per-token reverse KL of the
+    sampler to the teacher, negated, on the sampler's own samples. At one update per step its policy gradient is the
+    gradient of that reverse KL (each token credited with its own term, as the Thinking Machines recipe), so it is not
+    also offered as a loss term. A Mixture-of-Experts policy's routes are not replayed into it (another model)."""
+
+    def __init__(self, config, policy):
+        path = Path(config.grpo.teacher)
+        build.check_weight_files(path)
+        if build.load_tokenizer(path).get_vocab() != policy.tokenizer.get_vocab():
+            raise UserError(f"`grpo.teacher={path}` has another tokenizer than the policy (`model.path`): its log-probs "
+                            "would score other tokens than the ones sampled. Distil from a teacher that shares the "
+                            "policy's tokenizer (the same family), or leave `--grpo.teacher` empty.")
+        self.model = build.build_policy(config, path, policy.tokenizer, trainable=False)
+        for chunk in self.model.chunks:
+            chunk.requires_grad_(False).eval()
+        log.info("teacher: %s (%d layers, hidden %d), at the policy's parallel layout", path,
+                 self.model.hf_config.get("num_hidden_layers", 0), self.model.hf_config.get("hidden_size", 0))
+
+    def logprobs(self, batch: dict, temperature: float) -> torch.Tensor | None:
+        """Per-token log-probs [batch, seq] of a collated batch's labels under the teacher (None off the last stage)."""
+        return forward_logprobs(self.model.chunks, batch, temperature)
+
+
+@dataclasses.dataclass
+class FrozenModels:
+    """The frozen models that score a step's sampled tokens: the KL reference (with `grpo.kl_coef` > 0) and the
+    distillation teacher (with `grpo.teacher`)."""
+
+    reference: KLReference | None
+    teacher: Teacher | None
+
+    @classmethod
+    def for_run(cls, config, policy) -> "FrozenModels":
+        return cls(KLReference(policy) if config.grpo.kl_coef > 0 else None,
+                   Teacher(config, policy) if config.grpo.teacher else None)
+
+
+def distilled_advantages(advantages: torch.Tensor, batch: dict, teacher_logprobs: torch.Tensor | None,
+                         settings: LossSettings) -> torch.Tensor:
+    """The group advantages [micro, 1]; with a teacher's log-probs, `grpo.reward_weight` x them plus `grpo.teacher_coef`
+    x (log pi_teacher - log pi_sampler) on each trained token: [micro, seq] (`Teacher`)."""
+    if teacher_logprobs is None:
+        return advantages
+    return (settings.reward_weight * advantages
+            + settings.teacher_coef * (teacher_logprobs - batch["sampler_logprobs"]) * batch["loss_mask"])
+
+
+def build_microbatches(step_batch: StepBatch, policy, frozen: FrozenModels, config, settings: LossSettings, device,
                        timer) -> tuple[list[dict], int]:
     """This rank's step batch as microbatches (each padded to its own longest row, or with pipeline stages to the step's),
-    with advantages, old log-probs (policy) and reference log-probs, their forwards timed as the step's `pi_old` and
-    `reference` phases (`timer`, a `trainer.metrics.StepTimer`); and the step's padded length (the pipeline
-    schedule's)."""
+    with advantages (with a teacher, per token), old log-probs (policy), reference and teacher log-probs, their forwards
+    timed as the step's `pi_old`, `reference` and `teacher` phases (`timer`, a `trainer.metrics.StepTimer`); and the
+    step's padded length (the pipeline schedule's)."""
     temperature = config.grpo.temperature
     recompute_old = config.grpo.ppo_epochs * config.grpo.mini_batches > 1
     pad = batches.padded_length_for(config)
@@ -202,7 +261,7 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, setting
                                                policy.tokenizer.pad_token_id), device)
         # The only positions projected onto the vocabulary.
         batch["read"] = output.ReadPositions.where(batch["loss_mask"], batch.get("hidden_index"), batch["tokens"].size(1))
-        batch["advantages"] = step_batch.advantages[rows, None].to(device)  # [micro, 1]
+        advantages = step_batch.advantages[rows, None].to(device)  # [micro, 1]
         # pi_old only differs from the policy being optimised once an update has happened within the step.
         if recompute_old and "routes" in batch:
             policy.routes.load(batch["routes"], batch["routed"], config.grpo.routing_replay, compare=True)
@@ -210,8 +269,12 @@ def build_microbatches(step_batch: StepBatch, policy, reference, config, setting
         with timer.phase("pi_old"):
             batch["old_logprobs"] = forward_logprobs(policy.chunks, batch, temperature) if recompute_old else None  # [micro, seq]
         with timer.phase("reference"):
-            batch["ref_logprobs"] = (None if reference is None
-                                     else reference.logprobs(batch, temperature, config.grpo.routing_replay))
+            batch["ref_logprobs"] = (None if frozen.reference is None
+                                     else frozen.reference.logprobs(batch, temperature, config.grpo.routing_replay))
+        if frozen.teacher is not None:
+            with timer.phase("teacher"):
+                batch["teacher_logprobs"] = frozen.teacher.logprobs(batch, temperature)  # [micro, seq]; None: not last stage
+        batch["advantages"] = distilled_advantages(advantages, batch, batch.get("teacher_logprobs"), settings)
         microbatches.append(batch)
     return microbatches, step_len
 
@@ -305,7 +368,8 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     per_update = len(microbatches) // config.grpo.mini_batches
-    totals = torch.zeros(8, dtype=torch.float64)  # loss sum, loss count, kl, entropy, clipped, tokens, |gap|, rollout k3
+    # loss sum, loss count, kl, entropy, clipped, tokens, |gap|, rollout k3, teacher reverse KL, teacher log-prob
+    totals = torch.zeros(10, dtype=torch.float64)
     grad_norms, gap_max = [], 0.0
     policy.routing_figures.start_step()
     for _ in range(config.grpo.ppo_epochs):
@@ -323,7 +387,8 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             for reported in outputs:  # one per micro-batch (`policy_loss`'s report)
                 totals += torch.cat([reported["loss"], reported["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(reported["gap_max"]))
-    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl = collectives.last_stage_sum(totals.tolist())
+    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl, reverse_kl, teacher_logprob = (
+        collectives.last_stage_sum(totals.tolist()))
     padded, positions = collectives.data_parallel_sum(batches.padding_counts(microbatches))
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
@@ -333,6 +398,8 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             "rollout_logprob_diff_mean": gap / max(tokens, 1),
             "rollout_logprob_diff_max": collectives.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
             "rollout_kl": rollout_kl / max(tokens, 1), "padding_share": padded / max(positions, 1),
+            **({"teacher_reverse_kl": reverse_kl / max(tokens, 1), "teacher_logprob": teacher_logprob / max(tokens, 1)}
+               if settings.teacher_coef is not None else {}),
             **route_mismatch(policy.routes),
             **policy.routing_figures.step_figures()}
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from config.errors import UserError
 from config.loops import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
+from model.tiny import ensure_tiny_checkpoint
 from tests.conftest import REPO, launch, torchrun, worker_output
 from trainer import grpo_sampling as grpo
 
@@ -69,12 +71,42 @@ def test_key_set_is_frozen():
     (["--train.global_batch_size=8"], "whose number of prompts divides over the data-parallel size 2"),
     (["--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8` x `train.micro_batch_size=64`"),
     (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine)"),
+    (["--grpo.reward=none"], "neither `grpo.environment` nor `grpo.teacher` is set"),
+    (["--grpo.reward_weight=0"], "`grpo.reward_weight=0.0` weighs the reward against a teacher's term, and no `grpo.teacher`"),
+    (["--grpo.teacher=/nonexistent/teacher"], "`grpo.teacher=/nonexistent/teacher` is not a Hugging Face checkpoint directory"),
+    (["--grpo.teacher_coef=-1"], "`grpo.teacher_coef` and `grpo.reward_weight` must be 0 or more"),
 ])
 def test_start_up_errors_name_the_key(argv, expected):
     config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
     with pytest.raises(UserError) as error:
         config.validate(world_size=2)
     assert expected in str(error.value)
+
+
+def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(tmp_path):
+    """A Mixture-of-Experts teacher is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
+    built. A teacher with the policy's tokenizer turns each trained token's advantage into reward_weight x the group's
+    plus teacher_coef x (log pi_teacher - log pi_sampler)."""
+    from trainer.grpo_update import LossSettings, Teacher, distilled_advantages
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2, "num_experts": 8}))
+    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={moe}"], "trainer.grpo")
+    with pytest.raises(UserError, match="is a Mixture-of-Experts model"):
+        config.validate(world_size=2)
+    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}"], "trainer.grpo")
+    config.validate(world_size=2)
+    other = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))
+    with pytest.raises(UserError, match="has another tokenizer than the policy"):
+        Teacher(config, other)
+    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0.5",
+                                        "--grpo.teacher_coef=2"], "trainer.grpo")
+    settings = LossSettings.from_config(config.grpo)
+    batch = {"sampler_logprobs": torch.tensor([[-1.0, -2.0, 0.0]]), "loss_mask": torch.tensor([[1.0, 1.0, 0.0]])}
+    advantages = distilled_advantages(torch.tensor([[0.4]]), batch, torch.tensor([[-1.5, -1.0, -3.0]]), settings)
+    assert advantages[0].tolist() == pytest.approx([0.2 + 2 * -0.5, 0.2 + 2 * 1.0, 0.2], abs=1e-6)
+    assert distilled_advantages(torch.tensor([[0.4]]), batch, None, settings).tolist() == [[0.4]]
 
 
 @pytest.mark.parametrize("recipe", sorted(path.stem for path in (REPO / "recipes").glob("*.yaml")
@@ -263,14 +295,18 @@ def launches(default_sft, tmp_path_factory):
              "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2",
              "--ckpt.save_interval=1"]  # DDP: each save written in the background while the next step samples
 
+    # On-policy distillation beside the reward (half each), from the untrained tiny model as the teacher.
+    layouts = {**RESUME_LAYOUTS, "distill": [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0.5",
+                                             "--grpo.teacher_coef=0.5"]}
+
     def resume_commands(run: str, *extra: str) -> list[dict]:
         return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}
-                for name, layout in RESUME_LAYOUTS.items()]
+                for name, layout in layouts.items()]
 
     first = yield launch([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
                           lora_command(sft_checkpoint, root / "lora")], env=env)
     # Stopped early: no export yet.
-    split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in RESUME_LAYOUTS)
+    split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
     yield launch(resume_commands("split", "--resume-from-checkpoint", "latest"), env=env)
     # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two).
     yield launch([{"module": "trainer.grpo", "argv": [*small, f"--train.out_dir={root / 'pp1'}"]}], nproc=1, env=env)
@@ -339,6 +375,25 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_pipeline_stages_and_m
     assert (tmp_path / "ddp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "fsdp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "pp" / "split" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+def test_distillation_from_a_teacher_resumes_exactly_and_logs_its_reverse_kl(shared_runs):
+    """`grpo.teacher` (the untrained tiny model) beside the reward, half each, under DDP with the prompts shared: 2N
+    steps straight and N + resume + N give the same figures; the teacher's reverse KL and log-prob are logged at every
+    step, its forward as a phase of its own."""
+    fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "teacher_reverse_kl", "teacher_logprob",
+              "eval_accuracy")
+    straight, split = ([tuple(row.get(key) for key in fields) for row in metrics(shared_runs["root"] / "distill" / run)]
+                       for run in ("straight", "split"))
+    print("distillation straight vs resumed:", straight)
+    assert split == straight and [row[0] for row in straight] == [0, 1, 2, 3, 4]
+    steps = [dict(zip(fields, row)) for row in straight[1:]]
+    # The untrained teacher spreads its mass over the vocabulary (measured: log-prob about -6 a token), the student
+    # sampled its own likely tokens: a reverse KL of several nats a token.
+    assert all(row["teacher_reverse_kl"] > 1.0 and row["teacher_logprob"] < -1.0 for row in steps), steps
+    timed = [row for row in metrics(shared_runs["root"] / "distill" / "straight") if "loss" in row]
+    assert all(row["teacher_time_s"] > 0 for row in timed)
 
 
 @pytest.mark.distributed

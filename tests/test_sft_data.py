@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from data.batches import Example, collate, collate_packed, pack, padded_length, padded_size, token_budget_microbatches
+from data.batches import Example, collate, collate_packed, pack, padded_size, token_budget_microbatches
 from data.conversations import DropReport, load_rows, to_conversations
 from data.encode import encode_texts
 from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation

@@ -114,30 +114,41 @@ def collate_packed(rows_of_examples: list[list[Example]], seq_len: int, pad_id: 
 
 def common_prefix(examples: list[Example]) -> int:
     """How many input positions (`input_ids[:-1]`) all the examples share from their start."""
-    inputs = [example.input_ids[:-1] for example in examples]
-    length, shortest = 0, min(len(ids) for ids in inputs)
-    while length < shortest and all(ids[length] == inputs[0][length] for ids in inputs[1:]):
+    first = examples[0].input_ids
+    length = len(first) - 1
+    for example in examples[1:]:
+        length = _shared_start(first, example.input_ids, length)
+    return length
+
+
+def _shared_start(first: list[int], ids: list[int], limit: int) -> int:
+    """How many input positions `ids` shares with `first` from the start, at most `limit`."""
+    limit, length = min(limit, len(ids) - 1), 0
+    while length < limit and ids[length] == first[length]:
         length += 1
     return length
 
 
 def shared_length(examples: list[Example]) -> int:
     """Input positions of examples laid out in one row with their common prefix once: the prefix, then each one's own."""
-    prefix = common_prefix(examples)
-    return prefix + sum(len(example.input_ids) - 1 - prefix for example in examples)
+    return sum(len(example.input_ids) - 1 for example in examples) - (len(examples) - 1) * common_prefix(examples)
 
 
 def prompt_units(examples: list[Example], rows: list[int], group_size: int, limit: int) -> list[list[int]]:
     """`rows` (in order) as units of one shared row each: consecutive rows of one prompt group (`row // group_size`),
     as many as fit `limit` input positions laid out with their common prefix once (`shared_length`)."""
     units: list[list[int]] = []
+    prefix = total = 0  # the last unit's common prefix and its rows' input positions
     for row in rows:
-        unit = units[-1] if units else None
-        if (unit is None or unit[0] // group_size != row // group_size
-                or shared_length([examples[index] for index in unit + [row]]) > limit):
-            units.append([row])
-        else:
-            unit.append(row)
+        ids = examples[row].input_ids
+        if units and units[-1][0] // group_size == row // group_size:
+            shared = _shared_start(examples[units[-1][0]].input_ids, ids, prefix)
+            if total + len(ids) - 1 - len(units[-1]) * shared <= limit:
+                units[-1].append(row)
+                prefix, total = shared, total + len(ids) - 1
+                continue
+        units.append([row])
+        prefix = total = len(ids) - 1
     return units
 
 
@@ -153,40 +164,38 @@ def collate_shared(units: list[list[Example]], seq_len: int, packed_len: int, pa
     [units x packed_len] input (the prefix's for a position within it: one hidden state read by every example);
     `source_index` [units, packed_len], each input position's place in the flattened [rows x seq_len] layout (-1 on
     padding), to lay per-token inputs such as routes out like `tokens`."""
-    examples = [example for unit in units for example in unit]
-    layout = collate(examples, seq_len, pad_id)
-    tokens = torch.full((len(units), packed_len), pad_id, dtype=torch.int64)  # [units, packed]
-    position_ids = torch.zeros(len(units), packed_len, dtype=torch.int64)  # [units, packed]
-    segment_ids = torch.full((len(units), packed_len), -1, dtype=torch.int64)  # [units, packed]: 0 prefix, -1 pad
-    source_index = torch.full((len(units), packed_len), -1, dtype=torch.int64)  # [units, packed]
-    hidden_index = torch.zeros(len(examples), seq_len, dtype=torch.int64)  # [rows, seq]
+    layout = collate([example for unit in units for example in unit], seq_len, pad_id)
+    tokens, positions, segments, sources, hidden = [], [], [], [], []
     row = 0
     for number, unit in enumerate(units):
         prefix, base = common_prefix(unit), number * packed_len
-        inputs = [example.input_ids[:-1] for example in unit]
-        tokens[number, :prefix] = torch.tensor(inputs[0][:prefix], dtype=torch.int64)
-        position_ids[number, :prefix] = torch.arange(prefix)
-        segment_ids[number, :prefix] = 0
-        source_index[number, :prefix] = row * seq_len + torch.arange(prefix)
-        start = prefix
-        for segment, ids in enumerate(inputs, start=1):
-            end = start + len(ids) - prefix
-            if end > packed_len:
-                raise ValueError(f"a unit of {end} input positions does not fit packed_len={packed_len}")
-            tokens[number, start:end] = torch.tensor(ids[prefix:], dtype=torch.int64)
-            position_ids[number, start:end] = torch.arange(prefix, len(ids))
-            segment_ids[number, start:end] = segment
-            source_index[number, start:end] = row * seq_len + torch.arange(prefix, len(ids))
-            hidden_index[row, :prefix] = base + torch.arange(prefix)
-            hidden_index[row, prefix : len(ids)] = base + torch.arange(start, end)
-            start, row = end, row + 1
+        unit_tokens, unit_positions = list(unit[0].input_ids[:prefix]), list(range(prefix))
+        unit_segments, unit_sources = [0] * prefix, list(range(row * seq_len, row * seq_len + prefix))
+        for segment, example in enumerate(unit, start=1):
+            length, start = len(example.input_ids) - 1, len(unit_tokens)
+            unit_tokens += example.input_ids[prefix:length]
+            unit_positions += range(prefix, length)
+            unit_segments += [segment] * (length - prefix)
+            unit_sources += range(row * seq_len + prefix, row * seq_len + length)
+            own = range(base + start, base + start + length - prefix)
+            hidden.append([*range(base, base + prefix), *own] + [0] * (seq_len - length))
+            row += 1
+        if len(unit_tokens) > packed_len:
+            raise ValueError(f"a unit of {len(unit_tokens)} input positions does not fit packed_len={packed_len}")
+        fill = packed_len - len(unit_tokens)
+        tokens.append(unit_tokens + [pad_id] * fill)
+        positions.append(unit_positions + list(range(fill)))
+        segments.append(unit_segments + [-1] * fill)
+        sources.append(unit_sources + [-1] * fill)
+    segment_ids = torch.tensor(segments, dtype=torch.int64)  # [units, packed]: 0 the prefix, -1 padding
     # A query sees the earlier keys of the prefix and of its own segment (padding: of the padding, never empty).
     causal = torch.ones(packed_len, packed_len, dtype=torch.bool).tril()  # [query, key]
     keys, queries = segment_ids[:, None, :], segment_ids[:, :, None]
     allowed = causal & ((keys == 0) | (keys == queries))  # [units, query, key]
-    return {"tokens": tokens, "position_ids": position_ids, "padding_mask": segment_ids < 0,
-            "attention_mask": ~allowed[:, None], "labels": layout["labels"], "loss_mask": layout["loss_mask"],
-            "hidden_index": hidden_index, "source_index": source_index}
+    return {"tokens": torch.tensor(tokens, dtype=torch.int64), "position_ids": torch.tensor(positions, dtype=torch.int64),
+            "padding_mask": segment_ids < 0, "attention_mask": ~allowed[:, None], "labels": layout["labels"],
+            "loss_mask": layout["loss_mask"], "hidden_index": torch.tensor(hidden, dtype=torch.int64),
+            "source_index": torch.tensor(sources, dtype=torch.int64)}
 
 
 def fill_rows(rows_of_examples: list[list[Example]], seq_len: int, pad_id: int) -> tuple[dict, torch.Tensor]:

@@ -15,6 +15,8 @@ On one GPU, for a random-weight model of Qwen2.5-0.5B's shape (model/tiny.py bui
   moe       `trainer.grpo` on tiny-moe in bf16 with routing replay off and on: the gap and `moe_route_mismatch`.
   memory    bytes per parameter of each precision mode at DP=1 (scripts/bench/bench_optimizer_memory.py).
   sft-local (only when named in --steps) the SFT again with megatron-core's local attention, for the SDPA/local ratio.
+  grpo-rows (only when named in --steps) the GRPO step again with `--grpo.share_prompts=false` (a row per completion,
+            causal attention), for the ratio to `grpo`'s prompts computed once under a per-group mask.
 Each step runs the project's own entry points in a subprocess (its own CUDA context); a failed step is reported and
 the others still run. `--steps a,b` runs only those (a second try of what failed). With --report, the JSON report is
 rewritten after every step, so a run cut short keeps what it measured. `--cpu-smoke` runs the same steps on the tiny
@@ -40,7 +42,7 @@ sys.path.insert(0, str(REPO))
 PARITY_FACTOR = 2.0
 MFU_TARGET, ROLLOUT_TARGET = 0.35, 1.0
 STEPS = ("parity", "sft", "profile", "grpo", "rollout", "moe", "memory")
-OPTIONAL_STEPS = ("sft-local",)
+OPTIONAL_STEPS = ("sft-local", "grpo-rows")
 # The versions this check can run with. torch: megatron-core 0.19 declares >=2.6, nvidia-modelopt (imported by
 # Megatron-Bridge's HF export) >=2.8. transformers and tokenizers: Megatron-Bridge 0.6.2 pins transformers to
 # 5.8-5.12.1, which takes tokenizers 0.22-0.23.0 (the carried wheels are at uv.lock's versions).
@@ -375,14 +377,16 @@ def grpo_run(name: str, arguments: list[str], settings: dict, work: Path, steps:
     return [row for row in metric_rows(out_dir) if "loss" in row] if succeeded else []
 
 
-def grpo(model_path: Path, settings: dict, work: Path) -> dict:
-    """Step `grpo`: the step's phases, rollout tokens/s, peak memory and the rollout/training gap (the first step, with
-    its kernels' compilation and the allocator's growth, left out of the medians)."""
+def grpo(model_path: Path, settings: dict, work: Path, name: str = "grpo") -> dict:
+    """Step `grpo` (or `grpo-rows`, a row per completion): the step's phases, rollout tokens/s, peak memory and the
+    rollout/training gap (the first step, with its kernels' compilation and the allocator's growth, left out of the
+    medians)."""
     new_tokens = settings["grpo_new_tokens"]
-    rows = grpo_run("grpo", [f"--model.path={model_path}", f"--grpo.max_new_tokens={new_tokens}",
-                             f"--data.max_seq_len={64 + new_tokens}"], settings, work, settings["grpo_steps"])
+    rows = grpo_run(name, [f"--model.path={model_path}", f"--grpo.max_new_tokens={new_tokens}",
+                           f"--data.max_seq_len={64 + new_tokens}", "--grpo.share_prompts=" + ("true" if name == "grpo" else "false")],
+                    settings, work, settings["grpo_steps"])
     if not rows:
-        return {"error": "see grpo.log"}
+        return {"error": f"see {name}.log"}
     timed = rows[1:] or rows
     result = {"steps": len(rows), "timed_steps": len(timed), "max_new_tokens": new_tokens,
               **{key: median_of(timed, key) for key in ("step_time_s", *PHASES, "rollout_tokens_per_s", "tokens_per_s",
@@ -390,7 +394,7 @@ def grpo(model_path: Path, settings: dict, work: Path) -> dict:
               "peak_memory_gib": max(row.get("peak_memory_gib", 0.0) for row in rows), "rows": rows}
     step = result["step_time_s"]
     shares = ", ".join(f"{key.removesuffix('_time_s')} {result[key]:.2f} s ({result[key] / step:.0%})" for key in PHASES)
-    say(f"grpo: step {step:.2f} s = {shares} (medians of {len(timed)} steps); rollout {result['rollout_tokens_per_s']:.0f} "
+    say(f"{name}: step {step:.2f} s = {shares} (medians of {len(timed)} steps); rollout {result['rollout_tokens_per_s']:.0f} "
         f"tokens/s at {result['response_len']:.0f} tokens a completion; peak memory {result['peak_memory_gib']:.1f} GiB; "
         f"rollout_logprob_diff_mean {result['rollout_logprob_diff_mean']:.4g}, max {result['rollout_logprob_diff_max']:.4g}")
     return result
@@ -456,6 +460,9 @@ def summary(report: dict) -> None:
                             if name == "sft" else ""))
     if "tokens_per_s" in report.get("sft", {}) and "tokens_per_s" in report.get("sft-local", {}):
         lines.append(f"SDPA / local tokens/s: {report['sft']['tokens_per_s'] / report['sft-local']['tokens_per_s']:.2f}")
+    if "update_time_s" in report.get("grpo", {}) and "update_time_s" in report.get("grpo-rows", {}):
+        lines.append(f"GRPO update, prompts shared / a row per completion: "
+                     f"{report['grpo']['update_time_s'] / report['grpo-rows']['update_time_s']:.2f}")
     if "profile" in report:
         result = report["profile"]
         lines.append("SFT profile: " + (result.get("error") or f"GPU busy {result['gpu_busy_in_steps']:.0%} of the steps; top: "
@@ -485,7 +492,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, small sizes: checks the script only")
     parser.add_argument("--steps", default=",".join(STEPS),
-                        help=f"comma-separated steps to run, of {', '.join(STEPS + OPTIONAL_STEPS)} (default: all but sft-local)")
+                        help=f"comma-separated steps to run, of {', '.join(STEPS + OPTIONAL_STEPS)} (default: all but sft-local and grpo-rows)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-check"), help="logs, data and run outputs")
     parser.add_argument("--report", type=Path, help="also write the results as JSON here (after every step)")
     parser.add_argument("--parity-worker", type=Path, help="internal: run the parity measurement for this checkpoint")
@@ -522,6 +529,7 @@ def main() -> None:
                "sft-local": lambda: sft("local", model_path, data, settings, args.work_dir),
                "profile": lambda: profile_sft(model_path, data, settings, args.work_dir),
                "grpo": lambda: grpo(model_path, settings, args.work_dir),
+               "grpo-rows": lambda: grpo(model_path, settings, args.work_dir, "grpo-rows"),
                "rollout": lambda: rollout_bench(model_path, settings, args.work_dir),
                "moe": lambda: moe(settings, args.work_dir),
                "memory": lambda: precision_memory(model_path, settings, args.work_dir)}

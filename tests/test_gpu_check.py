@@ -61,4 +61,4 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--steps", "sft,grpo,warp"],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 2
-    assert "unknown step(s) warp: choose from parity, sft, profile, grpo, rollout, moe, memory, sft-local" in result.stderr
+    assert "unknown step(s) warp: choose from parity, sft, profile, grpo, rollout, moe, memory, sft-local, grpo-rows" in result.stderr

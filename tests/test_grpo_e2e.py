@@ -308,8 +308,10 @@ def launches(default_sft, tmp_path_factory):
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
     yield launch(resume_commands("split", "--resume-from-checkpoint", "latest"), env=env)
-    # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two).
-    yield launch([{"module": "trainer.grpo", "argv": [*small, f"--train.out_dir={root / 'pp1'}"]}], nproc=1, env=env)
+    # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two), a row per
+    # completion as pipeline stages have it (`grpo.share_prompts` is off there).
+    yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]}],
+                 nproc=1, env=env)
     return {"root": root, "lora_log": first[-1]["log"], "split_exported_at_step_2": split_exported_at_step_2}
 
 

@@ -25,6 +25,8 @@ The variant, exactly (defaults in brackets):
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
+  With a teacher (`grpo.teacher`, on-policy distillation) each trained token's advantage is `grpo.reward_weight` [1] x A
+  plus `grpo.teacher_coef` [1] x (log pi_teacher - log pi_sampler) of that token (`trainer.grpo_update.Teacher`).
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as
   exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by
@@ -35,7 +37,8 @@ The variant, exactly (defaults in brackets):
   dropout, as the rollouts were sampled) when the rollouts serve several updates (ppo_epochs x mini_batches > 1);
   with one update per step it is the policy's log-prob detached (r = 1 in value, the same numbers without the
   extra pass). `grpo.mask_truncated` leaves completions cut at the
-  budget out of the loss. Log-probs and entropy use the vocab-parallel logits / temperature, never gathering
+  budget out of the loss. The training forwards lay each group out as one row, its prompt once (`grpo.share_prompts`
+  [true], `model.shared_prefix`): the same log-probs and gradients, up to the order of float sums. Log-probs and entropy use the vocab-parallel logits / temperature, never gathering
   the vocabulary.
 - Aggregation: the token mean over the whole global batch [token_mean, as DAPO], the mean over completions of
   each one's token mean (`seq_mean_token_mean`, the original GRPO paper), or each completion's token sum over

@@ -168,6 +168,10 @@ class GRPOConfig(TrainerConfig):
                  "leave `grpo.reward_weight` at 1.")
         if not grpo.teacher:
             return
+        require((Path(grpo.teacher) / "config.json").is_file(),
+                 f"`grpo.teacher={grpo.teacher}` is not a Hugging Face checkpoint directory (no config.json there). Point "
+                 "`--grpo.teacher` at a directory saved with `save_pretrained` that has the policy's tokenizer (a GRPO "
+                 "or SFT run's `<train.out_dir>/hf`, for one), or leave it empty.")
         hf = read_hf_config(Path(grpo.teacher), "grpo.teacher")
         self.check_layout_divides(hf, "teacher")
         require(not hf_expert_count(hf),

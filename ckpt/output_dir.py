@@ -74,8 +74,10 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
-    """Refuse a run that would delete or overwrite its own inputs: `model.path` and a `data.path` on disk."""
-    for key, value in (("model.path", config.model.path), ("data.path", config.data.path)):
+    """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` on disk and GRPO's
+    `grpo.teacher`."""
+    teacher = getattr(getattr(config, "grpo", None), "teacher", "")
+    for key, value in (("model.path", config.model.path), ("data.path", config.data.path), ("grpo.teacher", teacher)):
         if not value or not Path(value).exists():  # `tiny`, a bundled task or a hub dataset name
             continue
         hit = next((path for path in replaced if _inside(Path(value), path)), None)

@@ -109,6 +109,12 @@ def test_overwrite_never_touches_the_inputs_and_deletes_every_output(tmp_path):
                                             r"after its last step \(its Hugging Face export\)"):
             checkpoint.check_output_dir(config, resume, is_main=True)
     assert (run / "hf" / "config.json").is_file() and (run / "metrics.jsonl").is_file()
+    # GRPO distilling from the run's own export into the same directory: the teacher is an input too.
+    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={run / 'hf'}", f"--train.out_dir={run}",
+                                        "--train.overwrite_output_dir=true"], "trainer.grpo")
+    with pytest.raises(UserError, match=r"`grpo.teacher=.*/run/hf` lies inside `.*/run/hf`"):
+        checkpoint.check_output_dir(config, "", is_main=True)
+    assert (run / "hf" / "config.json").is_file()
     # Data inside the checkpoints the overwrite deletes: refused too.
     (run / "checkpoints" / "step_00000002" / "data.jsonl").write_text("{}\n")
     config, _ = parse_args(SFTConfig, [f"--data.path={run / 'checkpoints' / 'step_00000002' / 'data.jsonl'}",

@@ -9,7 +9,7 @@ import torch
 
 from model.parallel import free_port
 from tests.conftest import launch, worker_output
-from trainer.grpo_update import input_aligned_routes, label_aligned
+from trainer.grpo_batches import input_aligned_routes, label_aligned
 
 
 def test_routes_and_sampler_logprobs_are_laid_out_as_the_collated_batch():

@@ -23,7 +23,8 @@ from data import batches
 from model import generate, parallel, providers, wrapping
 from model.routing import Routes
 from model.tiny import ensure_tiny_checkpoint
-from trainer.grpo_update import input_aligned_routes, label_aligned, token_logprobs
+from trainer.grpo_batches import input_aligned_routes, label_aligned
+from trainer.grpo_update import token_logprobs
 
 NEW_TOKENS = 12
 

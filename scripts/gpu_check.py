@@ -48,7 +48,7 @@ OPTIONAL_STEPS = ("sft-local", "grpo-rows")
 # 5.8-5.12.1, which takes tokenizers 0.22-0.23.0 (the carried wheels are at uv.lock's versions).
 VERSION_RANGES = {"torch": ("2.8", None), "transformers": ("5.8", "5.12.1"), "tokenizers": ("0.22", "0.23.0"),
                   "megatron-core": ("0.19", None)}
-PHASES = ("rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s", "update_time_s")
+PHASES = ("rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s", "update_time_s", "rank_wait_time_s")
 GAP = ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl", "moe_route_mismatch")
 SETTINGS = {
     "gpu": dict(model="qwen2-0.5b", seq_len=2048, global_batch=16, micro_batch=4, sft_steps=12, warmup_steps=3,

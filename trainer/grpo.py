@@ -167,7 +167,8 @@ def main(argv: list[str]):
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
                 step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
-                reward_failures.check(step_batch, step)
+                with timer.phase("rank_wait"):  # the first collective after sampling: the ranks' rollouts differ in length
+                    reward_failures.check(step_batch, step)
                 microbatches, seq_len = build_microbatches(step_batch, policy, frozen, config, settings, runtime.device, timer)
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)

@@ -24,13 +24,15 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
 def phase_figures(total: dict, runtime) -> dict:
     """Where the step's seconds went besides generating (`rollout_time_s`): scoring (`reward_time_s`), pi_old's
     forward (`pi_old_time_s`, 0 unless it is recomputed), the KL reference's (`reference_time_s`, 0 without KL), the
-    distillation teacher's (`teacher_time_s`, only with `grpo.teacher`) and the
-    update (`update_time_s`: forwards, backwards, optimizer steps), means over data-parallel ranks as `rollout_time_s`
-    (what is left of `step_time_s`: collating the micro-batches and a few collectives); on a GPU also this process's
+    distillation teacher's (`teacher_time_s`, only with `grpo.teacher`), the
+    update (`update_time_s`: forwards, backwards, optimizer steps) and the wait for the data-parallel ranks' slowest
+    rollout (`rank_wait_time_s`), means over data-parallel ranks as `rollout_time_s` (what is left of `step_time_s`:
+    collating the micro-batches); on a GPU also this process's
     peak allocated memory (`peak_memory_gib`). The loop adds `eval_time_s` and `checkpoint_time_s` (rank 0's, after
     the step's clock stops)."""
     return {"reward_time_s": total["reward_seconds"] / runtime.dp_size,
-            **{name: total[name] / runtime.dp_size for name in ("pi_old_time_s", "reference_time_s", "update_time_s")},
+            **{name: total[name] / runtime.dp_size for name in ("pi_old_time_s", "reference_time_s", "update_time_s",
+                                                                "rank_wait_time_s")},
             **({"teacher_time_s": total["teacher_time_s"] / runtime.dp_size} if "teacher_time_s" in total else {}),
             **metrics.peak_memory_gib()}
 

@@ -29,7 +29,7 @@ PANELS = (
                                 "max_turns_reached", "out_of_room", "prompts_too_long")),
     ("tool time (s)", ("tool_time_s",)),
     ("a GRPO step's time by phase (s)", ("rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s",
-                                         "teacher_time_s", "update_time_s")),
+                                         "teacher_time_s", "update_time_s", "rank_wait_time_s")),
     ("an SFT step's time by phase (s)", ("data_time_s", "forward_backward_time_s", "optimizer_time_s")),
     ("time between steps (s)", ("eval_time_s", "checkpoint_time_s")),
     ("MoE load imbalance (busiest expert / mean)", ("moe_load_imbalance",)),
@@ -47,7 +47,8 @@ KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answ
               "prompts_too_long": "prompts too long after reset", "moe_aux_loss": "load balancing", "moe_z_loss": "z-loss",
               "rollout_logprob_diff_mean": "mean |diff|", "rollout_logprob_diff_max": "max |diff|", "rollout_kl": "k3 KL",
               "rollout_time_s": "rollout", "reward_time_s": "reward", "pi_old_time_s": "pi_old log-probs",
-              "reference_time_s": "reference log-probs", "teacher_time_s": "teacher log-probs", "update_time_s": "update", "data_time_s": "data",
+              "reference_time_s": "reference log-probs", "teacher_time_s": "teacher log-probs", "update_time_s": "update",
+              "rank_wait_time_s": "waiting for other ranks' rollouts", "data_time_s": "data",
               "forward_backward_time_s": "forward and backward", "optimizer_time_s": "optimizer",
               "eval_time_s": "evaluation", "checkpoint_time_s": "checkpoint (the loop's wait)"}
 # A panel's keys: the line styles first, then each again with a marker (the colours are the runs'), so a panel of up

@@ -103,7 +103,7 @@ class Checkpointer:
             return 0
         state = load(self.resume_path, self.policy.chunks, self.policy.optimizer)
         for name, part in self.parts.items():
-            part.load_state_dict(state[name])
+            part.load_state_dict(state.get(name))  # a part a checkpoint lacks (asynchronous GRPO's) says what it does
         log.info("resumed from %s at step %d", self.resume_path, state["step"])
         return state["step"]
 

@@ -153,7 +153,38 @@ class GRPOConfig(TrainerConfig):
                  "set: every reward would be 0 and nothing would be learned. Set `--grpo.environment module:Class` or "
                  "`--grpo.teacher DIR`, or choose a reward function with `--grpo.reward`.")
         self._validate_teacher()
-        super().validate(world_size)
+        self._validate_rollout_processes(world_size)
+        super().validate(world_size - grpo.rollout_processes)
+
+    def _validate_rollout_processes(self, world_size: int) -> None:
+        """`grpo.rollout_processes`: the trainers keep a layout, each rollout process samples for whole data-parallel
+        ranks, and what a rollout process cannot reproduce of the colocated loop is refused."""
+        grpo, processes = self.grpo, self.grpo.rollout_processes
+        require(processes >= 0 and grpo.max_staleness >= 0,
+                 f"`grpo.rollout_processes` and `grpo.max_staleness` must be 0 or more, got {processes} and "
+                 f"{grpo.max_staleness}. Change them.")
+        if not processes:
+            return
+        trainers = world_size - processes
+        require(trainers >= 1,
+                 f"`grpo.rollout_processes={processes}` leaves {trainers} of the {world_size} processes to train. Start "
+                 f"more processes (`torchrun --nproc-per-node`) or set `--grpo.rollout_processes` below {world_size}.")
+        divides = trainers % (self.parallel.tp * self.parallel.pp) == 0
+        data_parallel = self.parallel.data_parallel_size(trainers) if divides else 0
+        require(data_parallel and data_parallel % processes == 0,
+                 f"`grpo.rollout_processes={processes}` must divide the trainers' data-parallel size: the {trainers} "
+                 f"trainers at TP={self.parallel.tp} x PP={self.parallel.pp} make {data_parallel or 'no whole'} "
+                 "data-parallel ranks, and each rollout process samples the batches of whole data-parallel ranks. "
+                 "Change `--grpo.rollout_processes` or the number of processes.")
+        for refused, why in (
+                (grpo.dynamic_sampling, "`grpo.dynamic_sampling` (its extra rounds need the trainers' data-parallel "
+                                        "ranks to agree after every round)"),
+                (self.peft.method != "none", f"`peft.method={self.peft.method}` (a rollout replica holds merged weights, "
+                                             "which differ from the adapters' forward in the last bits)"),
+                (self.starts_from_default_sft(), f"the default start (`model.path={self.model.path}` does not exist "
+                                                 "yet; its SFT runs first on every process)")):
+            require(not refused, f"`grpo.rollout_processes={processes}` does not run with {why}. Drop one of them; "
+                                 "for the default start, run `torchrun -m trainer.sft` once first.")
 
     def _validate_teacher(self) -> None:
         """`grpo.teacher`: an HF directory of a dense model the parallel layout divides (its tokenizer is compared with

@@ -45,6 +45,13 @@ def data_parallel_gather(value) -> list:
     return gathered
 
 
+def world_gather(value) -> list:
+    """A picklable value from every rank of the world (this process's default group), in rank order (start-up only)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def all_reduce_float(value: float, op, group=None) -> float:
     """One number reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
     return float(all_reduce(torch.tensor([value], dtype=torch.float64), group, op).item())

@@ -2,6 +2,7 @@
 the few facts of the layout the loops ask (`unwrap`, `fixed_microbatch_shape`). Collectives: `model.collectives`;
 user code once per model replica: `model.replica`; hops between pipeline stages: `model.pipeline`."""
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -30,6 +31,12 @@ class Runtime:
     dp_size: int
     device: torch.device
     created_process_group: bool  # False when an earlier phase of this process created it (GRPO's default start)
+    link: object = None  # asynchronous GRPO: the `model.link.Link` to the other side (this process's world is its side)
+
+    @property
+    def is_rollout(self) -> bool:
+        """A rollout process of asynchronous GRPO (`grpo.rollout_processes`): it samples, the others train."""
+        return self.link is not None and self.link.is_rollout
 
     @property
     def is_main(self) -> bool:
@@ -80,9 +87,36 @@ def set_cuda_connections(parallel, environment: rules.Environment) -> None:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = wanted
 
 
-def init_distributed(parallel, seed: int) -> Runtime:
+def rollout_layout(parallel):
+    """A rollout process's layout (asynchronous GRPO): the whole model on one process, forward only."""
+    return dataclasses.replace(parallel, tp=1, pp=1, vpp=1, ep=1, etp=0, use_megatron_fsdp=False,
+                               use_distributed_optimizer=False)
+
+
+def is_rollout_rank(rollout_processes: int) -> bool:
+    """Whether this process is one of the last `rollout_processes` global ranks (asynchronous GRPO's samplers)."""
+    return int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - rollout_processes
+
+
+def _join_side(backend: str, rank: int, world_size: int, rollout_processes: int, timeout) -> "link.Link":
+    """Asynchronous GRPO: this process's default group is its side's (trainers: global ranks 0..T-1; rollout
+    processes: the last `rollout_processes`), each with its own megatron-core parallel state, and the `model.link.Link`
+    joins the two sides."""
+    from model import link
+
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    trainers = world_size - rollout_processes
+    rollout = rank >= trainers
+    dist.init_process_group(backend, store=dist.PrefixStore("rollout/" if rollout else "trainers/", store),
+                            rank=rank - trainers if rollout else rank, world_size=rollout_processes if rollout else trainers,
+                            timeout=timeout)
+    return link.Link(store, rank, world_size, trainers, timeout)
+
+
+def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime:
     """Join the process group torchrun describes (or a group of one), set up TP/PP/VPP/EP/ETP/DP for `parallel`, seed
-    every RNG.
+    every RNG. With `rollout_processes` (asynchronous GRPO) each side is its own world (`_join_side`); a rollout
+    process lays out `rollout_layout(parallel)`.
 
     Called again in the same process (GRPO's default start trains the default SFT first), it keeps the
     process group, so there is no second rendezvous, and lays out the model-parallel groups anew.
@@ -107,9 +141,13 @@ def init_distributed(parallel, seed: int) -> Runtime:
     else:
         device = torch.device("cpu")
     created_process_group = not dist.is_initialized()
-    if created_process_group:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+    backend, timeout = "nccl" if use_cuda else "gloo", datetime.timedelta(minutes=parallel.timeout_minutes)
+    side_link = None
+    if created_process_group and rollout_processes:
+        side_link = _join_side(backend, rank, world_size, rollout_processes, timeout)
+        parallel = rollout_layout(parallel) if side_link.is_rollout else parallel
+    elif created_process_group:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     vpp = parallel.vpp if parallel.vpp > 1 else None
@@ -130,9 +168,13 @@ def init_distributed(parallel, seed: int) -> Runtime:
         dp_size=parallel_state.get_data_parallel_world_size(),
         device=device,
         created_process_group=created_process_group,
+        link=side_link,
     )
     if runtime.is_main:
         backend = "nccl on CUDA" if use_cuda else "gloo on CPU (CPU compatibility layer active)"
+        if side_link is not None:
+            backend += (f"; {side_link.trainers} of them train, the last {side_link.rollouts} only sample (each a whole "
+                        "replica of the policy), joined by gloo")
         log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s EP=%d ETP=%d DP=%d (expert DP=%d)", world_size,
                  backend, parallel.tp, parallel.pp, vpp, parallel.ep, parallel.expert_tensor_parallel_size,
                  runtime.dp_size, parallel_state.get_expert_data_parallel_world_size())

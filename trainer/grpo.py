@@ -63,6 +63,7 @@ Resume: a checkpoint holds model, optimizer, LR schedule and step; prompt order 
 functions of (train.seed, step), so N steps + resume + N steps repeat 2N straight steps exactly.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -71,21 +72,21 @@ from config import cli, process
 from config.loops import GRPOConfig
 from data import prompts as prompt_data, rewards, tools as tool_data
 from model import build, generate, parallel
-from trainer import default_start, evaluation, metrics, rollout
+from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
-from trainer.grpo_sampling import RewardFailures, collect_rollouts
+from trainer.grpo_sampling import LocalRollouts, RewardFailures
 from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, update_policy
 
 
 def validated_world_size(config) -> int:
-    """The number of processes, once the config (and the default SFT's, when that runs first) passed every check that
-    needs no model."""
+    """The number of processes that train (all but `grpo.rollout_processes`), once the config (and the default SFT's,
+    when that runs first) passed every check that needs no model."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
     tool_data.check_turn_fits_collective_timeout(config, world_size)
     if config.starts_from_default_sft():
         default_start.validate(world_size, config.model.path)
-    return world_size
+    return world_size - config.grpo.rollout_processes
 
 
 def load_user_code(config) -> tuple:
@@ -118,6 +119,27 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 
 
+def run_rollout_process(config, runtime, reward, toolset) -> None:
+    """A rollout process of asynchronous GRPO: the tokenizer, the prompts and a whole forward-only replica of the
+    policy, then sampling for the trainers until they end (`trainer.grpo_async.serve`)."""
+    model_path = build.resolve_model_path(config)
+    tokenizer, episode_sampler, train_prompts, _ = load_tokenizer_and_prompts(config, model_path, toolset, 1)
+    replica_config = dataclasses.replace(config, parallel=parallel.rollout_layout(config.parallel))
+    replica = build.build_policy(replica_config, model_path, tokenizer, trainable=False)
+    try:
+        grpo_async.serve(config, runtime, replica, episode_sampler, train_prompts, reward)
+    finally:
+        episode_sampler.close()
+        parallel.shutdown(runtime)
+
+
+def rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward):
+    """Where the step's batches come from: this process's policy (colocated), or the rollout processes."""
+    if runtime.link is None:
+        return LocalRollouts(policy, episode_sampler, train_prompts, config, runtime, reward)
+    return grpo_async.RemoteRollouts(config, runtime, policy)
+
+
 def main(argv: list[str]):
     """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model (the default SFT's too, before it runs)
@@ -129,7 +151,9 @@ def main(argv: list[str]):
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward, toolset = load_user_code(config)
     startup.mark("config")
-    runtime = parallel.init_distributed(config.parallel, config.train.seed)
+    runtime = parallel.init_distributed(config.parallel, config.train.seed, config.grpo.rollout_processes)
+    if runtime.is_rollout:
+        return run_rollout_process(config, runtime, reward, toolset)
     checkpoint.check_shared_directories(config)
     startup.mark("process group")
     if config.starts_from_default_sft() and not train_default_sft_first(config, startup):
@@ -138,7 +162,7 @@ def main(argv: list[str]):
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
-        return None
+        return grpo_async.end_without_steps(runtime)
     tokenizer, episode_sampler, train_prompts, eval_prompts = load_tokenizer_and_prompts(config, model_path, toolset,
                                                                                          world_size)
     startup.mark("tokenizer and data")
@@ -148,11 +172,13 @@ def main(argv: list[str]):
     frozen = FrozenModels.for_run(config, policy)  # the KL reference and the distillation teacher
     settings = LossSettings.for_run(config, policy, frozen.teacher)
     reward_failures = RewardFailures(config, runtime)
+    rollouts = rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward)
     startup.mark("reference model")
 
     # ---- resume
-    checkpointer.track(policy, lr_schedule=policy.lr_schedule)
+    checkpointer.track(policy, lr_schedule=policy.lr_schedule, **({"rollouts": rollouts} if runtime.link else {}))
     start_step = checkpointer.resume()
+    rollouts.begin(start_step)
     startup.mark("resume")
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
@@ -166,11 +192,12 @@ def main(argv: list[str]):
         startup.report()
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
-                step_batch = collect_rollouts(policy, episode_sampler, train_prompts, config, step, runtime, reward)
+                step_batch = rollouts.take(step, timer)
                 with timer.phase("rank_wait"):  # the first collective after sampling: the ranks' rollouts differ in length
                     reward_failures.check(step_batch, step)
                 microbatches, seq_len = build_microbatches(step_batch, policy, frozen, config, settings, runtime.device, timer)
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
+                rollouts.after_update(step, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step) and eval_prompts:
                 row.update(metrics.timed("eval", evaluate, into=row))
@@ -180,6 +207,7 @@ def main(argv: list[str]):
                 writer.write_samples(step, sample_rows(step_batch, policy.tokenizer, config.grpo.n_samples, toolset))
             if stop:
                 break
+    rollouts.close()
     checkpointer.export_if_already_finished(start_step)
     episode_sampler.close()
     parallel.shutdown(runtime)

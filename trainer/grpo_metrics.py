@@ -17,7 +17,8 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
            "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),
-           **phase_figures(global_totals, runtime)}
+           **phase_figures(global_totals, runtime),
+           **(async_figures(step, global_totals, timer, runtime) if step_batch.version is not None else {})}
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "grad_norm")}}
 
 
@@ -37,6 +38,21 @@ def phase_figures(total: dict, runtime) -> dict:
             **metrics.peak_memory_gib()}
 
 
+def async_figures(step: int, total: dict, timer: metrics.StepTimer, runtime) -> dict:
+    """Asynchronous GRPO's figures (`trainer.grpo_async`): how many updates behind the sampling policy was
+    (`staleness`: every token of a step's batch, on every rank, comes from one policy version, `sampled_by(step)`, so
+    its mean and its maximum are this one number), the trainers' wait for batches (`rollout_wait_time_s`) and their share of the step
+    (`trainer_idle_share`), the weights' push (`weight_sync_time_s`), and the rollout processes' wait for weights as a
+    share of their period (`rollout_idle_share`, verl's `rollouter/idle_ratio`)."""
+    dp = runtime.dp_size
+    waiting, busy = total["sampler_idle_s"], total["seconds"] + total["reward_seconds"]
+    return {"staleness": step - 1 - total["version"] / dp,
+            "rollout_wait_time_s": total.get("rollout_wait_time_s", 0.0) / dp,
+            "weight_sync_time_s": total.get("weight_sync_time_s", 0.0) / dp,
+            "trainer_idle_share": total.get("rollout_wait_time_s", 0.0) / dp / timer.seconds,
+            "rollout_idle_share": waiting / max(waiting + busy, 1e-9)}
+
+
 def rollout_totals(step_batch: StepBatch) -> dict:
     """This rank's sums over every episode sampled for the step (all rounds), and the batch's group and token counts."""
     totals = {"count": 0, "reward": 0.0, "correct": 0, "errors": 0, "in_format": 0, "right_answer": 0,
@@ -54,6 +70,7 @@ def rollout_totals(step_batch: StepBatch) -> dict:
         totals["tool_seconds"] += sampling_round.tool_seconds
     return {**totals, "zero_groups": step_batch.zero_advantage_groups, "kept_groups": step_batch.kept_groups,
             "seconds": step_batch.seconds, "reward_seconds": step_batch.reward_seconds,
+            "version": step_batch.version or 0, "sampler_idle_s": step_batch.sampler_idle_s,
             "all_tokens": sum(len(example.input_ids) for example in step_batch.examples)}
 
 

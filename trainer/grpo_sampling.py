@@ -92,6 +92,9 @@ class StepBatch:
     rounds: list[Round]
     sampler_logprobs: list[list[float]]  # per example, the sampler's log-prob of each input id (0: prompt, appended)
     routes: list | None  # Mixture-of-Experts: per example, [input ids, layers, top-k] experts of its rollout
+    skipped_groups: int = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
+    version: int | None = None  # asynchronous GRPO: the policy that sampled it, the one after this many steps
+    sampler_idle_s: float = 0.0  # asynchronous GRPO: the rollout process's wait before sampling it
 
     @property
     def seconds(self) -> float:
@@ -183,19 +186,44 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
                                             [0] * len(episode.prompt_ids) + [trained * flag for flag in episode.sampled]))
             sampler_logprobs.append([0.0] * len(episode.prompt_ids) + episode.logprobs)
             routes.append(episode.routes)
-    refuse_a_batch_of_skipped_prompts(skipped_count, wanted, config, step)
     return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds, sampler_logprobs,
-                     routes if policy.routes else None)
+                     routes if policy.routes else None, skipped_count)
 
 
-def refuse_a_batch_of_skipped_prompts(skipped: int, groups: int, config, step: int) -> None:
+class LocalRollouts:
+    """The colocated loop's batches: each step's sampled by this process's policy when the step begins, and checked
+    (`refuse_a_batch_of_skipped_prompts`). The interface asynchronous GRPO's `trainer.grpo_async.RemoteRollouts`
+    shares: `begin(start)`, `take(step, timer)`, `after_update(step, timer)`, `close()`."""
+
+    def __init__(self, policy, episode_sampler, prompts, config, runtime, reward):
+        self.policy, self.episode_sampler, self.prompts = policy, episode_sampler, prompts
+        self.config, self.runtime, self.reward = config, runtime, reward
+
+    def begin(self, start: int) -> None:
+        pass
+
+    def take(self, step: int, timer) -> StepBatch:
+        step_batch = collect_rollouts(self.policy, self.episode_sampler, self.prompts, self.config, step, self.runtime,
+                                      self.reward)
+        refuse_a_batch_of_skipped_prompts(step_batch, self.config, step)
+        return step_batch
+
+    def after_update(self, step: int, timer) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def refuse_a_batch_of_skipped_prompts(step_batch: StepBatch, config, step: int) -> None:
     """Stop the run with a paragraph when every group of the step's batch, over the data-parallel ranks, was skipped:
     each prompt grew past the prompt budget with its environment's reset text (`trainer.rollout`), nothing is left to
     train, and every step would log loss 0 from here on. Collective over the data-parallel group (one small
     all-reduce)."""
     if not config.grpo.environment:  # only an environment's reset text makes a prompt too long during a run
         return
-    skipped, groups = collectives.data_parallel_sum([skipped, groups])
+    groups = len(step_batch.advantages) // config.grpo.n_samples
+    skipped, groups = collectives.data_parallel_sum([step_batch.skipped_groups, groups])
     if groups and skipped == groups:
         budget = config.data.max_seq_len - config.grpo.max_new_tokens
         raise UserError(f"Step {step} has nothing to train: all {int(groups)} groups of its batch were skipped. With "

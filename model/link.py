@@ -14,13 +14,25 @@ worlds (each its own megatron-core parallel state), which it does not cover."""
 import contextlib
 import datetime
 import io
+import itertools
 import pickle
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from config.errors import UserError
+
 BUCKET_BYTES = 256 * 2**20  # a bucket's payload; one broadcast each
+
+
+# Each run in a process (tests run several in one launch) keys its groups apart in the launch's store.
+_RUNS = itertools.count()
+
+
+def store_prefix() -> str:
+    """This run's prefix in the launch's key-value store (the same on every process: runs happen in the same order)."""
+    return f"async-grpo-{next(_RUNS)}/"
 
 
 class Link:
@@ -28,9 +40,9 @@ class Link:
 
     def __init__(self, store, rank: int, world_size: int, trainers: int, timeout: datetime.timedelta):
         self.rank, self.trainers, self.rollouts = rank, trainers, world_size - trainers
-        self.pairs = dist.ProcessGroupGloo(dist.PrefixStore("link/pairs/", store), rank, world_size, timeout)
+        self.pairs = dist.ProcessGroupGloo(dist.PrefixStore("pairs/", store), rank, world_size, timeout)
         members = [0, *range(trainers, world_size)]
-        self.weights = (dist.ProcessGroupGloo(dist.PrefixStore("link/weights/", store), members.index(rank),
+        self.weights = (dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), members.index(rank),
                                               len(members), timeout) if rank in members else None)
 
     @property
@@ -40,23 +52,36 @@ class Link:
     def send(self, value, destination: int) -> None:
         """A picklable value to global rank `destination` (which calls `receive` with this rank)."""
         data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-        self.pairs.send([torch.tensor([data.numel()], dtype=torch.long)], destination, 0).wait()
-        self.pairs.send([data], destination, 0).wait()
+        with self._peer(destination):
+            self.pairs.send([torch.tensor([data.numel()], dtype=torch.long)], destination, 0).wait()
+            self.pairs.send([data], destination, 0).wait()
 
     def receive(self, source: int):
         """The value global rank `source` sends next."""
         size = torch.zeros(1, dtype=torch.long)
-        self.pairs.recv([size], source, 0).wait()
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.pairs.recv([data], source, 0).wait()
+        with self._peer(source):
+            self.pairs.recv([size], source, 0).wait()
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self.pairs.recv([data], source, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` from trainer rank 0 to every rollout process, in place (CPU)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.weights.broadcast([tensor], options).wait()
+        with self._peer(0 if self.is_rollout else self.trainers):
+            self.weights.broadcast([tensor], options).wait()
         return tensor
+
+    @contextlib.contextmanager
+    def _peer(self, rank: int):
+        """A peer that exited (it failed, or was killed) ends this process with a paragraph, not gloo's traceback."""
+        try:
+            yield
+        except RuntimeError as error:
+            side = "rollout process" if rank >= self.trainers else "trainer"
+            raise UserError(f"Asynchronous GRPO lost its {side} (global rank {rank}): {' '.join(str(error).split())}. "
+                            "That process ended first; its log, and torchrun's summary of failed ranks, say why.") from None
 
     def broadcast_object(self, value=None):
         """A picklable value from trainer rank 0 to every rollout process."""

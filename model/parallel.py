@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config.errors import UserError
 from config.process import is_global_rank_zero
 from model import cpu_compat, rules
 
@@ -98,13 +99,14 @@ def is_rollout_rank(rollout_processes: int) -> bool:
     return int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - rollout_processes
 
 
-def _join_side(backend: str, rank: int, world_size: int, rollout_processes: int, timeout) -> "link.Link":
+def _join_side(backend: str, rank: int, world_size: int, rollout_processes: int, timeout):
     """Asynchronous GRPO: this process's default group is its side's (trainers: global ranks 0..T-1; rollout
     processes: the last `rollout_processes`), each with its own megatron-core parallel state, and the `model.link.Link`
     joins the two sides."""
     from model import link
 
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store = dist.PrefixStore(link.store_prefix(), store)
     trainers = world_size - rollout_processes
     rollout = rank >= trainers
     dist.init_process_group(backend, store=dist.PrefixStore("rollout/" if rollout else "trainers/", store),
@@ -141,6 +143,11 @@ def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime
     else:
         device = torch.device("cpu")
     created_process_group = not dist.is_initialized()
+    if rollout_processes and not created_process_group:
+        raise UserError(f"`grpo.rollout_processes={rollout_processes}` gives the trainers and the rollout processes a "
+                        "default process group each, and this process already has one (a program that calls "
+                        "`trainer.grpo.main` inside its own process group): start asynchronous GRPO with torchrun "
+                        "directly, or set `--grpo.rollout_processes=0`.")
     backend, timeout = "nccl" if use_cuda else "gloo", datetime.timedelta(minutes=parallel.timeout_minutes)
     side_link = None
     if created_process_group and rollout_processes:

@@ -31,7 +31,7 @@ GRPO_KEYS = {
     "grpo.overlong_penalty", "grpo.mask_truncated", "grpo.entropy_coef",
     "grpo.tools", "grpo.environment", "grpo.max_turns", "grpo.max_tool_response_tokens", "grpo.tool_timeout",
     "grpo.tool_workers", "grpo.tool_isolation", "grpo.routing_replay", "grpo.rollout_correction",
-    "grpo.rollout_correction_cap",
+    "grpo.rollout_correction_cap", "grpo.rollout_processes", "grpo.max_staleness",
 }
 
 
@@ -268,6 +268,16 @@ FRAGILE_REWARD = (
     "    if len(completion) % 2:\n"
     "        raise ValueError('cannot handle odd lengths')\n"
     "    return 0.0\n")
+# Kills the last rank (asynchronous GRPO's rollout process) once it scored step 1's 32 completions.
+KILLING_REWARD = (
+    "import os, signal\n"
+    "calls = 0\n"
+    "def reward(completion, reference):\n"
+    "    global calls\n"
+    "    calls += 1\n"
+    "    if calls > 40 and int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return 0.0\n")
 RESUME_LAYOUTS = {"ddp": [], "pp": ["--parallel.pp=2"], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
 
 
@@ -305,15 +315,30 @@ def launches(default_sft, tmp_path_factory):
         return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}
                 for name, layout in layouts.items()]
 
+    # Asynchronous GRPO: one trainer and one rollout process, at max_staleness 1 (straight and resumed) and 0; TP=2
+    # trainers beside one rollout process (three processes); the colocated reference of the synchronous run.
+    asynchronous = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
+                    "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
+                    "--ckpt.save_interval=1", "--grpo.rollout_correction=tis"]
+
+    def async_command(name: str, *extra: str) -> dict:
+        return {"module": "trainer.grpo", "argv": [*asynchronous, f"--train.out_dir={root / 'async' / name}", *extra]}
+
+    sampler = "--grpo.rollout_processes=1"
+    synchronous = ("--grpo.max_staleness=0", "--train.steps=3")
     first = yield launch([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
-                          lora_command(sft_checkpoint, root / "lora")], env=env)
+                          lora_command(sft_checkpoint, root / "lora"), async_command("straight", sampler),
+                          async_command("split", sampler, "--train.exit_interval=2"),
+                          async_command("synchronous", sampler, *synchronous)], env=env)
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
-    yield launch(resume_commands("split", "--resume-from-checkpoint", "latest"), env=env)
+    yield launch([*resume_commands("split", "--resume-from-checkpoint", "latest"),
+                  async_command("split", sampler, "--resume-from-checkpoint", "latest")], env=env)
     # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two), a row per
-    # completion as pipeline stages have it (`grpo.share_prompts` is off there).
-    yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]}],
-                 nproc=1, env=env)
+    # completion as pipeline stages have it (`grpo.share_prompts` is off there); the synchronous run's, colocated.
+    yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]},
+                  async_command("colocated", *synchronous)], nproc=1, env=env)
+    yield launch([async_command("tp2", sampler, "--parallel.tp=2", *synchronous)], nproc=3, env=env)
     return {"root": root, "lora_log": first[-1]["log"], "split_exported_at_step_2": split_exported_at_step_2}
 
 
@@ -379,6 +404,57 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_pipeline_stages_and_m
     assert (tmp_path / "ddp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "fsdp" / "split" / "hf" / "model.safetensors").is_file()
     assert (tmp_path / "pp" / "split" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+def test_asynchronous_grpo_repeats_resumes_exactly_and_equals_the_colocated_loop_when_synchronous(shared_runs):
+    """`grpo.rollout_processes=1` (one trainer, one rollout process, the decoupled objective `rollout_correction=tis`):
+    at max_staleness 1, 2 steps + resume + 2 equal 4 straight (the checkpoint holds step 3's batch, sampled by the
+    policy after step 1), each step after the first sampled one update behind; at 0, the colocated loop on one process:
+    the same completions and scores at every step. TP=2 trainers push weights their layout gathers: the rollout
+    process's log-probs equal theirs before each update to the last bits (the gap a stale or a wrong weight would
+    open is orders of magnitude larger)."""
+    root = shared_runs["root"] / "async"
+    fields = ("step", "reward_mean", "loss", "kl", "entropy", "grad_norm", "staleness", "rollout_is_ratio_mean",
+              "rollout_is_ratio_max", "rollout_logprob_diff_mean", "eval_accuracy")
+    straight, split = ([tuple(row.get(key) for key in fields) for row in metrics(root / run)] for run in ("straight", "split"))
+    print("asynchronous GRPO straight vs resumed:", straight)
+    assert split == straight and [row[0] for row in straight] == [0, 1, 2, 3, 4]
+    steps = [row for row in metrics(root / "straight") if "loss" in row]
+    assert [row["staleness"] for row in steps] == [0, 1, 1, 1]
+    for row in steps:  # the weights' push and the waits on both sides are logged, and the stale steps show their gap
+        assert row["weight_sync_time_s"] >= 0 and row["rollout_wait_time_s"] >= 0
+        assert 0 <= row["trainer_idle_share"] <= 1 and 0 <= row["rollout_idle_share"] <= 1
+    assert (root / "split" / "hf" / "model.safetensors").is_file()
+    # Synchronous: the colocated loop's completions, so its rewards, lengths and held-out figures exactly. The one-process
+    # reference runs with torch's default threads (torchrun sets OMP_NUM_THREADS=1 only from two processes), so its sums
+    # are ordered otherwise: measured with OMP_NUM_THREADS=1, every figure of every step was equal bit for bit.
+    sampled = ("step", "reward_mean", "accuracy", "response_len", "zero_advantage_groups", "eval_accuracy",
+               "eval_answer_accuracy")
+    synchronous, colocated = (metrics(root / run) for run in ("synchronous", "colocated"))
+    assert [[row.get(key) for key in sampled] for row in synchronous] == [[row.get(key) for key in sampled]
+                                                                          for row in colocated]
+    for remote, local in zip(synchronous[1:], colocated[1:]):
+        assert remote["staleness"] == 0 and remote["loss"] == pytest.approx(local["loss"], rel=1e-5)
+        assert remote["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+        assert remote["rollout_logprob_diff_mean"] < 1e-6
+    tp2 = [row for row in metrics(root / "tp2") if "loss" in row]
+    print("TP=2 trainers' gap to the rollout process:", [row["rollout_logprob_diff_mean"] for row in tp2])
+    assert len(tp2) == 3 and all(row["rollout_logprob_diff_mean"] < 1e-6 and row["staleness"] == 0 for row in tp2)
+
+
+@pytest.mark.distributed
+def test_a_rollout_process_that_dies_ends_the_run_with_a_paragraph(sft_checkpoint, tmp_path):
+    """A rollout process killed mid-run (SIGKILL from its reward function, at step 2): the trainer waiting for its
+    batch ends with one paragraph naming the lost process, and the launch ends in seconds, not at a timeout."""
+    (tmp_path / "killing_reward.py").write_text(KILLING_REWARD)
+    started = time.perf_counter()
+    result = torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", f"--train.out_dir={tmp_path / 'out'}",
+                       "--train.steps=4", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+                       "--train.eval_samples=0", "--grpo.rollout_processes=1", "--grpo.reward=killing_reward:reward"],
+                      check=False, env={"PYTHONPATH": f"{tmp_path}:{REPO}"}, timeout=300)
+    assert result.returncode != 0 and time.perf_counter() - started < 150
+    assert "error: Asynchronous GRPO lost its rollout process (global rank 1)" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.distributed

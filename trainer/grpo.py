@@ -123,7 +123,8 @@ def run_rollout_process(config, runtime, reward, toolset) -> None:
     """A rollout process of asynchronous GRPO: the tokenizer, the prompts and a whole forward-only replica of the
     policy, then sampling for the trainers until they end (`trainer.grpo_async.serve`)."""
     model_path = build.resolve_model_path(config)
-    tokenizer, episode_sampler, train_prompts, _ = load_tokenizer_and_prompts(config, model_path, toolset, 1)
+    tokenizer, episode_sampler, train_prompts, _ = load_tokenizer_and_prompts(config, model_path, toolset,
+                                                                              runtime.link.trainers)
     replica_config = dataclasses.replace(config, parallel=parallel.rollout_layout(config.parallel))
     replica = build.build_policy(replica_config, model_path, tokenizer, trainable=False)
     try:

@@ -22,7 +22,7 @@ import logging
 import time
 
 from config.errors import UserError
-from model import collectives, link as links
+from model import collectives, link as links, parallel
 from trainer.grpo_sampling import StepBatch, collect_rollouts, refuse_a_batch_of_skipped_prompts
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ class RemoteRollouts:
         self.source = runtime.link.trainers + runtime.dp_rank % runtime.link.rollouts  # the rollout process serving me
         self.pending: dict[int, StepBatch] = {}  # step -> its batch, received ahead
         self.received = self.pushed = 0  # the last step whose batch came; the last version pushed
+        if self.staleness and config.grpo.rollout_correction == "none" and runtime.is_main:
+            log.warning("grpo.max_staleness=%d trains on rollouts up to %d updates old with no correction for it: the "
+                        "clipped ratio is taken against the proximal policy only (AReaL measured naive PPO losing "
+                        "accuracy from 4 steps of staleness). `--grpo.rollout_correction=tis` is the decoupled objective.",
+                        self.staleness, self.staleness)
 
     def state_dict(self) -> dict:
         """Every data-parallel rank's batches received ahead (collective over the data-parallel group)."""
@@ -102,8 +107,11 @@ class RemoteRollouts:
 
 def end_without_steps(runtime) -> None:
     """Trainers with nothing to run (a finished run resumed): tell the rollout processes, which wait for weights."""
-    if runtime.link is not None and runtime.link.weights is not None:
+    if runtime.link is None:
+        return
+    if runtime.link.weights is not None:
         runtime.link.broadcast_object({"stop": True})
+    parallel.shutdown(runtime)
 
 
 def serve(config, runtime, replica, episode_sampler, prompts, reward) -> None:

@@ -6,6 +6,8 @@ Shapes: `groups` prompts x `samples` completions for rewards; `[batch, seq]` per
 batch row is one completion and `mask` is 1 on the completion's tokens (those the policy sampled).
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -74,6 +76,18 @@ def truncated_importance_weights(log_ratio: torch.Tensor, cap: float) -> torch.T
     log_ratio = log pi_old - log pi_sampler (0 on untrained tokens: weight 1). A constant of the loss (no gradient)."""
     # log_ratio: [batch, seq]
     return log_ratio.detach().clamp(max=LOG_RATIO_CLAMP).exp().clamp(max=cap)
+
+
+def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, level: str) -> torch.Tensor:
+    """Rejection of the rollout/training gap (verl's rollout_rs): 1 where pi_old / pi_sampler lies in [1 / cap, cap]
+    for the token (`token_reject`), or for its completion's geometric mean over the trained tokens
+    (`sequence_reject`), else 0; from log_ratio = log pi_old - log pi_sampler (0 off the trained tokens)."""
+    # log_ratio, mask: [batch, seq]
+    bound = math.log(cap)
+    if level == "token_reject":
+        return (log_ratio.detach().abs() <= bound).to(mask.dtype)
+    mean = (log_ratio.detach() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [batch]
+    return (mean.abs() <= bound).to(mask.dtype)[:, None].expand_as(mask)
 
 
 KL_ESTIMATORS = dict(zip(sections.KL_ESTIMATORS, (kl_k1, kl_k3), strict=True))

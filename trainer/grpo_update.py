@@ -5,7 +5,10 @@ the loss exactly).
 The rollout/training gap: every sampled token carries the log-prob its sampler gave it (`model.generate.Completions`);
 pi_old (the training forward with the sampling weights) is compared with it on every trained token:
 `rollout_logprob_diff_mean` / `_max` (|log pi_old - log pi_sampler|) and `rollout_kl` (k3, samples from the sampler).
-`grpo.rollout_correction=tis` weights each token's policy-gradient term by min(pi_old / pi_sampler, cap).
+`grpo.rollout_correction=tis` weights each token's policy-gradient term by min(pi_old / pi_sampler, cap);
+`token_reject` / `sequence_reject` leave tokens (completions) whose ratio lies outside [1 / cap, cap] out of the loss.
+With stale rollouts (asynchronous GRPO) pi_old is the proximal policy and pi_sampler the behaviour policy: `tis` is
+then AReaL's decoupled objective. Any correction logs the ratio's mean and maximum, a rejection the share it masks.
 A Mixture-of-Experts policy's training forwards load the rollout's routes (`model.routing`): replayed with
 `grpo.routing_replay`, compared with the router's own choice either way (`moe_route_mismatch`, counted in the forward
 that has the sampling weights: pi_old's when it is recomputed, else the single update's). The KL reference replays
@@ -45,11 +48,12 @@ class LossSettings:
     entropy_coef: float
     aggregation: object
     budget: int  # grpo.max_new_tokens, the constant normaliser's
-    correction_cap: float | None  # grpo.rollout_correction=tis: the truncated importance weight's cap (None: off)
+    correction_cap: float | None  # grpo.rollout_correction: the weight's cap or the ratio's bound (None: off)
     routing_replay: bool
     share_prompts: bool = False  # each group one row of the model's input, its prompt once (`model.shared_prefix`)
     teacher_coef: float | None = None  # grpo.teacher's weight in each token's advantage (None: no teacher)
     reward_weight: float = 1.0  # the group advantage's weight beside a teacher's term
+    correction: str = "none"  # grpo.rollout_correction
 
     @classmethod
     def from_config(cls, grpo, share_prompts: bool = False) -> "LossSettings":
@@ -57,8 +61,8 @@ class LossSettings:
         return cls(grpo.temperature, grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.kl_coef,
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
                    grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
-                   grpo.rollout_correction_cap if grpo.rollout_correction == "tis" else None, grpo.routing_replay,
-                   share_prompts, grpo.teacher_coef if grpo.teacher else None, grpo.reward_weight)
+                   grpo.rollout_correction_cap if grpo.rollout_correction != "none" else None, grpo.routing_replay,
+                   share_prompts, grpo.teacher_coef if grpo.teacher else None, grpo.reward_weight, grpo.rollout_correction)
 
     @classmethod
     def for_run(cls, config, policy, teacher=None) -> "LossSettings":
@@ -135,23 +139,28 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
                                                        settings.clip_high, settings.dual_clip)
     # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
     gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
-    if settings.correction_cap is not None:  # truncated importance sampling: pi_old / pi_sampler, at most the cap
+    trained = mask  # the tokens the loss averages over
+    if settings.correction == "tis":  # truncated importance sampling: pi_old / pi_sampler, at most the cap
         per_token = per_token * grpo_math.truncated_importance_weights(gap, settings.correction_cap)
+    elif settings.correction != "none":  # rejection: tokens or completions out of bounds leave the loss
+        trained = mask * grpo_math.rejection_keep(gap, mask, settings.correction_cap, settings.correction)
     kl = torch.zeros_like(logprobs) if batch["ref_logprobs"] is None else settings.kl_estimator(logprobs, batch["ref_logprobs"])
     per_token = per_token + settings.kl_coef * kl
     if settings.entropy_coef > 0:
         per_token = per_token - settings.entropy_coef * entropy
-    loss_sum, count = settings.aggregation(per_token, mask, settings.budget)
+    loss_sum, count = settings.aggregation(per_token, trained, settings.budget)
     # KL(sampler || pi_old) from the sampler's samples, in fp64: a gap of 1e-7 has a k3 of 1e-14, which fp32 rounds to 0.
     rollout_kl = grpo_math.kl_k3(batch["sampler_logprobs"].double(), old_logprobs.double())
     # With a teacher: the reverse KL log pi_sampler - log pi_teacher and the teacher's log-prob, over the trained tokens.
     teacher = batch.get("teacher_logprobs")
     teacher_sums = ([torch.zeros((), device=mask.device)] * 2 if teacher is None
                     else [((batch["sampler_logprobs"] - teacher) * mask).sum(), (teacher * mask).sum()])
+    ratio = torch.where(mask > 0, gap.detach().clamp(max=grpo_math.LOG_RATIO_CLAMP).exp(), 0.0)  # pi_old / pi_sampler
     stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum(),
-                         gap.abs().sum(), (rollout_kl * mask).sum().float(), *teacher_sums]).detach()
+                         gap.abs().sum(), (rollout_kl * mask).sum().float(), *teacher_sums, ratio.sum(),
+                         (mask - trained).sum()]).detach()
     return loss_sum, count.to(torch.int), {"loss": torch.stack([loss_sum.detach(), count.detach()]), "stats": stats,
-                                           "gap_max": gap.abs().max().detach()}
+                                           "gap_max": gap.abs().max().detach(), "ratio_max": ratio.max().detach()}
 
 
 def forward_step(settings: LossSettings, routes, data_iterator, model):
@@ -295,9 +304,10 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     per_update = len(microbatches) // config.grpo.mini_batches
-    # loss sum, loss count, kl, entropy, clipped, tokens, |gap|, rollout k3, teacher reverse KL, teacher log-prob
-    totals = torch.zeros(10, dtype=torch.float64)
-    grad_norms, gap_max = [], 0.0
+    # loss sum, loss count, kl, entropy, clipped, tokens, |gap|, rollout k3, teacher reverse KL, teacher log-prob,
+    # pi_old / pi_sampler, tokens rejected
+    totals = torch.zeros(12, dtype=torch.float64)
+    grad_norms, gap_max, ratio_max = [], 0.0, 0.0
     policy.routing_figures.start_step()
     for _ in range(config.grpo.ppo_epochs):
         for start in range(0, len(microbatches), per_update):
@@ -314,7 +324,8 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             for reported in outputs:  # one per micro-batch (`policy_loss`'s report)
                 totals += torch.cat([reported["loss"], reported["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(reported["gap_max"]))
-    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl, reverse_kl, teacher_logprob = (
+                ratio_max = max(ratio_max, float(reported["ratio_max"]))
+    loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl, reverse_kl, teacher_logprob, ratio, rejected = (
         collectives.last_stage_sum(totals.tolist()))
     padded, positions = collectives.data_parallel_sum(batches.padding_counts(microbatches))
     # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
@@ -327,8 +338,21 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             "rollout_kl": rollout_kl / max(tokens, 1), "padding_share": padded / max(positions, 1),
             **({"teacher_reverse_kl": reverse_kl / max(tokens, 1), "teacher_logprob": teacher_logprob / max(tokens, 1)}
                if settings.teacher_coef is not None else {}),
+            **correction_figures(settings, ratio, rejected, tokens, ratio_max),
             **route_mismatch(policy.routes),
             **policy.routing_figures.step_figures()}
+
+
+def correction_figures(settings: LossSettings, ratio: float, rejected: float, tokens: float, ratio_max: float) -> dict:
+    """With `grpo.rollout_correction`: the ratio pi_old / pi_sampler's mean and maximum over the trained tokens
+    (`rollout_is_ratio_mean` / `_max`), and a rejection's share of them masked (`rollout_rejected_share`). Collective."""
+    if settings.correction == "none":
+        return {}
+    figures = {"rollout_is_ratio_mean": ratio / max(tokens, 1),
+               "rollout_is_ratio_max": collectives.all_reduce_float(ratio_max, torch.distributed.ReduceOp.MAX)}
+    if settings.correction != "tis":
+        figures["rollout_rejected_share"] = rejected / max(tokens, 1)
+    return figures
 
 
 def route_mismatch(routes) -> dict:

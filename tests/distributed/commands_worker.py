@@ -15,6 +15,7 @@ until a command has used Megatron-FSDP: a later run in the process reaches its g
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from config.loops import GRPOConfig, SFTConfig
 from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
 from trainer import grpo, sft
 
+REGROUPS = itertools.count()  # the launch's group made again after an asynchronous GRPO run, each time under new keys
 LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo.main)}
 
 
@@ -74,6 +76,10 @@ def run_command(command: dict) -> tuple[dict, bool]:
         captured = logging.StreamHandler(io.StringIO())  # beside the console's: the loops' loggers propagate to the root
         logging.getLogger().addHandler(captured)
         error, policy = None, None
+        # Asynchronous GRPO makes each side's default group itself, as its own launch would: the launch's is set aside.
+        own_world = getattr(getattr(config, "grpo", None), "rollout_processes", 0) > 0
+        if own_world:
+            dist.destroy_process_group()
         try:
             policy = loop(command["argv"] + smoke)
         except UserError as raised:
@@ -82,6 +88,10 @@ def run_command(command: dict) -> tuple[dict, bool]:
             error = " ".join(str(raised).split())
         finally:
             logging.getLogger().removeHandler(captured)
+            if own_world:  # the launch's group again, under keys of its own (the first one's are stale in the store)
+                store, rank, world_size = next(dist.rendezvous("env://"))
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"launch-group-{next(REGROUPS)}/", store),
+                                        rank=rank, world_size=world_size)
         config, _ = cli.parse_args(config_class, command["argv"] + smoke, command["module"])
         metrics = Path(config.train.out_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

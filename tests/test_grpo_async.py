@@ -1,0 +1,67 @@
+"""Asynchronous GRPO's fast checks: the schedule of which policy samples which step, the layouts refused before
+anything is built, and the rollout corrections' rejection masks by hand (the runs: tests/test_grpo_e2e.py)."""
+
+import pytest
+import torch
+
+from config.cli import parse_args
+from config.errors import UserError
+from config.loops import GRPOConfig
+from trainer import grpo_math
+from trainer.grpo_async import sampled_by
+
+
+def test_which_policy_samples_each_step_is_a_function_of_the_step():
+    """max_staleness k: step s is sampled by the policy after step s-1-k, never before the run's start; 0 is the
+    synchronous loop (the policy after the previous step). A resume after step 4 keeps the straight run's schedule for
+    every step it samples (its first k batches come from the checkpoint)."""
+    assert [sampled_by(step, 0, 0) for step in range(1, 7)] == [0, 1, 2, 3, 4, 5]
+    assert [sampled_by(step, 0, 1) for step in range(1, 7)] == [0, 0, 1, 2, 3, 4]
+    assert [sampled_by(step, 0, 2) for step in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    assert [sampled_by(step, 4, 1) for step in range(6, 9)] == [sampled_by(step, 0, 1) for step in range(6, 9)]
+    # Resumed from a checkpoint without the batches sampled ahead: the checkpoint's policy samples them.
+    assert [sampled_by(step, 4, 2) for step in range(5, 9)] == [4, 4, 4, 5]
+
+
+@pytest.mark.parametrize("argv, world_size, expected", [
+    (["--grpo.rollout_processes=2"], 2, "leaves 0 of the 2 processes to train"),
+    (["--grpo.rollout_processes=2"], 3, "must divide the trainers' data-parallel size: the 1 trainers"),
+    (["--grpo.rollout_processes=1", "--parallel.tp=2"], 4, "make no whole data-parallel ranks"),
+    (["--grpo.rollout_processes=1", "--config", "dapo"], 3, "does not run with `grpo.dynamic_sampling`"),
+    (["--grpo.rollout_processes=1", "--peft.method=lora"], 2, "does not run with `peft.method=lora`"),
+    (["--grpo.rollout_processes=-1"], 2, "must be 0 or more, got -1 and 1"),
+    (["--grpo.rollout_processes=1", "--grpo.max_staleness=-1"], 2, "must be 0 or more, got 1 and -1"),
+    (["--grpo.rollout_correction=reject"], 2, "`grpo.rollout_correction=reject` is not one of none, tis, token_reject, "
+                                              "sequence_reject"),
+])
+def test_layouts_asynchronous_grpo_cannot_run_are_refused_at_start_up(argv, world_size, expected):
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=world_size)
+    assert expected in str(error.value)
+
+
+def test_the_default_start_is_refused_with_rollout_processes(tmp_path, monkeypatch):
+    """The default start runs its SFT on every process first; asynchronous GRPO's sides are separate worlds."""
+    monkeypatch.chdir(tmp_path)  # no outputs/sft/hf here
+    config, _ = parse_args(GRPOConfig, ["--grpo.rollout_processes=1"], "trainer.grpo")
+    with pytest.raises(UserError, match="run `torchrun -m trainer.sft` once first"):
+        config.validate(world_size=2)
+    # The trainers are validated at their own world size: 3 processes, 1 sampling, 2 trainers at TP=2.
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", "--grpo.rollout_processes=1", "--parallel.tp=2"],
+                           "trainer.grpo")
+    config.validate(world_size=3)
+
+
+def test_rejection_masks_by_hand():
+    """token_reject keeps tokens whose pi_old / pi_sampler lies in [1/cap, cap]; sequence_reject keeps whole completions
+    by the geometric mean over their trained tokens."""
+    log2 = torch.log(torch.tensor(2.0)).item()
+    log_ratio = torch.tensor([[0.1, -0.9, 0.0, 0.0], [0.5, 0.6, 0.7, 0.0], [log2 + 1e-3, -log2 + 1e-3, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    token = grpo_math.rejection_keep(log_ratio, mask, 2.0, "token_reject")
+    assert token.tolist() == [[1, 0, 1, 1], [1, 1, 0, 1], [0, 1, 1, 1]]  # ln 2 = 0.693
+    sequence = grpo_math.rejection_keep(log_ratio, mask, 2.0, "sequence_reject")
+    # means over the trained tokens: -0.4, 0.6, 0.001
+    assert sequence.tolist() == [[1] * 4, [1] * 4, [1] * 4]
+    assert grpo_math.rejection_keep(log_ratio, mask, 1.5, "sequence_reject")[:, 0].tolist() == [1, 0, 1]  # ln 1.5 = 0.405

@@ -31,7 +31,7 @@ def test_which_policy_samples_each_step_is_a_function_of_the_step():
     (["--grpo.rollout_processes=1", "--peft.method=lora"], 2, "does not run with `peft.method=lora`"),
     (["--grpo.rollout_processes=-1"], 2, "must be 0 or more, got -1 and 1"),
     (["--grpo.rollout_processes=1", "--grpo.max_staleness=-1"], 2, "must be 0 or more, got 1 and -1"),
-    (["--grpo.rollout_correction=reject"], 2, "`grpo.rollout_correction=reject` is not one of none, tis, token_reject, "
+    (["--grpo.rollout_correction=reject"], 2, "`grpo.rollout_correction=reject` is not one of auto, none, tis, token_reject, "
                                               "sequence_reject"),
 ])
 def test_layouts_asynchronous_grpo_cannot_run_are_refused_at_start_up(argv, world_size, expected):
@@ -51,6 +51,23 @@ def test_the_default_start_is_refused_with_rollout_processes(tmp_path, monkeypat
     config, _ = parse_args(GRPOConfig, ["--model.path=tiny", "--grpo.rollout_processes=1", "--parallel.tp=2"],
                            "trainer.grpo")
     config.validate(world_size=3)
+
+
+def test_stale_rollouts_get_the_decoupled_objective_by_default():
+    """`grpo.rollout_correction=auto` (the default): tis where rollouts are stale, none where they are not (colocated, or
+    synchronous rollout processes); a named choice is kept."""
+    from trainer.grpo_update import LossSettings
+
+    def correction(*argv: str) -> tuple:
+        config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+        settings = LossSettings.from_config(config.grpo)
+        return settings.correction, settings.correction_cap
+
+    assert correction() == ("none", None)
+    assert correction("--grpo.rollout_processes=1") == ("tis", 2.0)
+    assert correction("--grpo.rollout_processes=1", "--grpo.max_staleness=0") == ("none", None)
+    assert correction("--grpo.rollout_processes=1", "--grpo.rollout_correction=none") == ("none", None)
+    assert correction("--grpo.rollout_correction=token_reject") == ("token_reject", 2.0)
 
 
 def test_rejection_masks_by_hand():

@@ -41,6 +41,9 @@ def launches(default_sft, tmp_path_factory):
               "--grpo.max_tool_response_tokens=4", "--train.log_interval=1", "--grpo.reward=tests.tool_fixtures:parity"]
     # DAPO's dynamic sampling too: the parity reward leaves some groups all-equal, so extra rounds run.
     digits = ["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2"]
+    # Asynchronous GRPO with the tool: one trainer, one rollout process running the episodes' tools, a step behind.
+    asynchronous = ["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.rollout_processes=1", "--train.steps=4",
+                    "--grpo.rollout_correction=tis"]
 
     def command(name: str, *extra: str) -> dict:
         return {"module": "trainer.grpo", "argv": [*common, f"--train.out_dir={root / name}", *extra]}
@@ -53,12 +56,15 @@ def launches(default_sft, tmp_path_factory):
                           "--parallel.pp=2"),  # LoRA GRPO at PP=1: test_grpo_e2e.py
                   command("pp", *digits, "--parallel.pp=2", "--train.steps=4"),
                   command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--train.exit_interval=2"),
-                  command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4")],
+                  command("fsdp", *digits, "--parallel.use_megatron_fsdp=true", "--train.steps=4"),
+                  command("async", *asynchronous), command("async-split", *asynchronous, "--train.exit_interval=2")],
                  env={"PYTHONPATH": str(REPO)})
     yield launch([command("split", *digits, "--train.steps=4", "--resume-from-checkpoint", "latest"),
-                  command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint", "latest")],
+                  command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint", "latest"),
+                  command("async-split", *asynchronous, "--resume-from-checkpoint", "latest")],
                  env={"PYTHONPATH": str(REPO)})
-    return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "pp", "pp-split", "fsdp")} | {"root": root}
+    return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "pp", "pp-split", "fsdp", "async",
+                                                    "async-split")} | {"root": root}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,17 @@ def runs(joint_launches) -> dict:
 
 def table(rows: list[dict], fields=FIELDS) -> list[tuple]:
     return [tuple(row.get(key) for key in fields) for row in rows]
+
+
+def test_asynchronous_multi_turn_rollouts_resume_exactly(runs):
+    """The tool's episodes sampled by a rollout process one update behind: 2 + resume + 2 steps repeat 4 straight ones
+    bit for bit (the checkpoint holds the batch sampled ahead, its tool results included)."""
+    straight, split = table(runs["async"], FIELDS + ("staleness",)), table(runs["async-split"], FIELDS + ("staleness",))
+    print("tools, asynchronous:", straight)
+    assert split == straight and [row[0] for row in straight] == [0, 1, 2, 3, 4]
+    steps = runs["async"][1:]
+    assert [row["staleness"] for row in steps] == [0, 1, 1, 1]
+    assert all(row["tool_call_rate"] > 0.5 and row["turns_per_episode"] > 1.1 for row in steps)
 
 
 def test_multi_turn_rollouts_train_and_resume_exactly(runs):

@@ -177,7 +177,7 @@ def main(argv: list[str]):
     startup.mark("reference model")
 
     # ---- resume
-    checkpointer.track(policy, lr_schedule=policy.lr_schedule, **({"rollouts": rollouts} if runtime.link else {}))
+    checkpointer.track(policy, lr_schedule=policy.lr_schedule, **rollouts.checkpoint_parts())
     start_step = checkpointer.resume()
     rollouts.begin(start_step)
     startup.mark("resume")

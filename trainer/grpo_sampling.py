@@ -193,11 +193,14 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
 class LocalRollouts:
     """The colocated loop's batches: each step's sampled by this process's policy when the step begins, and checked
     (`refuse_a_batch_of_skipped_prompts`). The interface asynchronous GRPO's `trainer.grpo_async.RemoteRollouts`
-    shares: `begin(start)`, `take(step, timer)`, `after_update(step, timer)`, `close()`."""
+    shares: `checkpoint_parts()`, `begin(start)`, `take(step, timer)`, `after_update(step, timer)`, `close()`."""
 
     def __init__(self, policy, episode_sampler, prompts, config, runtime, reward):
         self.policy, self.episode_sampler, self.prompts = policy, episode_sampler, prompts
         self.config, self.runtime, self.reward = config, runtime, reward
+
+    def checkpoint_parts(self) -> dict:
+        return {}  # nothing sampled ahead
 
     def begin(self, start: int) -> None:
         pass

@@ -8,6 +8,9 @@ The variant, exactly (defaults in brackets):
   pipeline stages each forward passes stage to stage and the last stage samples for all (`model/generate.py`).
   The seed of step s on data-parallel rank d is derived from (train.seed, s, d) and the prompt order from
   (train.seed, s), so a run, and a resume, is reproducible.
+- Asynchronous (`grpo.rollout_processes` N > 0): the last N processes sample (whole replicas, sent the weights
+  after every update) while the others train; step s is sampled by the policy after step s-1-`grpo.max_staleness`
+  with the same prompts and seeds, so runs repeat and resume exactly (`trainer/grpo_async.py`).
 - Tools (`grpo.tools`, `grpo.environment`): an episode is then several turns, the tool messages between them appended
   as token ids into the same KV cache and left out of the loss (mask 0); the reward scores the last turn, plus the
   environment's own reward. `trainer/rollout.py` states the rules; `max_new_tokens` bounds the whole episode.

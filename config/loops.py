@@ -180,11 +180,8 @@ class GRPOConfig(TrainerConfig):
                 (grpo.dynamic_sampling, "`grpo.dynamic_sampling` (its extra rounds need the trainers' data-parallel "
                                         "ranks to agree after every round)"),
                 (self.peft.method != "none", f"`peft.method={self.peft.method}` (a rollout replica holds merged weights, "
-                                             "which differ from the adapters' forward in the last bits)"),
-                (self.starts_from_default_sft(), f"the default start (`model.path={self.model.path}` does not exist "
-                                                 "yet; its SFT runs first on every process)")):
-            require(not refused, f"`grpo.rollout_processes={processes}` does not run with {why}. Drop one of them; "
-                                 "for the default start, run `torchrun -m trainer.sft` once first.")
+                                             "which differ from the adapters' forward in the last bits)")):
+            require(not refused, f"`grpo.rollout_processes={processes}` does not run with {why}. Drop one of them.")
 
     def _validate_teacher(self) -> None:
         """`grpo.teacher`: an HF directory of a dense model the parallel layout divides (its tokenizer is compared with

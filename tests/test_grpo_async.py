@@ -41,16 +41,13 @@ def test_layouts_asynchronous_grpo_cannot_run_are_refused_at_start_up(argv, worl
     assert expected in str(error.value)
 
 
-def test_the_default_start_is_refused_with_rollout_processes(tmp_path, monkeypatch):
-    """The default start runs its SFT on every process first; asynchronous GRPO's sides are separate worlds."""
-    monkeypatch.chdir(tmp_path)  # no outputs/sft/hf here
-    config, _ = parse_args(GRPOConfig, ["--grpo.rollout_processes=1"], "trainer.grpo")
-    with pytest.raises(UserError, match="run `torchrun -m trainer.sft` once first"):
-        config.validate(world_size=2)
-    # The trainers are validated at their own world size: 3 processes, 1 sampling, 2 trainers at TP=2.
+def test_the_trainers_are_validated_at_their_own_world_size():
+    """3 processes, 1 sampling: 2 trainers at TP=2 (one data-parallel rank) pass; at 4 processes, 3 trainers do not."""
     config, _ = parse_args(GRPOConfig, ["--model.path=tiny", "--grpo.rollout_processes=1", "--parallel.tp=2"],
                            "trainer.grpo")
     config.validate(world_size=3)
+    with pytest.raises(UserError, match="the 3 trainers at TP=2 x PP=1 make no whole data-parallel ranks"):
+        config.validate(world_size=4)
 
 
 def test_stale_rollouts_get_the_decoupled_objective_by_default():

@@ -326,8 +326,8 @@ def launches(default_sft, tmp_path_factory):
 
     sampler = "--grpo.rollout_processes=1"
     synchronous = ("--grpo.max_staleness=0", "--train.steps=3")
-    first = yield launch([*resume_commands("straight"), *resume_commands("split", "--train.exit_interval=2"),
-                          lora_command(sft_checkpoint, root / "lora"), async_command("straight", sampler),
+    first = yield launch([lora_command(sft_checkpoint, root / "lora"), *resume_commands("straight"),
+                          *resume_commands("split", "--train.exit_interval=2"), async_command("straight", sampler),
                           async_command("split", sampler, "--train.exit_interval=2"),
                           async_command("synchronous", sampler, *synchronous)], env=env)
     # Stopped early: no export yet.
@@ -339,7 +339,7 @@ def launches(default_sft, tmp_path_factory):
     yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]},
                   async_command("colocated", *synchronous)], nproc=1, env=env)
     yield launch([async_command("tp2", sampler, "--parallel.tp=2", *synchronous)], nproc=3, env=env)
-    return {"root": root, "lora_log": first[-1]["log"], "split_exported_at_step_2": split_exported_at_step_2}
+    return {"root": root, "lora_log": first[0]["log"], "split_exported_at_step_2": split_exported_at_step_2}
 
 
 @pytest.fixture(scope="module")
@@ -546,7 +546,8 @@ def test_bad_parallel_layout_of_the_default_run_fails_before_any_sft_step(tmp_pa
 @pytest.mark.distributed
 def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_path):
     """`torchrun -m trainer.grpo` from another directory with no SFT output yet: the default SFT runs first, in the
-    same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export.
+    same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export; with rollout
+    processes too, the SFT on every process before the two sides split.
 
     A job stopped while that SFT runs (here at its `train.exit_interval`, as after a scheduler's signal) saves it and
     does not start GRPO; the same command again (a requeued job) resumes that SFT, then runs GRPO."""
@@ -565,6 +566,13 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_p
     assert [row["step"] for row in grpo_rows if "reward_mean" in row] == [1, 2]
     assert "eval_accuracy" in grpo_rows[0] and grpo_rows[0]["step"] == 0
     assert (tmp_path / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()
+    # Asynchronous GRPO from the default start: the SFT runs on both processes first, then one trains, one samples.
+    (tmp_path / "async").mkdir()
+    torchrun([*command, "--grpo.rollout_processes=1"], nproc=2, cwd=tmp_path / "async",
+             env={"TRAINER_DEFAULT_SFT_ARGS": sft_args.replace(" --train.exit_interval=10", "")})
+    async_rows = metrics(tmp_path / "async" / "outputs" / "grpo")
+    assert [row["step"] for row in metrics(tmp_path / "async" / "outputs" / "sft")] == list(range(1, 21))
+    assert [row.get("staleness") for row in async_rows] == [None, 0, 1] and async_rows[0]["step"] == 0
 
 
 @pytest.mark.distributed

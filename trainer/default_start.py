@@ -43,13 +43,14 @@ def validate(world_size: int, start: str) -> None:
                         "`--model.path` for GRPO.")
 
 
-def train_default_sft(grpo_config) -> bool:
+def train_default_sft(grpo_config, rejoin: bool = True) -> bool:
     """Run `trainer.sft` (checked by `validate` already), writing `model.path`; False when it stopped on a signal
     (saved, not finished: GRPO must not start).
 
     It resumes from its own latest checkpoint when it has one (a job requeued while it ran continues it) and
     starts fresh otherwise. GRPO has joined the process group already; afterwards the model-parallel groups and
-    seeds are GRPO's again.
+    seeds are GRPO's again. With `rejoin=False` (asynchronous GRPO, whose two sides make their process groups after
+    it) the SFT makes its own process group over every process and ends it.
     """
     start = grpo_config.model.path
     arguments = sft_arguments(start)
@@ -60,5 +61,6 @@ def train_default_sft(grpo_config) -> bool:
     if not (Path(start) / "config.json").is_file():
         log.info("the %s stopped before its last step; rerun GRPO to continue it", "SFT" if recipe else "default SFT")
         return False
-    parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)
+    if rejoin:
+        parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)
     return True

@@ -98,11 +98,20 @@ def load_user_code(config) -> tuple:
     return rewards.get_reward(config.grpo.reward), tool_data.Toolset.from_config(config.grpo)
 
 
-def train_default_sft_first(config, startup) -> bool:
+def train_default_sft_first(config, startup, rejoin: bool = True) -> bool:
     """Run the default SFT (GRPO's bundled start) in this process group; False when it stopped on a signal and saved."""
-    if finished := default_start.train_default_sft(config):
+    if finished := default_start.train_default_sft(config, rejoin):
         startup.mark("the default SFT run")
     return finished
+
+
+def default_sft_before_the_split(config, startup) -> bool:
+    """Asynchronous GRPO from a bundled start that does not exist yet: its SFT runs first, on every process, in a
+    process group of its own (the trainers' and the rollout processes' groups are made after it); False when it stopped
+    on a signal and saved."""
+    if not (config.grpo.rollout_processes and config.starts_from_default_sft()):
+        return True
+    return train_default_sft_first(config, startup, rejoin=False)
 
 
 def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> tuple:
@@ -155,6 +164,8 @@ def main(argv: list[str]):
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward, toolset = load_user_code(config)
     startup.mark("config")
+    if not default_sft_before_the_split(config, startup):
+        return None  # that SFT stopped on a signal and saved: a rerun resumes it
     runtime = parallel.init_distributed(config.parallel, config.train.seed, config.grpo.rollout_processes)
     if runtime.is_rollout:
         return run_rollout_process(config, runtime, reward, toolset)

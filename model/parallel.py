@@ -94,11 +94,6 @@ def rollout_layout(parallel):
                                use_distributed_optimizer=False)
 
 
-def is_rollout_rank(rollout_processes: int) -> bool:
-    """Whether this process is one of the last `rollout_processes` global ranks (asynchronous GRPO's samplers)."""
-    return int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - rollout_processes
-
-
 def _join_side(backend: str, rank: int, world_size: int, rollout_processes: int, timeout):
     """Asynchronous GRPO: this process's default group is its side's (trainers: global ranks 0..T-1; rollout
     processes: the last `rollout_processes`), each with its own megatron-core parallel state, and the `model.link.Link`

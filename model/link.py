@@ -99,7 +99,7 @@ def push_weights(policy, link: Link, header: dict) -> None:
     if sender:
         link.broadcast_object(header)
     bucket, size = [], 0
-    for name, tensor in policy.bridge.export_hf_weights(policy.chunks, cpu=True, show_progress=False):
+    for name, tensor in policy.bridge.export_hf_weights(policy.chunks, cpu=sender, show_progress=False):
         if not sender:
             continue
         bucket.append((name, tensor.contiguous()))

@@ -146,6 +146,23 @@ def run_rollout_process(config, runtime, reward, toolset) -> None:
         parallel.shutdown(runtime)
 
 
+def join_as_trainer(config, startup, reward, toolset):
+    """The process group, and the default SFT when GRPO starts from it and it is missing (with rollout processes, before
+    the two sides split; otherwise in the same group); a rollout process runs its loop here. This trainer's runtime, or
+    None: a rollout process that served its run, or a default SFT that stopped on a signal (saved: a rerun resumes it)."""
+    if not default_sft_before_the_split(config, startup):
+        return None
+    runtime = parallel.init_distributed(config.parallel, config.train.seed, config.grpo.rollout_processes)
+    if runtime.is_rollout:
+        return run_rollout_process(config, runtime, reward, toolset)
+    checkpoint.check_shared_directories(config)
+    startup.mark("process group")
+    if config.starts_from_default_sft() and not train_default_sft_first(config, startup):
+        parallel.shutdown(runtime)
+        return None
+    return runtime
+
+
 def rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward):
     """Where the step's batches come from: this process's policy (colocated), or the rollout processes."""
     if runtime.link is None:
@@ -164,16 +181,8 @@ def main(argv: list[str]):
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward, toolset = load_user_code(config)
     startup.mark("config")
-    if not default_sft_before_the_split(config, startup):
-        return None  # that SFT stopped on a signal and saved: a rerun resumes it
-    runtime = parallel.init_distributed(config.parallel, config.train.seed, config.grpo.rollout_processes)
-    if runtime.is_rollout:
-        return run_rollout_process(config, runtime, reward, toolset)
-    checkpoint.check_shared_directories(config)
-    startup.mark("process group")
-    if config.starts_from_default_sft() and not train_default_sft_first(config, startup):
-        parallel.shutdown(runtime)  # that SFT stopped on a signal and saved: a rerun resumes it
-        return None
+    if (runtime := join_as_trainer(config, startup, reward, toolset)) is None:
+        return None  # a rollout process that served its run, or a default SFT stopped on a signal
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)
     if checkpointer.finished():
@@ -208,8 +217,7 @@ def main(argv: list[str]):
         for step in range(start_step + 1, config.train.steps + 1):
             with metrics.StepTimer() as timer:
                 step_batch = rollouts.take(step, timer)
-                with timer.phase("rank_wait"):  # the first collective after sampling: the ranks' rollouts differ in length
-                    reward_failures.check(step_batch, step)
+                reward_failures.check(step_batch, step, timer)
                 microbatches, seq_len = build_microbatches(step_batch, policy, frozen, config, settings, runtime.device, timer)
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
                 rollouts.after_update(step, timer)

@@ -144,7 +144,8 @@ def serve(config, runtime, replica, episode_sampler, prompts, reward) -> None:
             trainers = [rank for rank, rank_dp in enumerate(dp_ranks) if rank_dp == dp_rank]
             batch = _sample(config, dataclasses.replace(runtime, dp_rank=dp_rank, dp_size=trainer_dp), replica,
                             episode_sampler, prompts, reward, step, trainers)
-            batch.version, batch.sampler_idle_s = version, idle
+            # The wait is this process's, once: the rows' sum over batches is then every rollout process's.
+            batch.version, batch.sampler_idle_s = version, idle if dp_rank == served[0] else 0.0
             for rank in trainers:
                 link.send(batch, rank)
     while not links.receive_header(link).get("stop"):  # the trainers push nothing more; their end message

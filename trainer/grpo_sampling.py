@@ -247,11 +247,14 @@ class RewardFailures:
     def __init__(self, config, runtime):
         self.config, self.runtime, self.reported = config, runtime, set()
 
-    def check(self, step_batch: StepBatch, step: int) -> None:
-        """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed)."""
+    def check(self, step_batch: StepBatch, step: int, timer) -> None:
+        """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed).
+        The step's first collective after sampling, where a rank whose rollouts ended first waits for the others:
+        timed as the step's `rank_wait` phase (`timer`, a `trainer.metrics.StepTimer`)."""
         local_errors = sum(sampling_round.scores.errors for sampling_round in step_batch.rounds)
         local_count = sum(len(sampling_round.episodes) for sampling_round in step_batch.rounds)
-        errors, count = collectives.data_parallel_sum([local_errors, local_count])
+        with timer.phase("rank_wait"):
+            errors, count = collectives.data_parallel_sum([local_errors, local_count])
         if errors == 0:
             return
         failures = {}

@@ -10,7 +10,7 @@ from config.checks import ModelChecks, TrainingChecks, require
 from config.hf import hf_expert_count, read_hf_config
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
-    LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, ROLLOUT_CORRECTIONS,
+    LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
     TOOL_ISOLATIONS, TrainConfig
 )
 
@@ -33,6 +33,13 @@ class TrainerConfig(ModelChecks, TrainingChecks):
     def precision_aware(self) -> bool:
         """fp16 always keeps fp32 master weights in TE's FusedAdam; bf16 only when the user opts in."""
         return self.model.dtype == "fp16" or (self.model.dtype == "bf16" and self.optim.use_precision_aware_optimizer)
+
+    def starts_from_default_sft(self) -> bool:
+        """Whether this run starts from a bundled SFT's output (`BUNDLED_STARTS`) and that output does not exist yet."""
+        return self.model.path in BUNDLED_STARTS and not (Path(self.model.path) / "config.json").is_file()
+
+    def _model_path_exists_now(self) -> bool:
+        return super()._model_path_exists_now() and not self.starts_from_default_sft()
 
     def validate(self, world_size: int) -> None:
         """Every check that needs no model and no data; each error names the key to change."""
@@ -78,13 +85,6 @@ class GRPOConfig(TrainerConfig):
         steps=40, global_batch_size=512, micro_batch_size=64, out_dir="outputs/grpo", eval_interval=0,
         eval_samples=1000, log_interval=5))
     grpo: GRPOSection = field(default_factory=GRPOSection)
-
-    def starts_from_default_sft(self) -> bool:
-        """Whether this run starts from a bundled SFT's output (`BUNDLED_STARTS`) and that output does not exist yet."""
-        return self.model.path in BUNDLED_STARTS and not (Path(self.model.path) / "config.json").is_file()
-
-    def _model_path_exists_now(self) -> bool:
-        return super()._model_path_exists_now() and not self.starts_from_default_sft()
 
     def validate_model_shape(self, model_path: Path) -> None:
         """The shared checks, and routing replay against the pipeline schedule's recomputed backward."""
@@ -221,3 +221,30 @@ class GRPOConfig(TrainerConfig):
                  f"{grpo.mini_batches}`"
                  + ("" if train.micro_batch_tokens else f" x `train.micro_batch_size={train.micro_batch_size}`")
                  + f" x data-parallel size {data_parallel}. Change one of them.")
+
+
+@dataclass
+class RMConfig(TrainerConfig):
+    """`trainer.rm`: the shared sections with reward-model training's defaults: the embedded preference set, the
+    default SFT's output as the start."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START))
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr_ratio=0.1, warmup_steps=10))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=100, global_batch_size=32, micro_batch_size=16, out_dir="outputs/rm", eval_interval=25,
+        eval_samples=1000, log_interval=10))
+
+    def validate(self, world_size: int) -> None:
+        """The shared checks, and what a scalar head over pairs of rows cannot take."""
+        super().validate(world_size)
+        for holds, message in (
+                (not self.data.pack, "`data.pack=true` would put a pair's sides into shared rows, but a reward model "
+                 "scores each side at its own row's last token. Remove `--data.pack=true`."),
+                (self.parallel.vpp == 1, f"`parallel.vpp={self.parallel.vpp}`: reward-model training runs one model "
+                 "chunk per pipeline rank. Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine)."),
+                (self.peft.method == "none", "`peft.method=lora` trains adapters only, but a reward model's new score "
+                 "head must train whole. Set `--peft.method=none`."),
+                (not self.train.micro_batch_tokens, "`train.micro_batch_tokens` groups rows by length, which would "
+                 "split a pair's sides. Use `--train.micro_batch_size` (pairs per micro-batch) instead.")):
+            require(holds, message)

@@ -148,6 +148,16 @@ class DataConfig:
 
 
 @dataclass
+class PreferenceDataConfig(DataConfig):
+    """`trainer.rm`'s data: preference pairs (the embedded set, `outputs/preferences`, is built on first use)."""
+
+    path: str = field(default="outputs/preferences", metadata={"help": "preference pairs: a json/jsonl/parquet file or dir, or a hub dataset name (`outputs/preferences`: the embedded set, sampled from the default SFT and judged by the arithmetic rule, built on first use)"})
+    prompt_field: str = field(default="prompt", metadata={"help": "row field holding the prompt (text or chat messages); without that column each side is a whole conversation"})
+    chosen_field: str = field(default="chosen", metadata={"help": "row field holding the preferred response (text or chat messages)"})
+    rejected_field: str = field(default="rejected", metadata={"help": "row field holding the other response (text or chat messages)"})
+
+
+@dataclass
 class TrainConfig:
     steps: int = field(default=600, metadata={"help": "optimizer steps (GRPO: rollout + update steps); also the learning-rate schedule's length"})
     # The embedded default SFT: 64 samples a step (one micro-batch per rank on 2 processes) learn the arithmetic table

@@ -15,7 +15,7 @@ import torch
 
 from config.errors import UserError
 from config.sections import EMBEDDED_MODELS
-from model import lora, moe, parallel, rules
+from model import lora, moe, parallel, rules, score_head as score_heads
 from model.policy import Policy
 from model.providers import auto_bridge, configure_provider
 from model.wrapping import attach_training_hooks, build_chunks, environment_ddp_defaults, wrap_for_data_parallel
@@ -72,13 +72,15 @@ def load_tokenizer(model_path: Path):
 
 
 def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
-                 on_phase=lambda phase: None) -> Policy:
+                 on_phase=lambda phase: None, score_head: tuple | None = None) -> Policy:
     """Everything a loop trains, in one fixed order: layer spec and TP/PP/VPP, DDP or Megatron-FSDP (after a
     parameter sync over every chunk), optimizer and LR schedule, then the pipeline schedule's training hooks.
 
     `trainable=False` stops after the layer spec and parallel layout: bare chunks for generation and parity
     checks, no optimizer.
     `on_phase(name)` is called as each phase ends (the loops' start-up report times them).
+    `score_head=(seed, weight or None)` builds a reward model (`model.score_head.Classifier`): a scalar head in place
+    of the output layer, given before the chunks are wrapped.
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -91,12 +93,20 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         moe_dispatcher=config.model.moe_dispatcher, moe_router=rules.moe_router_overrides(config.model),
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
+    kind = Policy if score_head is None else score_heads.Classifier
+
+    def bare_chunks():
+        chunks = build_chunks(provider)
+        if score_head is not None:
+            score_heads.attach_head(chunks, provider, *score_head)
+        return chunks
+
     if not trainable:
-        return Policy(bridge, provider, build_chunks(provider), None, None, tokenizer, hf_config)
+        return kind(bridge, provider, bare_chunks(), None, None, tokenizer, hf_config)
     optimizer_config = rules.optimizer_config(config)
     environment = parallel.detect_environment(config.parallel, torch.distributed.get_world_size())
     ddp_config = rules.ddp_config(config, optimizer_config, environment_ddp_defaults(), environment)
-    chunks = build_chunks(provider)
+    chunks = bare_chunks()
     if config.model.moe_freeze_router:
         moe.freeze_routers(chunks)  # before the DDP wrap and the optimizer: neither then holds the routers' weights
     adapters = lora.apply(chunks, config.peft, provider) if config.peft.method == "lora" else None
@@ -108,7 +118,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     on_phase("optimizer")
     log.info("resolved settings:\n%s", rules.settings_table(
         optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
-    return Policy(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
+    return kind(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
 
 
 def warmup_cosine_schedule(optimizer, config):

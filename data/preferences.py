@@ -1,0 +1,94 @@
+"""Preference pairs for reward-model training (`trainer.rm`): rows of a chosen and a rejected response, read in the
+forms the common preference sets use (TRL's): an explicit prompt beside each response, or each side a whole
+conversation; every part either text or chat messages. A side is what a reward model scores: the conversation as
+the chat template renders it (`render`), or, for plain text with no prompt, that text and the end token.
+"""
+
+import dataclasses
+
+import torch
+
+from config.errors import UserError
+from data import conversations as conversation_data
+from data.conversations import DropReport
+
+
+@dataclasses.dataclass
+class Pair:
+    """One preference: the token ids of the chosen and of the rejected side."""
+
+    chosen: list[int]
+    rejected: list[int]
+
+
+def as_messages(value, role: str) -> list[dict] | None:
+    """Text as one message of `role`, chat messages as they are; None for anything else."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value and all(isinstance(message, dict) and "role" in message for message in value):
+        return [{"role": message["role"], "content": message.get("content") or ""} for message in value]
+    return None
+
+
+def render(prompt, response, tokenizer) -> list[int] | None:
+    """One side's token ids: the prompt's messages then the response's (text becomes a user or an assistant message),
+    rendered by the chat template; a text response with no prompt is that text and the end token. None: malformed."""
+    if prompt is None and isinstance(response, str):
+        return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    messages = (as_messages(prompt, "user") if prompt is not None else []), as_messages(response, "assistant")
+    if messages[0] is None or not messages[1]:
+        return None
+    ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
+    """The rows of `path` (`data.path`'s forms) as tokenized pairs; rows whose sides are missing, malformed, alike or
+    longer than `data.max_seq_len` are dropped and counted (a UserError when none is left)."""
+    rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None)
+    if not rows:
+        raise UserError(f"`{path}` ({split}) holds no rows; point `--data.path` at a preference set.")
+    columns = sorted({key for row in rows for key in row})
+    for key, name in (("data.chosen_field", data.chosen_field), ("data.rejected_field", data.rejected_field)):
+        if name not in columns:
+            raise UserError(f"`{key}` is {name!r}, but `{path}` ({split}) has no such column; its columns are "
+                            f"{columns}. Set `--{key}` to the column holding that side of each pair.")
+    has_prompt = data.prompt_field in columns
+    report, pairs = DropReport(rows_read=len(rows)), []
+    for index, row in enumerate(rows):
+        prompt = row.get(data.prompt_field) if has_prompt else None
+        sides = [render(prompt, row.get(name), tokenizer) for name in (data.chosen_field, data.rejected_field)]
+        reason = ("malformed or missing side" if None in sides
+                  else "chosen and rejected alike" if sides[0] == sides[1]
+                  else f"longer than data.max_seq_len={data.max_seq_len}" if max(map(len, sides)) > data.max_seq_len
+                  else None)
+        if reason:
+            report.drop(index, reason)
+            continue
+        pairs.append(Pair(*sides))
+        report.kept_rows.append(index)
+    if not pairs:
+        raise UserError(f"`{path}` ({split}) gave no usable pair: {report.summary()}. Check `--data.chosen_field`, "
+                        "`--data.rejected_field` and `--data.prompt_field`, or raise `--data.max_seq_len`.")
+    return pairs, report
+
+
+def collate_pairs(pairs: list[Pair], seq_len: int, pad_id: int) -> dict:
+    """Rows chosen, rejected, chosen, ... (a pair's sides adjacent), right-padded to `seq_len`: `tokens`,
+    `position_ids` and `padding_mask` (True after a row's last token) [2 x pairs, seq]."""
+    sides = [side for pair in pairs for side in (pair.chosen, pair.rejected)]
+    tokens = torch.full((len(sides), seq_len), pad_id, dtype=torch.int64)  # [rows, seq]
+    for row, ids in enumerate(sides):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+    lengths = torch.tensor([len(ids) for ids in sides])
+    positions = torch.arange(seq_len)
+    return {"tokens": tokens, "position_ids": positions.repeat(len(sides), 1), "attention_mask": None,
+            "padding_mask": positions[None, :] >= lengths[:, None]}
+
+
+def held_out_pairs(data, tokenizer) -> list[Pair]:
+    """The held-out pairs: `data.eval_path`, else the test split of `data.path`; none when it has no test split."""
+    from data import prompts as prompt_data
+
+    loaded = prompt_data.held_out_split(data, lambda path, split: load_pairs(path, split, data, tokenizer)[0])
+    return loaded or []

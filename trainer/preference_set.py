@@ -1,0 +1,77 @@
+"""The embedded preference set (`outputs/preferences`, `trainer.rm`'s default data), built on first use: the default
+SFT model's own samples of the bundled arithmetic prompts (GRPO's, at GRPO's sampling settings), judged by the
+arithmetic rule: for each prompt, a right completion is chosen over a wrong one (as many disjoint pairs as it has
+both). Rows are TRL's conversational form: `prompt` (the chat messages), `chosen` and `rejected` (one assistant
+message each). `train.jsonl` from the train split's prompts, `test.jsonl` from the held-out split's.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from config.sections import DEFAULT_REWARD, GRPOSection
+from data import prompts as prompt_data, rewards
+from model import build, collectives, generate
+from trainer import rollout
+from trainer.metrics import log
+
+DEFAULT_PREFERENCES = "outputs/preferences"
+# (split, prompts, samples per prompt): about 1,100 train pairs and 280 held-out pairs from the default SFT.
+SPLITS = (("train", 2048, 4), ("test", 512, 4))
+CHUNK = 128  # prompts per generation call
+
+
+def missing(path: str) -> bool:
+    """Whether `data.path` is the embedded set and it is not built yet."""
+    return path == DEFAULT_PREFERENCES and not (Path(path) / "test.jsonl").is_file()
+
+
+def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int) -> list[dict]:
+    """Each prompt's right completions paired with its wrong ones, in sampling order, one use each."""
+    rows = []
+    for start in range(0, len(episodes), samples):
+        group = list(zip(episodes[start : start + samples], correct[start : start + samples]))
+        right = [episode for episode, ok in group if ok]
+        wrong = [episode for episode, ok in group if not ok]
+        for chosen, rejected in zip(right, wrong):
+            rows.append({"prompt": chosen.prompt.messages, "chosen": [{"role": "assistant", "content": chosen.answer}],
+                         "rejected": [{"role": "assistant", "content": rejected.answer}]})
+    return rows
+
+
+def build_preference_set(config, model_path: Path, runtime) -> None:
+    """Sample, judge and write the embedded set into `data.path` (collective: every rank samples its share of the
+    prompts; rank 0 writes each file whole, then renames it into place)."""
+    grpo = GRPOSection()
+    tokenizer = build.load_tokenizer(model_path)
+    policy = build.build_policy(config, model_path, tokenizer, trainable=False)
+    sampler = rollout.Rollout(tokenizer, None, generate.end_token_ids(model_path, tokenizer))
+    reward = rewards.get_reward(DEFAULT_REWARD)
+    out = Path(config.data.path)
+    out.mkdir(parents=True, exist_ok=True)
+    data = type(config.data)(path="arithmetic", prompt_field="question", max_seq_len=config.data.max_seq_len)
+    for split, count, samples in SPLITS:
+        prompts = prompt_data.load_prompts(data, tokenizer, "arithmetic", split, grpo.max_new_tokens)[:count]
+        # Chunks of prompts dealt to the data-parallel ranks in turn, each sampled from its own seed: the same set
+        # whatever the number of processes.
+        chunks = {}
+        for index in range(runtime.dp_rank, -(-len(prompts) // CHUNK), runtime.dp_size):
+            sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k, seed=config.train.seed + index,
+                                         logprobs=False)
+            episodes, _ = sampler.run(policy.engine, prompts[index * CHUNK : (index + 1) * CHUNK], samples=samples,
+                                      max_new_tokens=grpo.max_new_tokens, sampling=sampling)
+            correct = rollout.score(reward, episodes).correct
+            chunks[index] = (pairs_of(episodes, correct, samples), sum(correct))
+        gathered = {index: chunk for part in collectives.data_parallel_gather(chunks) for index, chunk in part.items()}
+        if runtime.is_main:
+            rows = [row for index in sorted(gathered) for row in gathered[index][0]]
+            right = sum(count for _, count in gathered.values())
+            log.info("preference set %s: %d pairs from %d completions of %s (%.2f right by the %s rule)", split,
+                     len(rows), len(prompts) * samples, model_path, right / max(len(prompts) * samples, 1), DEFAULT_REWARD)
+            staged = out / f".{split}.jsonl.partial"
+            staged.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            os.replace(staged, out / f"{split}.jsonl")
+    sampler.close()
+    torch.distributed.barrier()  # the files are whole before any rank reads them

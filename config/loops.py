@@ -147,12 +147,12 @@ class GRPOConfig(TrainerConfig):
                  f"seq_mean_token_mean`, the mean over completions GSPO optimises; `{grpo.loss_aggregation}` would weigh "
                  "each completion's ratio by its length instead. Use `--config gspo`, set `--grpo.loss_aggregation="
                  "seq_mean_token_mean`, or use `--grpo.importance_ratio=token`.")
-        require(grpo.reward != "none" or grpo.environment or grpo.teacher,
-                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward "
-                 "or a teacher whose log-probs are the whole signal, but neither `grpo.environment` nor `grpo.teacher` is "
-                 "set: every reward would be 0 and nothing would be learned. Set `--grpo.environment module:Class` or "
-                 "`--grpo.teacher DIR`, or choose a reward function with `--grpo.reward`.")
-        self._validate_teacher()
+        require(grpo.reward != "none" or grpo.environment or grpo.teacher or grpo.reward_model,
+                 "`grpo.reward=none` scores every completion 0, for an environment whose `reward()` is the whole reward, "
+                 "a reward model or a teacher whose log-probs are the whole signal, but none of `grpo.environment`, "
+                 "`grpo.reward_model`, `grpo.teacher` is set: every reward would be 0 and nothing would be learned. Set "
+                 "one of them, or choose a reward function with `--grpo.reward`.")
+        self._validate_frozen_models()
         self._validate_rollout_processes(world_size)
         super().validate(world_size - grpo.rollout_processes)
 
@@ -180,32 +180,39 @@ class GRPOConfig(TrainerConfig):
                 (grpo.dynamic_sampling, "`grpo.dynamic_sampling` (its extra rounds need the trainers' data-parallel "
                                         "ranks to agree after every round)"),
                 (self.peft.method != "none", f"`peft.method={self.peft.method}` (a rollout replica holds merged weights, "
-                                             "which differ from the adapters' forward in the last bits)")):
+                                             "which differ from the adapters' forward in the last bits)"),
+                (grpo.reward_model, "`grpo.reward_model` (the rollout processes score what they sample, and hold no "
+                                    "reward model)")):
             require(not refused, f"`grpo.rollout_processes={processes}` does not run with {why}. Drop one of them.")
 
-    def _validate_teacher(self) -> None:
-        """`grpo.teacher`: an HF directory of a dense model the parallel layout divides (its tokenizer is compared with
-        the policy's once both are loaded)."""
+    def _validate_frozen_models(self) -> None:
+        """`grpo.teacher` and `grpo.reward_model`: HF directories of dense models the parallel layout divides, the
+        weights beside them meaningful (the tokenizers are compared with the policy's once loaded)."""
         grpo = self.grpo
-        require(grpo.teacher_coef >= 0 and grpo.reward_weight >= 0,
-                 f"`grpo.teacher_coef` and `grpo.reward_weight` must be 0 or more, got {grpo.teacher_coef} and "
-                 f"{grpo.reward_weight}. Change them.")
-        require(grpo.teacher or grpo.reward_weight == 1.0,
-                 f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward against a teacher's term, and no "
-                 "`grpo.teacher` is set (alone it would only scale the learning rate). Set `--grpo.teacher DIR`, or "
-                 "leave `grpo.reward_weight` at 1.")
-        if not grpo.teacher:
-            return
-        require((Path(grpo.teacher) / "config.json").is_file(),
-                 f"`grpo.teacher={grpo.teacher}` is not a Hugging Face checkpoint directory (no config.json there). Point "
-                 "`--grpo.teacher` at a directory saved with `save_pretrained` that has the policy's tokenizer (a GRPO "
-                 "or SFT run's `<train.out_dir>/hf`, for one), or leave it empty.")
-        hf = read_hf_config(Path(grpo.teacher), "grpo.teacher")
-        self.check_layout_divides(hf, "teacher")
-        require(not hf_expert_count(hf),
-                 f"`grpo.teacher={grpo.teacher}` is a Mixture-of-Experts model; a teacher is built at the policy's parallel "
-                 "layout, which expert parallelism would have to match, and that is not supported: distil from a dense "
-                 "teacher, or leave `--grpo.teacher` empty.")
+        require(min(grpo.teacher_coef, grpo.reward_weight, grpo.reward_model_weight) >= 0,
+                 f"`grpo.teacher_coef`, `grpo.reward_weight` and `grpo.reward_model_weight` must be 0 or more, got "
+                 f"{grpo.teacher_coef}, {grpo.reward_weight} and {grpo.reward_model_weight}. Change them.")
+        require(grpo.teacher or grpo.reward_model or grpo.reward_weight == 1.0,
+                 f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward function against a reward model's score "
+                 "or a teacher's term, and neither `grpo.reward_model` nor `grpo.teacher` is set (alone it would only "
+                 "scale the learning rate). Set one of them, or leave `grpo.reward_weight` at 1.")
+        require(grpo.reward_model or grpo.reward_model_weight == 1.0,
+                 f"`grpo.reward_model_weight={grpo.reward_model_weight}` weighs a reward model's score, and no "
+                 "`grpo.reward_model` is set. Set `--grpo.reward_model DIR`, or leave `grpo.reward_model_weight` at 1.")
+        for key, path, role in (("teacher", grpo.teacher, "distil from a dense teacher"),
+                                ("reward_model", grpo.reward_model, "score with a dense reward model")):
+            if not path:
+                continue
+            require((Path(path) / "config.json").is_file(),
+                     f"`grpo.{key}={path}` is not a Hugging Face checkpoint directory (no config.json there). Point "
+                     f"`--grpo.{key}` at a directory saved with `save_pretrained` (a run's `<train.out_dir>/hf`, for "
+                     "one), or leave it empty.")
+            hf = read_hf_config(Path(path), f"grpo.{key}")
+            self.check_layout_divides(hf, key.replace("_", " "))
+            require(not hf_expert_count(hf),
+                     f"`grpo.{key}={path}` is a Mixture-of-Experts model; it is built at the policy's parallel layout, "
+                     f"which expert parallelism would have to match, and that is not supported: {role}, or leave "
+                     f"`--grpo.{key}` empty.")
 
     def _validate_batch(self, world_size: int) -> None:
         train, grpo = self.train, self.grpo

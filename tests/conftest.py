@@ -25,6 +25,24 @@ def metrics_rows(out_dir) -> list[dict]:
             for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def tiny_reward_model(out: Path, seed: int = 0) -> Path:
+    """The embedded tiny model as a Hugging Face reward model, as one is downloaded: `Qwen2ForSequenceClassification`
+    with one label, its score head drawn by transformers from `seed`; saved with its tokenizer in `out`."""
+    import torch
+    import transformers
+
+    from model.tiny import ensure_tiny_checkpoint
+
+    source = ensure_tiny_checkpoint()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return Path(out)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_model_cache(tmp_path_factory):
     """Every test session builds the tiny model into its own cache (subprocesses inherit the variable)."""
@@ -99,9 +117,9 @@ def merged_environment(requests: list[dict]) -> dict:
 def uses_megatron_fsdp(command: dict) -> bool:
     """Whether a `trainer.*` command trains under Megatron-FSDP (its config as written)."""
     from config import cli
-    from config.loops import GRPOConfig, SFTConfig
+    from config.loops import GRPOConfig, RMConfig, SFTConfig
 
-    config_class = SFTConfig if command["module"] == "trainer.sft" else GRPOConfig
+    config_class = {"trainer.sft": SFTConfig, "trainer.rm": RMConfig}.get(command["module"], GRPOConfig)
     return cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])[0].parallel.use_megatron_fsdp
 
 

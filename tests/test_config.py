@@ -9,7 +9,7 @@ from tests.conftest import REPO
 from config import cli, sections
 from config.cli import flat_keys, parse_args
 from config.errors import UserError
-from config.loops import SFTConfig
+from config.loops import RMConfig, SFTConfig
 
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
@@ -33,12 +33,14 @@ SFT_KEYS = {
 
 
 def test_key_set_is_frozen():
-    """Adding or renaming a key must be a deliberate change to this list (and to the README)."""
+    """Adding or renaming a key must be a deliberate change to this list (and to the README); reward-model training
+    has SFT's keys and the preference pairs' two columns."""
     assert set(flat_keys(SFTConfig)) == SFT_KEYS
+    assert set(flat_keys(RMConfig)) == SFT_KEYS | {"data.chosen_field", "data.rejected_field"}
 
 
 def test_every_key_has_help():
-    assert all(field.metadata.get("help") for field in flat_keys(SFTConfig).values())
+    assert all(field.metadata.get("help") for config in (SFTConfig, RMConfig) for field in flat_keys(config).values())
 
 
 def test_yaml_then_overrides_in_both_spellings(tmp_path):

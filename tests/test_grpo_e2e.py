@@ -19,12 +19,12 @@ from config.loops import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
 from model.tiny import ensure_tiny_checkpoint
-from tests.conftest import REPO, launch, torchrun, worker_output
+from tests.conftest import tiny_reward_model, REPO, launch, torchrun, worker_output
 from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
     "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
-    "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.share_prompts", "grpo.teacher", "grpo.teacher_coef", "grpo.reward_weight", "grpo.ppo_epochs",
+    "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.share_prompts", "grpo.teacher", "grpo.teacher_coef", "grpo.reward_weight", "grpo.reward_model", "grpo.reward_model_weight", "grpo.ppo_epochs",
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
     "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.filter_metric",
     "grpo.tolerate_reward_errors", "grpo.overlong_buffer",
@@ -71,10 +71,12 @@ def test_key_set_is_frozen():
     (["--train.global_batch_size=8"], "whose number of prompts divides over the data-parallel size 2"),
     (["--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8` x `train.micro_batch_size=64`"),
     (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine)"),
-    (["--grpo.reward=none"], "neither `grpo.environment` nor `grpo.teacher` is set"),
-    (["--grpo.reward_weight=0"], "`grpo.reward_weight=0.0` weighs the reward against a teacher's term, and no `grpo.teacher`"),
+    (["--grpo.reward=none"], "but none of `grpo.environment`, `grpo.reward_model`, `grpo.teacher` is set"),
+    (["--grpo.reward_weight=0"], "`grpo.reward_weight=0.0` weighs the reward function against a reward model's score"),
+    (["--grpo.reward_model_weight=2"], "`grpo.reward_model_weight=2.0` weighs a reward model's score, and no `grpo.reward_model`"),
     (["--grpo.teacher=/nonexistent/teacher"], "`grpo.teacher=/nonexistent/teacher` is not a Hugging Face checkpoint directory"),
-    (["--grpo.teacher_coef=-1"], "`grpo.teacher_coef` and `grpo.reward_weight` must be 0 or more"),
+    (["--grpo.reward_model=/nonexistent/rm"], "`grpo.reward_model=/nonexistent/rm` is not a Hugging Face checkpoint directory"),
+    (["--grpo.teacher_coef=-1"], "`grpo.teacher_coef`, `grpo.reward_weight` and `grpo.reward_model_weight` must be 0 or more"),
 ])
 def test_start_up_errors_name_the_key(argv, expected):
     config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
@@ -85,8 +87,8 @@ def test_start_up_errors_name_the_key(argv, expected):
 
 def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(tmp_path):
     """A Mixture-of-Experts teacher is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
-    built. A teacher with the policy's tokenizer turns each trained token's advantage into reward_weight x the group's
-    plus teacher_coef x (log pi_teacher - log pi_sampler)."""
+    built. A teacher with the policy's tokenizer turns each trained token's advantage into the group's (of rewards
+    reward_weight weighs) plus teacher_coef x (log pi_teacher - log pi_sampler)."""
     from trainer.grpo_update import LossSettings, Teacher, distilled_advantages
 
     moe = tmp_path / "moe"
@@ -105,7 +107,7 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     settings = LossSettings.from_config(config.grpo)
     batch = {"sampler_logprobs": torch.tensor([[-1.0, -2.0, 0.0]]), "loss_mask": torch.tensor([[1.0, 1.0, 0.0]])}
     advantages = distilled_advantages(torch.tensor([[0.4]]), batch, torch.tensor([[-1.5, -1.0, -3.0]]), settings)
-    assert advantages[0].tolist() == pytest.approx([0.2 + 2 * -0.5, 0.2 + 2 * 1.0, 0.2], abs=1e-6)
+    assert advantages[0].tolist() == pytest.approx([0.4 + 2 * -0.5, 0.4 + 2 * 1.0, 0.4], abs=1e-6)
     assert distilled_advantages(torch.tensor([[0.4]]), batch, None, settings).item() == pytest.approx(0.4)
 
 
@@ -307,9 +309,12 @@ def launches(default_sft, tmp_path_factory):
              "--grpo.reward=fragile_reward:fragile", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=2",
              "--ckpt.save_interval=1"]  # DDP: each save written in the background while the next step samples
 
-    # On-policy distillation beside the reward (half each), from the untrained tiny model as the teacher.
+    # On-policy distillation beside the reward (half each), from the untrained tiny model as the teacher; a reward
+    # model (the tiny model with a random score head, as transformers makes one) beside the reward, half each.
+    reward_model = tiny_reward_model(root / "reward-model")
     layouts = {**RESUME_LAYOUTS, "distill": [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0.5",
-                                             "--grpo.teacher_coef=0.5"]}
+                                             "--grpo.teacher_coef=0.5"],
+               "reward_model": [f"--grpo.reward_model={reward_model}", "--grpo.reward_weight=0.5"]}
 
     def resume_commands(run: str, *extra: str) -> list[dict]:
         return [{"module": "trainer.grpo", "argv": [*small, *layout, f"--train.out_dir={root / name / run}", *extra]}
@@ -474,6 +479,24 @@ def test_distillation_from_a_teacher_resumes_exactly_and_logs_its_reverse_kl(sha
     assert all(row["teacher_reverse_kl"] > 1.0 and row["teacher_logprob"] < -1.0 for row in steps), steps
     timed = [row for row in metrics(shared_runs["root"] / "distill" / "straight") if "loss" in row]
     assert all(row["teacher_time_s"] > 0 for row in timed)
+
+
+@pytest.mark.distributed
+def test_a_reward_model_beside_the_reward_resumes_exactly_and_is_logged_apart(shared_runs):
+    """`grpo.reward_model` (a transformers-made classifier of the tiny model) beside the rule, half each: 2N steps
+    straight and N + resume + N give the same figures; its score is logged beside the rule's `reward_mean`, and moves
+    the advantages (the losses differ from the rule alone's, the sampled rewards do not at step 1)."""
+    fields = ("step", "reward_mean", "reward_model_score", "loss", "kl", "grad_norm", "eval_accuracy")
+    straight, split = ([tuple(row.get(key) for key in fields) for row in metrics(shared_runs["root"] / "reward_model" / run)]
+                       for run in ("straight", "split"))
+    print("reward model straight vs resumed:", straight)
+    assert split == straight and [row[0] for row in straight] == [0, 1, 2, 3, 4]
+    steps = [dict(zip(fields, row)) for row in straight[1:]]
+    assert all(row["reward_model_score"] is not None and row["reward_model_score"] != 0 for row in steps), steps
+    rule_alone = [row for row in metrics(shared_runs["root"] / "ddp" / "straight") if "loss" in row]
+    assert rule_alone[0]["reward_mean"] == steps[0]["reward_mean"]  # the same samples at step 1
+    assert rule_alone[0]["loss"] != steps[0]["loss"]  # scored otherwise
+    assert "reward_model_score" not in rule_alone[0]
 
 
 @pytest.mark.distributed

@@ -25,11 +25,14 @@ The variant, exactly (defaults in brackets):
   at most `grpo.max_sampling_rounds` [4] rounds a step, until each rank's share of the batch is groups kept (a batch
   still short is filled with dropped groups). Extra rounds draw their prompts and seeds from (train.seed, step,
   round, DP rank), prompts the step has not used first, wrapping around a small set; every rank runs every round.
+- Reward: `grpo.reward_weight` [1] x the reward function's score (+ an environment's reward), plus with a reward
+  model (`grpo.reward_model`) `grpo.reward_model_weight` [1] x its score of the conversation (`trainer.reward_model`).
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
-  With a teacher (`grpo.teacher`, on-policy distillation) each trained token's advantage is `grpo.reward_weight` [1] x A
-  plus `grpo.teacher_coef` [1] x (log pi_teacher - log pi_sampler) of that token (`trainer.grpo_update.Teacher`).
+  With a teacher (`grpo.teacher`, on-policy distillation) each trained token's advantage is A plus
+  `grpo.teacher_coef` [1] x (log pi_teacher - log pi_sampler) of that token (`trainer.grpo_update.Teacher`);
+  `grpo.reward_weight=0` makes the teacher's term the whole signal.
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as
   exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by
@@ -163,10 +166,11 @@ def join_as_trainer(config, startup, reward, toolset):
     return runtime
 
 
-def rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward):
-    """Where the step's batches come from: this process's policy (colocated), or the rollout processes."""
+def rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward, frozen):
+    """Where the step's batches come from: this process's policy (colocated, scored by `frozen`'s reward model when
+    there is one), or the rollout processes."""
     if runtime.link is None:
-        return LocalRollouts(policy, episode_sampler, train_prompts, config, runtime, reward)
+        return LocalRollouts(policy, episode_sampler, train_prompts, config, runtime, reward, frozen.reward_model)
     return grpo_async.RemoteRollouts(config, runtime, policy)
 
 
@@ -193,10 +197,10 @@ def main(argv: list[str]):
 
     # ---- build
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
-    frozen = FrozenModels.for_run(config, policy)  # the KL reference and the distillation teacher
+    frozen = FrozenModels.for_run(config, policy)  # the KL reference, the reward model, the distillation teacher
     settings = LossSettings.for_run(config, policy, frozen.teacher)
     reward_failures = RewardFailures(config, runtime)
-    rollouts = rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward)
+    rollouts = rollouts_for(config, runtime, policy, episode_sampler, train_prompts, reward, frozen)
     startup.mark("reference model")
 
     # ---- resume

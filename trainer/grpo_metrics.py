@@ -57,7 +57,7 @@ def rollout_totals(step_batch: StepBatch) -> dict:
     """This rank's sums over every episode sampled for the step (all rounds), and the batch's group and token counts."""
     totals = {"count": 0, "reward": 0.0, "correct": 0, "errors": 0, "in_format": 0, "right_answer": 0,
               "truncated": 0, "completion_tokens": 0, "sampled_tokens": 0, "penalty": 0.0, "groups": 0,
-              "tool_seconds": 0.0, **dict.fromkeys(rollout.totals([]), 0.0)}
+              "tool_seconds": 0.0, "model_score": 0.0, **dict.fromkeys(rollout.totals([]), 0.0)}
     for sampling_round in step_batch.rounds:
         for key, value in (*sampling_round.scores.totals().items(), *rollout.totals(sampling_round.episodes).items()):
             totals[key] += value
@@ -68,6 +68,8 @@ def rollout_totals(step_batch: StepBatch) -> dict:
         totals["penalty"] += sampling_round.penalty
         totals["groups"] += len(sampling_round.kept)
         totals["tool_seconds"] += sampling_round.tool_seconds
+        if sampling_round.model_scores is not None:
+            totals["model_score"] += float(sampling_round.model_scores.sum())
     return {**totals, "zero_groups": step_batch.zero_advantage_groups, "kept_groups": step_batch.kept_groups,
             "seconds": step_batch.seconds, "reward_seconds": step_batch.reward_seconds,
             "version": step_batch.version or 0, "sampler_idle_s": step_batch.sampler_idle_s,
@@ -89,6 +91,8 @@ def rollout_figures(total: dict, step_batch: StepBatch, config, runtime) -> dict
         figures.update(tool_metrics(total, count, runtime))
     if config.grpo.overlong_buffer:
         figures["overlong_penalty"] = total["penalty"] / count
+    if config.grpo.reward_model:  # `reward_mean` stays the reward function's
+        figures["reward_model_score"] = total["model_score"] / count
     if config.grpo.dynamic_sampling:
         figures["sampling_rounds"] = len(step_batch.rounds)
         figures["kept_group_rate"] = total["kept_groups"] / total["groups"]

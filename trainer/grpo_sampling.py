@@ -77,7 +77,8 @@ class Round:
     kept: torch.Tensor  # [groups]: dynamic sampling keeps the group (it varies in grpo.filter_metric)
     seconds: float  # generating (tools included)
     tool_seconds: float
-    reward_seconds: float  # scoring: the reward function, the scores' broadcast, advantages
+    reward_seconds: float  # scoring: the reward function (and a reward model), the scores' broadcast, advantages
+    model_scores: torch.Tensor | None = None  # [episodes]: `grpo.reward_model`'s scores (None: no reward model)
 
 
 @dataclasses.dataclass
@@ -108,8 +109,9 @@ class StepBatch:
 
 
 def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], config, step: int, round_index: int,
-                 runtime, reward) -> Round:
-    """Sample `grpo.n_samples` episodes of each prompt, score them (reward, overlong penalty) and compute group advantages."""
+                 runtime, reward, reward_model=None) -> Round:
+    """Sample `grpo.n_samples` episodes of each prompt, score them (`grpo.reward_weight` x the reward function's score,
+    plus `grpo.reward_model_weight` x a reward model's, plus the overlong penalty) and compute group advantages."""
     grpo = config.grpo
     sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
@@ -119,7 +121,10 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
                                                  record_routes=bool(policy.routes))
     seconds = time.perf_counter() - start
     scores = rollout.score(reward, episodes, grpo.format_bonus)
-    shaped = torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
+    shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
+    model_scores = None if reward_model is None else reward_model.score(episodes)  # [episodes]
+    if model_scores is not None:
+        shaped = shaped + grpo.reward_model_weight * model_scores
     penalty = 0.0
     if grpo.overlong_buffer:  # the budget bounds the whole episode, so its length counts every token after the prompt
         penalties = grpo_math.overlong_penalty(torch.tensor([len(episode.ids) for episode in episodes]),
@@ -129,7 +134,7 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
     truncated = [policy.engine.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
     return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
-                 time.perf_counter() - start - seconds)
+                 time.perf_counter() - start - seconds, model_scores)
 
 
 def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, metric: str) -> torch.Tensor:
@@ -152,7 +157,7 @@ def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
     return sorted(kept[:wanted] + dropped[: max(0, wanted - len(kept))])
 
 
-def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward) -> StepBatch:
+def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward, reward_model=None) -> StepBatch:
     """This rank's batch of the step: one round of rollouts, or with `grpo.dynamic_sampling` as many rounds (at most
     `grpo.max_sampling_rounds`) as the data-parallel ranks need to fill their batches with groups that carry signal.
 
@@ -161,14 +166,14 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
     grpo = config.grpo
     wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
     rounds = [sample_round(policy, episode_sampler, round_prompts(prompts, config, step, 0, runtime), config, step, 0,
-                           runtime, reward)]
+                           runtime, reward, reward_model)]
     while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
         short = max(0, wanted - sum(int(sampling_round.kept.sum()) for sampling_round in rounds))
         if collectives.data_parallel_sum([short])[0] == 0:
             break
         round_index = len(rounds)
         rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
-                                   config, step, round_index, runtime, reward))
+                                   config, step, round_index, runtime, reward, reward_model))
     examples, advantages, zero_advantage_count, kept_count, sampler_logprobs, routes = [], [], 0, 0, [], []
     skipped_count = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
     for round_index, group in select_groups(rounds, wanted):
@@ -195,9 +200,9 @@ class LocalRollouts:
     (`refuse_a_batch_of_skipped_prompts`). The interface asynchronous GRPO's `trainer.grpo_async.RemoteRollouts`
     shares: `checkpoint_parts()`, `begin(start)`, `take(step, timer)`, `after_update(step, timer)`, `close()`."""
 
-    def __init__(self, policy, episode_sampler, prompts, config, runtime, reward):
+    def __init__(self, policy, episode_sampler, prompts, config, runtime, reward, reward_model=None):
         self.policy, self.episode_sampler, self.prompts = policy, episode_sampler, prompts
-        self.config, self.runtime, self.reward = config, runtime, reward
+        self.config, self.runtime, self.reward, self.reward_model = config, runtime, reward, reward_model
 
     def checkpoint_parts(self) -> dict:
         return {}  # nothing sampled ahead
@@ -207,7 +212,7 @@ class LocalRollouts:
 
     def take(self, step: int, timer) -> StepBatch:
         step_batch = collect_rollouts(self.policy, self.episode_sampler, self.prompts, self.config, step, self.runtime,
-                                      self.reward)
+                                      self.reward, self.reward_model)
         refuse_a_batch_of_skipped_prompts(step_batch, self.config, step)
         return step_batch
 

@@ -29,6 +29,7 @@ from trainer import grpo_math
 from trainer.grpo_batches import collate_rows, microbatch_rows
 from trainer.grpo_sampling import StepBatch
 from trainer.metrics import log
+from trainer.reward_model import RewardModel
 
 
 # ---------------------------------------------------------------- log-probs and loss
@@ -52,7 +53,6 @@ class LossSettings:
     routing_replay: bool
     share_prompts: bool = False  # each group one row of the model's input, its prompt once (`model.shared_prefix`)
     teacher_coef: float | None = None  # grpo.teacher's weight in each token's advantage (None: no teacher)
-    reward_weight: float = 1.0  # the group advantage's weight beside a teacher's term
     correction: str = "none"  # grpo.rollout_correction
 
     @classmethod
@@ -62,7 +62,7 @@ class LossSettings:
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
                    grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
                    grpo.rollout_correction_cap if rollout_correction(grpo) != "none" else None, grpo.routing_replay,
-                   share_prompts, grpo.teacher_coef if grpo.teacher else None, grpo.reward_weight, rollout_correction(grpo))
+                   share_prompts, grpo.teacher_coef if grpo.teacher else None, rollout_correction(grpo))
 
     @classmethod
     def for_run(cls, config, policy, teacher=None) -> "LossSettings":
@@ -239,26 +239,27 @@ class Teacher:
 
 @dataclasses.dataclass
 class FrozenModels:
-    """The frozen models that score a step's sampled tokens: the KL reference (with `grpo.kl_coef` > 0) and the
-    distillation teacher (with `grpo.teacher`)."""
+    """The frozen models that score a step's samples: the KL reference (with `grpo.kl_coef` > 0), the distillation
+    teacher (with `grpo.teacher`) and the reward model (with `grpo.reward_model`, `trainer.reward_model`)."""
 
     reference: KLReference | None
     teacher: Teacher | None
+    reward_model: RewardModel | None = None
 
     @classmethod
     def for_run(cls, config, policy) -> "FrozenModels":
         return cls(KLReference(policy) if config.grpo.kl_coef > 0 else None,
-                   Teacher(config, policy) if config.grpo.teacher else None)
+                   Teacher(config, policy) if config.grpo.teacher else None,
+                   RewardModel(config, policy) if config.grpo.reward_model else None)
 
 
 def distilled_advantages(advantages: torch.Tensor, batch: dict, teacher_logprobs: torch.Tensor | None,
                          settings: LossSettings) -> torch.Tensor:
-    """The group advantages [micro, 1]; with a teacher's log-probs, `grpo.reward_weight` x them plus `grpo.teacher_coef`
-    x (log pi_teacher - log pi_sampler) on each trained token: [micro, seq] (`Teacher`)."""
+    """The group advantages [micro, 1] (of rewards `grpo.reward_weight` weighs); with a teacher's log-probs, them plus
+    `grpo.teacher_coef` x (log pi_teacher - log pi_sampler) on each trained token: [micro, seq] (`Teacher`)."""
     if teacher_logprobs is None:
         return advantages
-    return (settings.reward_weight * advantages
-            + settings.teacher_coef * (teacher_logprobs - batch["sampler_logprobs"]) * batch["loss_mask"])
+    return advantages + settings.teacher_coef * (teacher_logprobs - batch["sampler_logprobs"]) * batch["loss_mask"]
 
 
 def build_microbatches(step_batch: StepBatch, policy, frozen: FrozenModels, config, settings: LossSettings, device,

@@ -18,8 +18,8 @@ from trainer import rollout
 from trainer.metrics import log
 
 DEFAULT_PREFERENCES = "outputs/preferences"
-# (split, prompts, samples per prompt): about 1,100 train pairs and 280 held-out pairs from the default SFT.
-SPLITS = (("train", 2048, 4), ("test", 512, 4))
+# (split, prompts, samples per prompt)
+SPLITS = (("train", 4096, 8), ("test", 512, 8))
 CHUNK = 128  # prompts per generation call
 
 
@@ -29,12 +29,15 @@ def missing(path: str) -> bool:
 
 
 def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int) -> list[dict]:
-    """Each prompt's right completions paired with its wrong ones, in sampling order, one use each."""
+    """Each prompt's right completions paired with its wrong ones, one use each: first the wrong ones in the answer's
+    form (`#### N`: a wrong number or working, the pairs that teach correctness rather than form), then the others,
+    each in sampling order."""
     rows = []
     for start in range(0, len(episodes), samples):
         group = list(zip(episodes[start : start + samples], correct[start : start + samples]))
         right = [episode for episode, ok in group if ok]
-        wrong = [episode for episode, ok in group if not ok]
+        wrong = sorted((episode for episode, ok in group if not ok),
+                       key=lambda episode: not rewards.has_answer_format(episode.answer))
         for chosen, rejected in zip(right, wrong):
             rows.append({"prompt": chosen.prompt.messages, "chosen": [{"role": "assistant", "content": chosen.answer}],
                          "rejected": [{"role": "assistant", "content": rejected.answer}]})
@@ -68,8 +71,10 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
         if runtime.is_main:
             rows = [row for index in sorted(gathered) for row in gathered[index][0]]
             right = sum(count for _, count in gathered.values())
-            log.info("preference set %s: %d pairs from %d completions of %s (%.2f right by the %s rule)", split,
-                     len(rows), len(prompts) * samples, model_path, right / max(len(prompts) * samples, 1), DEFAULT_REWARD)
+            hard = sum(rewards.has_answer_format(row["rejected"][0]["content"]) for row in rows)
+            log.info("preference set %s: %d pairs (%d of them rejecting a wrong answer in the answer's form) from %d "
+                     "completions of %s (%.2f right by the %s rule)", split, len(rows), hard, len(prompts) * samples,
+                     model_path, right / max(len(prompts) * samples, 1), DEFAULT_REWARD)
             staged = out / f".{split}.jsonl.partial"
             staged.write_text("".join(json.dumps(row) + "\n" for row in rows))
             os.replace(staged, out / f"{split}.jsonl")

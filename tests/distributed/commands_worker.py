@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from config import cli
 from config.errors import UserError
-from config.loops import GRPOConfig, SFTConfig
+from config.loops import GRPOConfig, RMConfig, SFTConfig
 from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
-from trainer import grpo, sft
+from trainer import grpo, rm, sft
 
 REGROUPS = itertools.count()  # the launch's group made again after an asynchronous GRPO run, each time under new keys
-LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo.main)}
+LOOPS = {"trainer.sft": (SFTConfig, sft.main), "trainer.grpo": (GRPOConfig, grpo.main), "trainer.rm": (RMConfig, rm.main)}
 
 
 def replicated_checksum(policy) -> str:

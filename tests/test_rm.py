@@ -1,0 +1,290 @@
+"""Reward models: `trainer.rm` (preference pairs in every form, the Bradley-Terry loss on a scalar head, TP/PP/DP,
+exact resume, the export transformers loads as a sequence classifier, the embedded preference set and reward model),
+and what GRPO asks of a reward model (`grpo.reward_model`) before it is built."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from config.cli import parse_args
+from config.errors import UserError
+from config.loops import GRPOConfig, RMConfig
+from data import arithmetic, preferences
+from model import score_head
+from model.tiny import ensure_tiny_checkpoint
+from tests.conftest import REPO, launch, metrics_rows, tiny_reward_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+
+
+def write_pairs(directory, seed: int = 3) -> None:
+    """A small preference set of the arithmetic problems, prompt/chosen/rejected as text: the right `#### N` answer
+    chosen over a wrong one (train.jsonl, 96 pairs; test.jsonl, 32)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, count, offset in (("train", 96, 0), ("test", 32, 1)):
+        rows = []
+        for index, problem in enumerate(arithmetic.generate_problems(count, seed + offset)):
+            working, answer = problem["answer"].split("\n")
+            result = int(answer.removeprefix("#### "))
+            wrong = f"{working.rsplit('=', 1)[0]}= {result + 1 + index % 3}\n#### {result + 1 + index % 3}"
+            rows.append({"prompt": problem["question"], "chosen": problem["answer"], "rejected": wrong})
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+# ---------------------------------------------------------------- pairs, the head's position, the loss
+
+
+def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_path):
+    """An explicit prompt (text or messages) beside each side, or each side a whole conversation, or plain text: the
+    chat template renders a conversation; plain text is tokenized with the end token. Malformed, alike and overlong
+    pairs are dropped and counted; a missing column names the key to set."""
+    question, good, bad = "What is 2 + 2?", "2 + 2 = 4\n#### 4", "2 + 2 = 5\n#### 5"
+    user = [{"role": "user", "content": question}]
+
+    def chat(answer):
+        return tokenizer.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=True)["input_ids"]
+
+    rows = [{"prompt": question, "chosen": good, "rejected": bad},
+            {"prompt": user, "chosen": [{"role": "assistant", "content": good}],
+             "rejected": [{"role": "assistant", "content": bad}]},
+            {"prompt": question, "chosen": good, "rejected": good},  # alike
+            {"prompt": question, "chosen": None, "rejected": bad},  # malformed
+            {"prompt": question, "chosen": good * 40, "rejected": bad}]  # too long
+    (tmp_path / "explicit").mkdir()
+    (tmp_path / "explicit" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = types.SimpleNamespace(hub_config="", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected",
+                                 max_seq_len=128)
+    pairs, report = preferences.load_pairs(str(tmp_path / "explicit"), "train", data, tokenizer)
+    assert [(pair.chosen, pair.rejected) for pair in pairs] == [(chat(good), chat(bad))] * 2
+    assert chat(good)[-1] != tokenizer.eos_token_id  # the template's newline after the end token is part of it
+    assert report.dropped_by_reason == {"chosen and rejected alike": 1, "malformed or missing side": 1,
+                                        "longer than data.max_seq_len=128": 1}
+    # Each side a whole conversation (no prompt column), and plain text.
+    (tmp_path / "implicit").mkdir()
+    (tmp_path / "implicit" / "train.jsonl").write_text(json.dumps(
+        {"chosen": user + [{"role": "assistant", "content": good}], "rejected": bad}) + "\n")
+    pair = preferences.load_pairs(str(tmp_path / "implicit"), "train", data, tokenizer)[0][0]
+    assert pair.chosen == chat(good)
+    assert pair.rejected == tokenizer(bad, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
+        preferences.load_pairs(str(tmp_path / "explicit"), "train", types.SimpleNamespace(**{**vars(data), "chosen_field": "better"}),
+                               tokenizer)
+
+
+def test_the_scored_position_is_the_last_token_that_is_not_padding_as_transformers_pools():
+    tokens = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0], [5, 0, 6, 0, 0]])
+    read = score_head.LastTokens.of(tokens, pad_id=0)
+    # transformers' rule (Qwen2ForSequenceClassification): the rightmost position whose id is not the pad id.
+    expected = [max([i for i, token in enumerate(row) if token != 0], default=0) for row in tokens.tolist()]
+    assert read.columns.tolist() == expected == [2, 4, 0, 2]
+    assert read.rows.tolist() == [0, 1, 2, 3]
+
+
+def test_the_bradley_terry_loss_of_a_micro_batch():
+    """Rows chosen, rejected, ...: -log sigmoid(r_c - r_r) summed, the pair count, and the report's sums."""
+    from trainer import rm
+
+    loss, pairs, report = rm.pair_loss(torch.tensor([2.0, 0.0, -1.0, 1.0]))
+    expected = -torch.nn.functional.logsigmoid(torch.tensor(2.0)) - torch.nn.functional.logsigmoid(torch.tensor(-2.0))
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6) and pairs.item() == 2
+    sums = dict(zip(rm.SUMS, report["rm"].tolist()))
+    assert sums == pytest.approx({"loss": expected.item(), "pairs": 2, "accuracy": 1, "margin": 0.0,
+                                  "chosen_score": 1.0, "rejected_score": 1.0}, abs=1e-6)
+    assert rm.figures(sums, "eval_") == pytest.approx({"eval_loss": expected.item() / 2, "eval_accuracy": 0.5,
+                                                       "eval_margin": 0.0, "eval_chosen_score": 0.5,
+                                                       "eval_rejected_score": 0.5}, abs=1e-6)
+
+
+def test_the_embedded_set_pairs_each_prompts_right_completions_with_its_wrong_ones():
+    """One pair per right completion while wrong ones last; the wrong ones in the answer's form (`#### N`) first."""
+    from trainer import preference_set
+
+    prompt = types.SimpleNamespace(messages=[{"role": "user", "content": "q"}])
+    answers = ["The answer is 4.", "#### 4", "#### 5", "#### 4", "The answer is 5.", "no answer"]
+    episodes = [types.SimpleNamespace(prompt=prompt, answer=text) for text in answers]
+    rows = preference_set.pairs_of(episodes, [False, True, False, True, False, False], samples=3)
+    assert [(row["chosen"][0]["content"], row["rejected"][0]["content"]) for row in rows] == [("#### 4", "#### 5"),
+                                                                                              ("#### 4", "The answer is 5.")]
+    rows = preference_set.pairs_of(episodes, [True, True, False, False, False, False], samples=3)
+    assert [(row["chosen"][0]["content"], row["rejected"][0]["content"]) for row in rows] == [("The answer is 4.", "#### 5")]
+    assert rows[0]["prompt"] == prompt.messages
+
+
+# ---------------------------------------------------------------- checkpoints and start-up refusals
+
+
+def test_a_classifier_is_read_through_a_causal_view_and_one_of_several_labels_is_refused(tmp_path):
+    """A downloaded-style reward model: Bridge reads it as the causal LM with tied embeddings, its head apart; the
+    tiny causal LM passes through; a two-label classifier is refused, naming the key."""
+    from safetensors import safe_open
+
+    path = tiny_reward_model(tmp_path / "rm")
+    view, weight = score_head.causal_view(path, "grpo.reward_model")
+    config = json.loads((view / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+    with safe_open(path / "model.safetensors", "pt") as handle:
+        assert torch.equal(weight, handle.get_tensor("score.weight").float()) and weight.shape == (1, 128)
+    assert score_head.causal_view(ensure_tiny_checkpoint(), "model.path") == (ensure_tiny_checkpoint(), None)
+    two = json.loads((path / "config.json").read_text()) | {"id2label": {"0": "A", "1": "B"}}
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "config.json").write_text(json.dumps(two))
+    with pytest.raises(UserError, match="with 2 labels; a reward model has one"):
+        score_head.causal_view(tmp_path / "two", "grpo.reward_model")
+
+
+def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
+    """Beside rollout processes (they hold no reward model), a causal LM given as one, a Mixture-of-Experts one; the
+    weights without the models they weigh are refused in test_grpo_e2e."""
+    from trainer.reward_model import RewardModel, template_tail
+
+    path = tiny_reward_model(tmp_path / "rm")
+    config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={path}", "--grpo.reward_weight=0"], "trainer.grpo")
+    config.validate(world_size=2)
+    config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={path}", "--grpo.rollout_processes=1"], "trainer.grpo")
+    with pytest.raises(UserError, match="does not run with `grpo.reward_model`"):
+        config.validate(world_size=2)
+    config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={ensure_tiny_checkpoint()}"], "trainer.grpo")
+    with pytest.raises(UserError, match="is a causal language model, not a reward model"):
+        RewardModel(config, policy=None)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2, "num_experts": 8}))
+    config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={moe}"], "trainer.grpo")
+    with pytest.raises(UserError, match="is a Mixture-of-Experts model"):
+        config.validate(world_size=2)
+    import transformers
+
+    assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--data.pack=true"], "Remove `--data.pack=true`"),
+    (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1`"),
+    (["--peft.method=lora"], "Set `--peft.method=none`"),
+    (["--train.micro_batch_tokens=512"], "Use `--train.micro_batch_size` (pairs per micro-batch) instead"),
+])
+def test_reward_model_training_refuses_what_a_scalar_head_over_pairs_cannot_take(argv, expected):
+    config, _ = parse_args(RMConfig, [f"--model.path={ensure_tiny_checkpoint()}", *argv], "trainer.rm")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=2)
+    assert expected in str(error.value)
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def launches(default_sft, tmp_path_factory):
+    """`trainer.rm` runs in two launches (conftest's `joint_launches`): straight, stopped at step 3, at TP=2 and at PP=2
+    on the small set, and the embedded default (its preference set sampled from the default SFT) followed by GRPO
+    scored by it alone; then the stopped run resumed, and a reward model's own export trained on."""
+    root = tmp_path_factory.mktemp("rm-runs")
+    write_pairs(root / "pairs")
+    small = [f"--model.path={ensure_tiny_checkpoint()}", f"--data.path={root / 'pairs'}", "--train.steps=6",
+             "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_samples=16",
+             "--train.eval_interval=3", "--ckpt.save_interval=3", "--optim.lr=1e-3"]
+
+    def command(name: str, *extra: str) -> dict:
+        return {"module": "trainer.rm", "argv": [*small, f"--train.out_dir={root / name}", *extra]}
+
+    home = root / "home"  # a user's directory, where the default SFT's output already is
+    (home / "outputs" / "sft").mkdir(parents=True)
+    (home / "outputs" / "sft" / "hf").symlink_to(default_sft / "hf")
+    defaults = [{"module": "trainer.rm", "argv": [], "cwd": str(home)},
+                {"module": "trainer.grpo", "cwd": str(home),
+                 "argv": ["--grpo.reward_model=outputs/rm/hf", "--grpo.reward_weight=0", "--train.steps=2",
+                          "--train.eval_samples=0", "--train.out_dir=outputs/grpo-rm"]}]
+    first = yield launch([command("straight"), command("split", "--train.exit_interval=3"),
+                          command("tp2", "--parallel.tp=2", "--train.steps=3"),
+                          command("pp2", "--parallel.pp=2", "--train.steps=3"), *defaults])
+    second = yield launch([command("split", "--resume-from-checkpoint", "latest"),
+                           command("continued", f"--model.path={root / 'straight' / 'hf'}", "--train.steps=1")])
+    return {"root": root, "home": home, "default_log": first[4]["log"], "grpo_log": first[5]["log"],
+            "continued": second[1]}
+
+
+@pytest.fixture(scope="module")
+def runs(joint_launches) -> dict:
+    return joint_launches[__name__]
+
+
+@pytest.mark.distributed
+def test_reward_model_training_resumes_exactly_and_agrees_across_layouts(runs):
+    """3 + resume + 3 steps equal 6 straight (every figure, and the exported weights); at TP=2 and at PP=2 (one
+    replica, all 4 micro-batches on it) the same global batches give the same losses within float error; the pair
+    accuracy rises from the untrained model's."""
+    from safetensors.torch import load_file
+
+    root = runs["root"]
+    straight, split = metrics_rows(root / "straight"), metrics_rows(root / "split")
+    print("rm straight:", straight)
+    assert split == straight and [row["step"] for row in straight] == [0, 1, 2, 3, 4, 5, 6]
+    exported = [load_file(root / run / "hf" / "model.safetensors") for run in ("straight", "split")]
+    assert exported[0].keys() == exported[1].keys() and all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+    assert "score.weight" in exported[0] and "lm_head.weight" not in exported[0]
+    for layout in ("tp2", "pp2"):
+        rows = metrics_rows(root / layout)
+        for mine, theirs in zip(rows[1:4], straight[1:4]):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (layout, mine, theirs)
+            assert mine["accuracy"] == theirs["accuracy"]
+        assert rows[0]["eval_accuracy"] == straight[0]["eval_accuracy"]
+    assert straight[-1]["eval_accuracy"] > straight[0]["eval_accuracy"]
+    assert straight[-1]["eval_loss"] < straight[0]["eval_loss"] < 0.75
+
+
+@pytest.mark.distributed
+def test_the_export_loads_in_transformers_and_scores_as_the_trainer_did(runs):
+    """The final model as `AutoModelForSequenceClassification` (in a fresh process): its mean scores of the held-out
+    chosen and rejected sides equal the trainer's last evaluation within 1e-5; a reward model's export trains on from
+    its own head (its baseline evaluation is the run's last)."""
+    root = runs["root"]
+    script = f"""
+import json, sys, types, torch, transformers
+sys.path.insert(0, {str(REPO)!r})
+from data import preferences
+path = {str(root / 'straight' / 'hf')!r}
+tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+data = types.SimpleNamespace(hub_config="", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected",
+                             max_seq_len=128)
+pairs = preferences.load_pairs({str(root / 'pairs')!r}, "test", data, tokenizer)[0][:16]
+batch = preferences.collate_pairs(pairs, max(len(side) for pair in pairs for side in (pair.chosen, pair.rejected)),
+                                  tokenizer.pad_token_id)
+with torch.no_grad():
+    scores = model(input_ids=batch["tokens"]).logits.squeeze(-1)
+print(json.dumps([scores[0::2].mean().item(), scores[1::2].mean().item()]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen, rejected = json.loads(done.stdout.strip().splitlines()[-1])
+    last = metrics_rows(root / "straight")[-1]
+    assert chosen == pytest.approx(last["eval_chosen_score"], abs=1e-5)
+    assert rejected == pytest.approx(last["eval_rejected_score"], abs=1e-5)
+    continued = metrics_rows(root / "continued")
+    assert continued[0]["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(runs):
+    """`torchrun -m trainer.rm` with no arguments, where the default SFT's output is: the preference set is sampled
+    from it first, and the reward model ranks at least 0.95 of the held-out pairs (0.77 before training, a random
+    head); GRPO then runs scored by that export alone."""
+    home = runs["home"]
+    assert "does not exist yet: sampling it from outputs/sft/hf" in runs["default_log"]
+    pairs = [len((home / "outputs" / "preferences" / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "test")]
+    assert pairs[0] > 1000 and pairs[1] > 250, pairs
+    rows = metrics_rows(home / "outputs" / "rm")
+    evaluated = [row for row in rows if "eval_accuracy" in row]
+    print("embedded reward model:", evaluated)
+    assert evaluated[0]["step"] == 0 and evaluated[-1]["step"] == 100
+    assert evaluated[-1]["eval_accuracy"] >= 0.95 > evaluated[0]["eval_accuracy"]
+    grpo = metrics_rows(home / "outputs" / "grpo-rm")
+    assert [row["step"] for row in grpo] == [1, 2] and all(row["reward_model_score"] != 0 for row in grpo)

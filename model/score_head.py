@@ -113,10 +113,17 @@ def head_weight(chunks: list) -> torch.Tensor:
 
     from model import collectives
 
+    from torch.distributed.tensor import DTensor
+
     heads = [head for head in map(head_of, chunks) if head is not None]
-    hidden = (heads[0].weight.shape[1] if heads
-              else gpt_model(chunks[0]).config.hidden_size)
-    weight = heads[0].weight.detach().float().cpu() if heads else torch.zeros(1, hidden)
+    weight = torch.zeros(1, gpt_model(chunks[0]).config.hidden_size)
+    if heads:
+        weight = heads[0].weight.detach()
+        if isinstance(weight, DTensor):  # Megatron-FSDP's shards: gathered over the data-parallel ranks (collective)
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+
+            weight = uneven_dtensor_to_full_tensor(weight)
+        weight = weight.float().cpu().reshape(1, -1)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         weight = collectives.all_reduce(weight, parallel_state.get_pipeline_model_parallel_group())
     return weight

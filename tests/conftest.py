@@ -25,6 +25,23 @@ def metrics_rows(out_dir) -> list[dict]:
             for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def write_pairs(directory: Path, seed: int = 3) -> Path:
+    """A small preference set of the bundled arithmetic problems, prompt/chosen/rejected as text: the right `#### N`
+    answer chosen over a wrong one (train.jsonl, 96 pairs; test.jsonl, 32), in `directory`."""
+    from data import arithmetic
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, count, offset in (("train", 96, 0), ("test", 32, 1)):
+        rows = []
+        for index, problem in enumerate(arithmetic.generate_problems(count, seed + offset)):
+            working, answer = problem["answer"].split("\n")
+            wrong = int(answer.removeprefix("#### ")) + 1 + index % 3
+            rows.append({"prompt": problem["question"], "chosen": problem["answer"],
+                         "rejected": f"{working.rsplit('=', 1)[0]}= {wrong}\n#### {wrong}"})
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return directory
+
+
 def tiny_reward_model(out: Path, seed: int = 0) -> Path:
     """The embedded tiny model as a Hugging Face reward model, as one is downloaded: `Qwen2ForSequenceClassification`
     with one label, its score head drawn by transformers from `seed`; saved with its tokenizer in `out`."""

@@ -112,7 +112,7 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
 
 
 @pytest.mark.parametrize("recipe", sorted(path.stem for path in (REPO / "recipes").glob("*.yaml")
-                                           if not path.stem.startswith("sft_")))
+                                           if not path.stem.startswith("sft_") and path.stem != "rm"))
 def test_every_recipe_is_valid_and_cites_its_sources(recipe):
     """`--config NAME` finds the bundled recipe from any directory; it validates with GRPO's defaults otherwise, and
     its comment names the paper and the peers' keys it matches."""
@@ -137,7 +137,7 @@ def test_recipes_set_what_their_papers_name():
     assert (rloo.baseline, rloo.scale_rewards) == ("leave_one_out", False)
     # The spelled-out default is the default.
     assert parse_args(GRPOConfig, ["--config", "grpo"], "trainer.grpo")[0] == GRPOConfig()
-    with pytest.raises(UserError, match=r"not one of the bundled recipes \(dapo, dr_grpo, grpo, gspo, rloo, sft_moe, sft_tools, tools\)"):
+    with pytest.raises(UserError, match=r"not one of the bundled recipes \(dapo, dr_grpo, grpo, gspo, rloo, rm, sft_moe, sft_tools, tools\)"):
         parse_args(GRPOConfig, ["--config", "ppo"], "trainer.grpo")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GSM8K, REPO, launch
+from tests.conftest import GSM8K, REPO, launch, write_pairs
 
 # Two steps, a few held-out prompts, a small batch (SFT: 16 rows; GRPO: 2 prompts x 8 samples), in micro-batches of 2
 # (so that the GRPO recipes' 4 updates a step divide it at DP=2): the commands' own models, data, lengths, precision
@@ -17,7 +17,9 @@ from tests.conftest import GSM8K, REPO, launch
 SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
          "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
-                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"]}
+                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
+         "trainer.rm": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=4",
+                        "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"]}
 
 
 def documented_commands(markdown: str) -> list[dict]:
@@ -74,8 +76,9 @@ def fixtures(root: Path) -> dict[str, str]:
         lines = (GSM8K / f"{split}.jsonl").read_text().splitlines()[:rows]
         (gsm8k / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     (root / "run.yaml").write_text("data: {path: arithmetic}\ntrain: {global_batch_size: 64, micro_batch_size: 4}\n")
+    pairs = write_pairs(root / "pairs")
     return {"/models/Qwen2.5-0.5B": str(ensure_tiny_checkpoint()), "train.jsonl": str(gsm8k / "train.jsonl"),
-            "openai/gsm8k": str(gsm8k), "run.yaml": str(root / "run.yaml")}
+            "openai/gsm8k": str(gsm8k), "run.yaml": str(root / "run.yaml"), "prefs.jsonl": str(pairs / "train.jsonl")}
 
 
 def launches(tmp_path_factory):
@@ -89,6 +92,8 @@ def launches(tmp_path_factory):
     for earlier in ("outputs/sft", "outputs/grpo"):
         (work / earlier).mkdir(parents=True)
         (work / earlier / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    # The embedded preference set as a first `trainer.rm` leaves it (its sampling, 40 s, is tested in test_rm).
+    write_pairs(work / "outputs" / "preferences")
     for command in commands:
         command["argv"] = [paths.get(token, token) for token in command["argv"]]
         smoke = SMOKE[command["module"]]

@@ -13,10 +13,10 @@ import torch
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig, RMConfig
-from data import arithmetic, preferences
+from data import preferences
 from model import score_head
 from model.tiny import ensure_tiny_checkpoint
-from tests.conftest import REPO, launch, metrics_rows, tiny_reward_model
+from tests.conftest import REPO, launch, metrics_rows, tiny_reward_model, write_pairs
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +24,6 @@ def tokenizer():
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
-
-
-def write_pairs(directory, seed: int = 3) -> None:
-    """A small preference set of the arithmetic problems, prompt/chosen/rejected as text: the right `#### N` answer
-    chosen over a wrong one (train.jsonl, 96 pairs; test.jsonl, 32)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for split, count, offset in (("train", 96, 0), ("test", 32, 1)):
-        rows = []
-        for index, problem in enumerate(arithmetic.generate_problems(count, seed + offset)):
-            working, answer = problem["answer"].split("\n")
-            result = int(answer.removeprefix("#### "))
-            wrong = f"{working.rsplit('=', 1)[0]}= {result + 1 + index % 3}\n#### {result + 1 + index % 3}"
-            rows.append({"prompt": problem["question"], "chosen": problem["answer"], "rejected": wrong})
-        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 # ---------------------------------------------------------------- pairs, the head's position, the loss
@@ -164,6 +150,13 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     import transformers
 
     assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
+
+
+def test_the_embedded_recipe_is_the_default():
+    """`--config rm` (recipes/rm.yaml) spells out `trainer.rm`'s defaults: the default SFT's output, the embedded set."""
+    recipe, _ = parse_args(RMConfig, ["--config", "rm"], "trainer.rm")
+    assert recipe == RMConfig()
+    assert (recipe.model.path, recipe.data.path, recipe.train.out_dir) == ("outputs/sft/hf", "outputs/preferences", "outputs/rm")
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -31,6 +31,7 @@ from model.providers import export_hf
 log = logging.getLogger(__name__)
 
 CAUSAL, CLASSIFIER = "ForCausalLM", "ForSequenceClassification"
+INDEX = "model.safetensors.index.json"
 
 
 def gpt_model(chunk):
@@ -167,21 +168,34 @@ def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:
     view = Path(tempfile.mkdtemp(prefix="causal-view-"))
     atexit.register(shutil.rmtree, view, ignore_errors=True)
     for item in path.iterdir():
-        if item.name != "config.json":
+        if item.name not in ("config.json", INDEX):
             os.symlink(item.resolve(), view / item.name)
     causal = dict(config, architectures=[architecture[: -len(CLASSIFIER)] + CAUSAL], tie_word_embeddings=True)
     (view / "config.json").write_text(json.dumps(causal, indent=2))
+    # An index of the backbone's tensors alone: Bridge then neither reads the head nor, exporting, waits for it.
+    (view / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
+        name: file for name, file in _tensor_files(path).items() if name not in ("score.weight", "lm_head.weight")}}))
     return view, _read_tensor(path, "score.weight", key)
+
+
+def _tensor_files(path: Path) -> dict[str, str]:
+    """Each tensor of an HF checkpoint -> the safetensors file holding it (read from the files' headers)."""
+    from safetensors import safe_open
+
+    names = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        with safe_open(weights, "pt") as handle:
+            names.update(dict.fromkeys(handle.keys(), weights.name))
+    return names
 
 
 def _read_tensor(path: Path, name: str, key: str) -> torch.Tensor:
     """One tensor of an HF checkpoint's safetensors files."""
     from safetensors import safe_open
 
-    for weights in sorted(path.glob("*.safetensors")):
-        with safe_open(weights, "pt") as handle:
-            if name in handle.keys():
-                return handle.get_tensor(name).float()
+    if (file := _tensor_files(path).get(name)) is not None:
+        with safe_open(path / file, "pt") as handle:
+            return handle.get_tensor(name).float()
     raise UserError(f"`{key}={path}` is a sequence classifier without a `{name}` tensor in its safetensors files. "
                     f"Point `--{key}` at a complete reward-model checkpoint.")
 
@@ -192,19 +206,20 @@ def write_classifier(directory: Path, weight: torch.Tensor, pad_id: int) -> None
     from safetensors.torch import load_file, save_file
 
     files = sorted(directory.glob("*.safetensors"))
-    index_path = directory / "model.safetensors.index.json"
+    index_path = directory / INDEX
     for weights in files:
         tensors = load_file(weights)
         if "lm_head.weight" in tensors:
             del tensors["lm_head.weight"]
             save_file(tensors, weights, metadata={"format": "pt"})
-    head_file = files[0] if not index_path.is_file() else directory / "score.safetensors"
-    tensors = load_file(head_file) if head_file.is_file() else {}
-    save_file({**tensors, "score.weight": weight.contiguous()}, head_file, metadata={"format": "pt"})
-    if index_path.is_file():
+    if len(files) == 1:  # one file, no index (transformers reads `model.safetensors` before any index)
+        save_file({**load_file(files[0]), "score.weight": weight.contiguous()}, files[0], metadata={"format": "pt"})
+        index_path.unlink(missing_ok=True)
+    else:
+        save_file({"score.weight": weight.contiguous()}, directory / "score.safetensors", metadata={"format": "pt"})
         index = json.loads(index_path.read_text())
         index["weight_map"].pop("lm_head.weight", None)
-        index["weight_map"]["score.weight"] = head_file.name
+        index["weight_map"]["score.weight"] = "score.safetensors"
         index_path.write_text(json.dumps(index, indent=2))
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())

@@ -27,7 +27,8 @@ def metrics_rows(out_dir) -> list[dict]:
 
 def write_pairs(directory: Path, seed: int = 3) -> Path:
     """A small preference set of the bundled arithmetic problems, prompt/chosen/rejected as text: the right `#### N`
-    answer chosen over a wrong one (train.jsonl, 96 pairs; test.jsonl, 32), in `directory`."""
+    answer chosen over, in turn, the same answer in the other form (`The answer is N.`) and a wrong number in the
+    right form (train.jsonl, 96 pairs; test.jsonl, 32), in `directory`."""
     from data import arithmetic
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -35,9 +36,11 @@ def write_pairs(directory: Path, seed: int = 3) -> Path:
         rows = []
         for index, problem in enumerate(arithmetic.generate_problems(count, seed + offset)):
             working, answer = problem["answer"].split("\n")
-            wrong = int(answer.removeprefix("#### ")) + 1 + index % 3
-            rows.append({"prompt": problem["question"], "chosen": problem["answer"],
-                         "rejected": f"{working.rsplit('=', 1)[0]}= {wrong}\n#### {wrong}"})
+            right = int(answer.removeprefix("#### "))
+            wrong = right + 1 + index % 3
+            rejected = (f"{working}\nThe answer is {right}." if index % 2 == 0
+                        else f"{working.rsplit('=', 1)[0]}= {wrong}\n#### {wrong}")
+            rows.append({"prompt": problem["question"], "chosen": problem["answer"], "rejected": rejected})
         (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return directory
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from config.errors import UserError
 from config.sections import DEFAULT_REWARD, GRPOSection
 from data import prompts as prompt_data, rewards
 from model import build, collectives, generate
@@ -68,8 +69,13 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
             correct = rollout.score(reward, episodes).correct
             chunks[index] = (pairs_of(episodes, correct, samples), sum(correct))
         gathered = {index: chunk for part in collectives.data_parallel_gather(chunks) for index, chunk in part.items()}
+        rows = [row for index in sorted(gathered) for row in gathered[index][0]]
+        if not rows:
+            raise UserError(f"The embedded preference set needs completions of `{model_path}` both right and wrong by "
+                            f"the {DEFAULT_REWARD} rule, and its {len(prompts) * samples} samples of the {split} prompts "
+                            "gave no such pair. Start from the default SFT's output (`--model.path outputs/sft/hf`), "
+                            "or point `--data.path` at your own preference pairs.")
         if runtime.is_main:
-            rows = [row for index in sorted(gathered) for row in gathered[index][0]]
             right = sum(count for _, count in gathered.values())
             hard = sum(rewards.has_answer_format(row["rejected"][0]["content"]) for row in rows)
             log.info("preference set %s: %d pairs (%d of them rejecting a wrong answer in the answer's form) from %d "

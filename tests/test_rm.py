@@ -105,6 +105,24 @@ def test_the_embedded_set_pairs_each_prompts_right_completions_with_its_wrong_on
     assert rows[0]["prompt"] == prompt.messages
 
 
+def test_metrics_png_names_a_reward_models_panels_by_pairs(tmp_path):
+    """A `trainer.rm` run's accuracy panels say pairs (not rollouts), its scores get a panel, and a legend lists only
+    the keys drawn."""
+    from trainer import plots
+
+    rows = [{"step": 0, "eval_loss": 0.69, "eval_accuracy": 0.7, "eval_margin": 0.0}] + [
+        {"step": step, "loss": 0.6 / step, "accuracy": 0.8, "margin": step, "chosen_score": step / 2,
+         "rejected_score": -step / 2, "lr": 1e-4, "grad_norm": 1.0} for step in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    axes = plots.figure([tmp_path]).axes
+    assert [panel.get_title() for panel in axes] == [
+        "training loss", "learning rate", "grad norm", "held-out loss", "held-out pair accuracy",
+        "pair accuracy (chosen scored higher)", "reward model: pairs' scores"]
+    assert axes[4].get_legend() is None  # `eval_accuracy` alone of the held-out accuracy keys
+    assert [text.get_text() for text in axes[6].get_legend().get_texts()] == ["chosen", "rejected", "margin",
+                                                                               "held-out margin"]
+
+
 # ---------------------------------------------------------------- checkpoints and start-up refusals
 
 

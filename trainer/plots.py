@@ -18,10 +18,11 @@ PANELS = (
     ("grad norm", ("grad_norm",)),
     ("held-out loss", ("eval_loss",)),
     ("held-out accuracy", ("eval_accuracy", "eval_answer_accuracy", "eval_format_rate")),
-    ("reward", ("reward_mean",)),
+    ("reward", ("reward_mean", "reward_model_score")),
     ("rollout accuracy", ("accuracy", "answer_accuracy", "format_rate")),
     ("KL to the reference", ("kl",)),
     ("distillation: reverse KL to the teacher per token", ("teacher_reverse_kl",)),
+    ("reward model: pairs' scores", ("chosen_score", "rejected_score", "margin", "eval_margin")),
     ("entropy", ("entropy",)),
     ("response length (tokens)", ("response_len",)),
     ("tool use per episode", ("tool_call_rate", "turns_per_episode", "tool_calls_per_episode", "eval_tool_call_rate")),
@@ -41,8 +42,13 @@ PANELS = (
     ("rollout/training log-prob gap", ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl")),
     ("MoE routes differing from the rollout's", ("moe_route_mismatch",)),
 )
+# The panels of a reward model's runs (`trainer.rm`: their rows have `chosen_score`) whose keys mean pairs there.
+REWARD_MODEL_TITLES = {"rollout accuracy": "pair accuracy (chosen scored higher)",
+                       "held-out accuracy": "held-out pair accuracy"}
 # How a key is named in a panel that holds several.
-KEY_LABELS = {"eval_accuracy": "full marks", "eval_answer_accuracy": "right answer", "eval_format_rate": "#### N form",
+KEY_LABELS = {"reward_mean": "reward function", "reward_model_score": "reward model", "chosen_score": "chosen",
+              "rejected_score": "rejected", "margin": "margin", "eval_margin": "held-out margin",
+              "eval_accuracy": "full marks", "eval_answer_accuracy": "right answer", "eval_format_rate": "#### N form",
               "accuracy": "full marks", "answer_accuracy": "right answer", "format_rate": "#### N form",
               "tool_call_rate": "call rate", "turns_per_episode": "turns", "tool_calls_per_episode": "calls",
               "eval_tool_call_rate": "held-out call rate", "tool_errors": "tool errors", "tool_parse_errors": "parse errors",
@@ -107,6 +113,8 @@ def figure(run_dirs: list[Path], labels: list[str] | None = None):
     runs = [read_rows(run_dir) for run_dir in run_dirs]
     labels = labels or run_labels(run_dirs)
     panels = [(title, keys) for title, keys in PANELS if any(series(rows, key)[0] for rows in runs for key in keys)]
+    if all(series(rows, "chosen_score")[0] for rows in runs):
+        panels = [(REWARD_MODEL_TITLES.get(title, title), keys) for title, keys in panels]
     columns = 3 if len(panels) > 4 else 2
     grid_rows = max(math.ceil(len(panels) / columns), 1)
     legend = 0.45 if len(runs) > 1 else 0.0  # inches below the panels for the runs' legend
@@ -161,11 +169,11 @@ def _draw_panel(axes, runs: list[list[dict]], keys: tuple[str, ...], colors: lis
         axes.set_yscale("log")
     else:
         axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
-    if len(keys) > 1:
-        # One legend entry per key, in a neutral colour (the colours are the runs').
-        handles = [Line2D([], [], linestyle=style, marker=marker, color="0.3")
-                   for style, marker in map(key_look, range(len(keys)))]
-        axes.legend(handles, [KEY_LABELS.get(key, key) for key in keys], fontsize=8, loc="best")
+    drawn = [index for index, key in enumerate(keys) if any(series(rows, key)[0] for rows in runs)]
+    if len(drawn) > 1:
+        # One legend entry per key drawn, in a neutral colour (the colours are the runs').
+        handles = [Line2D([], [], linestyle=style, marker=marker, color="0.3") for style, marker in map(key_look, drawn)]
+        axes.legend(handles, [KEY_LABELS.get(keys[index], keys[index]) for index in drawn], fontsize=8, loc="best")
 
 
 def draw_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> list[str]:

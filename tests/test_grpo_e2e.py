@@ -86,7 +86,7 @@ def test_start_up_errors_name_the_key(argv, expected):
 
 
 def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(tmp_path):
-    """A Mixture-of-Experts teacher is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
+    """A Mixture-of-Experts teacher (or reward model) is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
     built. A teacher with the policy's tokenizer turns each trained token's advantage into the group's (of rewards
     reward_weight weighs) plus teacher_coef x (log pi_teacher - log pi_sampler)."""
     from trainer.grpo_update import LossSettings, Teacher, distilled_advantages
@@ -94,9 +94,10 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2, "num_experts": 8}))
-    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={moe}"], "trainer.grpo")
-    with pytest.raises(UserError, match="is a Mixture-of-Experts model"):
-        config.validate(world_size=2)
+    for key in ("teacher", "reward_model"):  # a reward model is built at the policy's layout too
+        config, _ = parse_args(GRPOConfig, [f"--grpo.{key}={moe}"], "trainer.grpo")
+        with pytest.raises(UserError, match=f"`grpo.{key}=.*` is a Mixture-of-Experts model"):
+            config.validate(world_size=2)
     config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}"], "trainer.grpo")
     config.validate(world_size=2)
     other = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))

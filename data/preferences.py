@@ -74,9 +74,13 @@ def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], Drop
 
 
 def collate_pairs(pairs: list[Pair], seq_len: int, pad_id: int) -> dict:
-    """Rows chosen, rejected, chosen, ... (a pair's sides adjacent), right-padded to `seq_len`: `tokens`,
-    `position_ids` and `padding_mask` (True after a row's last token) [2 x pairs, seq]."""
-    sides = [side for pair in pairs for side in (pair.chosen, pair.rejected)]
+    """Rows chosen, rejected, chosen, ... (a pair's sides adjacent), right-padded to `seq_len` (`collate_sides`)."""
+    return collate_sides([side for pair in pairs for side in (pair.chosen, pair.rejected)], seq_len, pad_id)
+
+
+def collate_sides(sides: list[list[int]], seq_len: int, pad_id: int) -> dict:
+    """Token id rows right-padded to `seq_len`: `tokens`, `position_ids` and `padding_mask` (True after a row's last
+    token) [rows, seq], as a reward model's forward takes them."""
     tokens = torch.full((len(sides), seq_len), pad_id, dtype=torch.int64)  # [rows, seq]
     for row, ids in enumerate(sides):
         tokens[row, : len(ids)] = torch.tensor(ids)

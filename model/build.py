@@ -7,6 +7,7 @@ and nowhere else.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -119,6 +120,17 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     log.info("resolved settings:\n%s", rules.settings_table(
         optimizer_config, ddp_config, provider, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), environment.cuda))
     return kind(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
+
+
+def build_frozen_dense(config, model_path: Path, tokenizer, score_head: tuple | None = None) -> Policy:
+    """A frozen dense model beside the policy (a distillation teacher, a reward model): forward only, in eval mode, at
+    the policy's TP and PP; expert parallelism, which a dense model has nothing to spread over, left at 1 for it."""
+    layout = dataclasses.replace(config.parallel, ep=1, etp=0)
+    model = build_policy(dataclasses.replace(config, parallel=layout), model_path, tokenizer, trainable=False,
+                         score_head=score_head)
+    for chunk in model.chunks:
+        chunk.requires_grad_(False).eval()
+    return model
 
 
 def warmup_cosine_schedule(optimizer, config):

@@ -123,6 +123,20 @@ def test_metrics_png_names_a_reward_models_panels_by_pairs(tmp_path):
                                                                                "held-out margin"]
 
 
+def test_the_pair_kinds_script_scores_an_export_in_transformers(tmp_path):
+    """scripts/reward_model_pairs.py, the command behind docs/rewards.md's split by pair kind, on a transformers-made
+    reward model and the small set (16 pairs of each kind)."""
+    model, pairs = tiny_reward_model(tmp_path / "rm"), write_pairs(tmp_path / "pairs")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "reward_model_pairs.py"), str(model),
+                           str(pairs / "test.jsonl")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["every pair", "rejected in the answer's form",
+                                                      "rejected in another form"]
+    assert [line.split(" of ")[1] for line in lines] == [f"{count} pairs scored the right way round"
+                                                         for count in (32, 16, 16)]
+
+
 # ---------------------------------------------------------------- checkpoints and start-up refusals
 
 
@@ -172,19 +186,27 @@ def test_the_embedded_recipe_is_the_default():
 
 
 def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer):
-    """An episode's text is its prompt's rendering and every id after it, with the template's text after a final end
-    token: the form `trainer.rm` trains on (a cut episode has no end token, so nothing is added)."""
+    """An episode is read as its prompt's ids and every id after it, with the template's ids after a final end token:
+    the conversation as `trainer.rm` renders a side (a cut episode has no end token, so nothing is added). With the
+    policy's tokenizer nothing is decoded: a tool's text that spells a control token stays text."""
     from trainer.reward_model import RewardModel, template_tail
 
     scorer = object.__new__(RewardModel)
-    scorer.policy_tokenizer, scorer.tail = tokenizer, template_tail(tokenizer)
+    scorer.policy_tokenizer, scorer.tokenizer, scorer.same_tokenizer = tokenizer, tokenizer, True
+    scorer.tail_ids = tokenizer(template_tail(tokenizer), add_special_tokens=False)["input_ids"]
     user = [{"role": "user", "content": "What is 2 + 2?"}]
     prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
     answer = tokenizer("2 + 2 = 4\n#### 4", add_special_tokens=False)["input_ids"]
     ended = types.SimpleNamespace(prompt_ids=prompt, ids=answer + [tokenizer.eos_token_id])
     cut = types.SimpleNamespace(prompt_ids=prompt, ids=answer)
-    rendered = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": "2 + 2 = 4\n#### 4"}], tokenize=False)
-    assert scorer.texts([ended, cut]) == [rendered, rendered.removesuffix("<|im_end|>\n")]
+    rendered = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": "2 + 2 = 4\n#### 4"}],
+                                             tokenize=True)["input_ids"]
+    assert scorer.rows([ended, cut]) == [rendered, prompt + answer]
+    spelled = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tokenizer.eos_token_id not in scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=spelled)])[0][len(prompt):]
+    # Another tokenizer reads the same conversation as text.
+    scorer.same_tokenizer = False
+    assert scorer.rows([ended]) == [rendered]
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -226,9 +226,7 @@ class Teacher:
             raise UserError(f"`grpo.teacher={path}` has another tokenizer than the policy (`model.path`): its log-probs "
                             "would score other tokens than the ones sampled. Distil from a teacher that shares the "
                             "policy's tokenizer (the same family), or leave `--grpo.teacher` empty.")
-        self.model = build.build_policy(config, path, policy.tokenizer, trainable=False)
-        for chunk in self.model.chunks:
-            chunk.requires_grad_(False).eval()
+        self.model = build.build_frozen_dense(config, path, policy.tokenizer)
         log.info("teacher: %s (%d layers, hidden %d), at the policy's parallel layout", path,
                  self.model.hf_config.get("num_hidden_layers", 0), self.model.hf_config.get("hidden_size", 0))
 

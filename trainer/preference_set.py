@@ -7,9 +7,8 @@ message each). `train.jsonl` from the train split's prompts, `test.jsonl` from t
 
 import json
 import os
+import shutil
 from pathlib import Path
-
-import torch
 
 from config.errors import UserError
 from config.sections import DEFAULT_REWARD, GRPOSection
@@ -25,8 +24,8 @@ CHUNK = 128  # prompts per generation call
 
 
 def missing(path: str) -> bool:
-    """Whether `data.path` is the embedded set and it is not built yet."""
-    return path == DEFAULT_PREFERENCES and not (Path(path) / "test.jsonl").is_file()
+    """Whether `data.path` is the embedded set and it is not built yet (a directory there, whoever wrote it, is kept)."""
+    return path == DEFAULT_PREFERENCES and not Path(path).exists()
 
 
 def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int) -> list[dict]:
@@ -47,15 +46,17 @@ def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int)
 
 def build_preference_set(config, model_path: Path, runtime) -> None:
     """Sample, judge and write the embedded set into `data.path` (collective: every rank samples its share of the
-    prompts; rank 0 writes each file whole, then renames it into place)."""
+    prompts; rank 0 writes the files into a staging directory, renamed into place whole; a failure to write, a full
+    disk say, ends every rank with one paragraph)."""
     grpo = GRPOSection()
     tokenizer = build.load_tokenizer(model_path)
     policy = build.build_policy(config, model_path, tokenizer, trainable=False)
     sampler = rollout.Rollout(tokenizer, None, generate.end_token_ids(model_path, tokenizer))
     reward = rewards.get_reward(DEFAULT_REWARD)
     out = Path(config.data.path)
-    out.mkdir(parents=True, exist_ok=True)
+    staged = out.parent / f".{out.name}.partial"  # a killed build's leftovers are replaced
     data = type(config.data)(path="arithmetic", prompt_field="question", max_seq_len=config.data.max_seq_len)
+    written = {}
     for split, count, samples in SPLITS:
         prompts = prompt_data.load_prompts(data, tokenizer, "arithmetic", split, grpo.max_new_tokens)[:count]
         # Chunks of prompts dealt to the data-parallel ranks in turn, each sampled from its own seed: the same set
@@ -81,8 +82,20 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
             log.info("preference set %s: %d pairs (%d of them rejecting a wrong answer in the answer's form) from %d "
                      "completions of %s (%.2f right by the %s rule)", split, len(rows), hard, len(prompts) * samples,
                      model_path, right / max(len(prompts) * samples, 1), DEFAULT_REWARD)
-            staged = out / f".{split}.jsonl.partial"
-            staged.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            os.replace(staged, out / f"{split}.jsonl")
+            written[split] = rows
     sampler.close()
-    torch.distributed.barrier()  # the files are whole before any rank reads them
+    failure = None
+    if runtime.is_main:
+        try:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+            for split, rows in written.items():
+                (staged / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            os.replace(staged, out)
+        except OSError as error:
+            shutil.rmtree(staged, ignore_errors=True)
+            failure = (f"Writing the embedded preference set into `{out}` failed ({error}). Make room there (or fix "
+                       f"what the error names) and rerun; nothing of it was kept.")
+    failures = [message for message in collectives.world_gather(failure) if message]  # the files are whole after it
+    if failures:
+        raise UserError(failures[0])

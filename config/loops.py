@@ -246,6 +246,10 @@ class RMConfig(TrainerConfig):
         """The shared checks, and what a scalar head over pairs of rows cannot take."""
         super().validate(world_size)
         for holds, message in (
+                (self.data.response_field == "answer" and not self.data.messages_field,
+                 "`data.response_field` and `data.messages_field` are not read by `trainer.rm`: a pair's sides are "
+                 "the columns `data.chosen_field` and `data.rejected_field` (each text, chat messages, or without a "
+                 "`data.prompt_field` column a whole conversation). Remove them and set those two."),
                 (not self.data.pack, "`data.pack=true` would put a pair's sides into shared rows, but a reward model "
                  "scores each side at its own row's last token. Remove `--data.pack=true`."),
                 (self.parallel.vpp == 1, f"`parallel.vpp={self.parallel.vpp}`: reward-model training runs one model "

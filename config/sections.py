@@ -136,12 +136,12 @@ class DDPConfig:
 
 @dataclass
 class DataConfig:
-    path: str = field(default="arithmetic", metadata={"help": "json/jsonl/parquet file or dir, a hub dataset name, or `arithmetic` (bundled)"})
+    path: str = field(default="arithmetic", metadata={"help": "json/jsonl/parquet file or dir, a hub dataset name, `arithmetic` (bundled word problems) or `calculator` (the bundled tool task)"})
     hub_config: str = field(default="", metadata={"help": "hub dataset configuration name (e.g. `main` for openai/gsm8k)"})
     eval_path: str = field(default="", metadata={"help": "held-out data (same forms as data.path); default: the test split of data.path"})
     prompt_field: str = field(default="question", metadata={"help": "row field holding the prompt"})
     response_field: str = field(default="answer", metadata={"help": "row field holding the response (GRPO: the reference answer the reward compares with)"})
-    messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; the last assistant turn is the response)"})
+    messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; every assistant turn is trained)"})
     max_seq_len: int = field(default=128, metadata={"help": "tokens per sample, longer ones are cut from the right (GRPO: prompt + completion; longer prompts are skipped and counted)"})
     pack: bool = field(default=False, metadata={"help": "SFT: pack several samples per row (positions restart, no cross-sample attention)"})
     cache: bool = field(default=True, metadata={"help": "keep tokenized data in $TRAINER_CACHE_DIR (default ~/.cache/megatron-trainer) and reuse it while the data, tokenizer and chat template are unchanged: SFT's examples (and data.max_seq_len), GRPO's prompts"})
@@ -155,6 +155,10 @@ class PreferenceDataConfig(DataConfig):
     prompt_field: str = field(default="prompt", metadata={"help": "row field holding the prompt (text or chat messages); without that column each side is a whole conversation"})
     chosen_field: str = field(default="chosen", metadata={"help": "row field holding the preferred response (text or chat messages)"})
     rejected_field: str = field(default="rejected", metadata={"help": "row field holding the other response (text or chat messages)"})
+    response_field: str = field(default="answer", metadata={"help": "not read by trainer.rm (refused when set): a pair's sides are data.chosen_field and data.rejected_field"})
+    messages_field: str = field(default="", metadata={"help": "not read by trainer.rm (refused when set): a side that is a whole conversation is data.chosen_field / data.rejected_field without a data.prompt_field column"})
+    pack: bool = field(default=False, metadata={"help": "refused by trainer.rm: each side is scored at its own row's last token"})
+    cache: bool = field(default=True, metadata={"help": "not used by trainer.rm: preference pairs are tokenized at each start"})
 
 
 @dataclass

@@ -214,6 +214,8 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1`"),
     (["--peft.method=lora"], "Set `--peft.method=none`"),
     (["--train.micro_batch_tokens=512"], "Use `--train.micro_batch_size` (pairs per micro-batch) instead"),
+    (["--data.response_field=better"], "are not read by `trainer.rm`: a pair's sides are the columns `data.chosen_field`"),
+    (["--data.messages_field=messages"], "Remove them and set those two."),
 ])
 def test_reward_model_training_refuses_what_a_scalar_head_over_pairs_cannot_take(argv, expected):
     config, _ = parse_args(RMConfig, [f"--model.path={ensure_tiny_checkpoint()}", *argv], "trainer.rm")

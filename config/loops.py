@@ -152,9 +152,25 @@ class GRPOConfig(TrainerConfig):
                  "a reward model or a teacher whose log-probs are the whole signal, but none of `grpo.environment`, "
                  "`grpo.reward_model`, `grpo.teacher` is set: every reward would be 0 and nothing would be learned. Set "
                  "one of them, or choose a reward function with `--grpo.reward`.")
+        self._validate_dynamic_sampling()
         self._validate_frozen_models()
         self._validate_rollout_processes(world_size)
         super().validate(world_size - grpo.rollout_processes)
+
+    def _validate_dynamic_sampling(self) -> None:
+        """DAPO's filter where no group could ever be kept: every step would run all its rounds and train fill-ins."""
+        grpo = self.grpo
+        no_verdict = grpo.reward == "none" and not grpo.environment  # an environment's verdict is probed later
+        constant = (no_verdict or not grpo.reward_weight) and not (grpo.reward_model and grpo.reward_model_weight)
+        for never, why in ((grpo.filter_metric == "accuracy" and no_verdict,
+                            "accuracy comes from the reward function or an environment's `(reward, correct)`, and "
+                            "`grpo.reward=none` with no `grpo.environment` marks no completion correct"),
+                           (grpo.filter_metric == "reward" and constant and not grpo.overlong_buffer,
+                            "the reward has no part that varies (a teacher's term is per token, not in the reward)")):
+            require(not (grpo.dynamic_sampling and never),
+                     f"`grpo.dynamic_sampling=true` keeps groups whose {grpo.filter_metric} varies, but {why}: every "
+                     "group would be dropped, and every step would run all its sampling rounds to train on groups of "
+                     "advantage 0. Remove `--grpo.dynamic_sampling`, or change `--grpo.filter_metric` or the reward.")
 
     def _validate_rollout_processes(self, world_size: int) -> None:
         """`grpo.rollout_processes`: the trainers keep a layout, each rollout process samples for whole data-parallel
@@ -163,6 +179,14 @@ class GRPOConfig(TrainerConfig):
         require(processes >= 0 and grpo.max_staleness >= 0,
                  f"`grpo.rollout_processes` and `grpo.max_staleness` must be 0 or more, got {processes} and "
                  f"{grpo.max_staleness}. Change them.")
+        require(processes or grpo.max_staleness == 1,
+                 f"`grpo.max_staleness={grpo.max_staleness}` bounds how stale rollout processes' batches may be, and "
+                 "`grpo.rollout_processes=0` (the colocated loop) trains each step on its own fresh rollouts. Set "
+                 "`--grpo.rollout_processes`, or leave `grpo.max_staleness` at 1.")
+        require(grpo.correction() != "none" or grpo.rollout_correction_cap == 2.0,
+                 f"`grpo.rollout_correction_cap={grpo.rollout_correction_cap}` bounds a rollout correction, and none "
+                 f"runs (`grpo.rollout_correction={grpo.rollout_correction}` resolves to none here). Set "
+                 "`--grpo.rollout_correction tis` (or a rejection), or leave the cap at 2.")
         if not processes:
             return
         trainers = world_size - processes
@@ -193,12 +217,27 @@ class GRPOConfig(TrainerConfig):
                  f"`grpo.teacher_coef`, `grpo.reward_weight` and `grpo.reward_model_weight` must be 0 or more, got "
                  f"{grpo.teacher_coef}, {grpo.reward_weight} and {grpo.reward_model_weight}. Change them.")
         require(grpo.teacher or grpo.reward_model or grpo.reward_weight == 1.0,
-                 f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward function against a reward model's score "
-                 "or a teacher's term, and neither `grpo.reward_model` nor `grpo.teacher` is set (alone it would only "
-                 "scale the learning rate). Set one of them, or leave `grpo.reward_weight` at 1.")
-        require(grpo.reward_model or grpo.reward_model_weight == 1.0,
-                 f"`grpo.reward_model_weight={grpo.reward_model_weight}` weighs a reward model's score, and no "
-                 "`grpo.reward_model` is set. Set `--grpo.reward_model DIR`, or leave `grpo.reward_model_weight` at 1.")
+                 f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward function's score against a reward "
+                 "model's (or, at 0, leaves a teacher's term alone), and neither `grpo.reward_model` nor `grpo.teacher` "
+                 "is set (alone it would only scale the learning rate). Set one of them, or leave "
+                 "`grpo.reward_weight` at 1.")
+        for key, value, owner in (("reward_model_weight", grpo.reward_model_weight, "reward_model"),
+                                  ("teacher_coef", grpo.teacher_coef, "teacher")):
+            require(getattr(grpo, owner) or value == 1.0,
+                     f"`grpo.{key}={value}` weighs the {owner.replace('_', ' ')}'s part, and no `grpo.{owner}` is set. "
+                     f"Set `--grpo.{owner} DIR`, or leave `grpo.{key}` at 1.")
+        # Under the group's std scaling a common factor of the reward's parts cancels: a weight on its only part
+        # would change nothing (a teacher's term is weighed against the reward by teacher_coef).
+        parts = {key: value for key, value in (("reward_weight", grpo.reward_weight),
+                                               ("reward_model_weight", grpo.reward_model_weight if grpo.reward_model else 0))
+                 if value}
+        if grpo.scale_rewards and not grpo.overlong_buffer and len(parts) == 1:
+            (key, value), = parts.items()
+            require(value == 1.0,
+                     f"`grpo.{key}={value}` would change nothing: it weighs the only part of each rollout's reward, and "
+                     "a group's rewards are divided by their standard deviation (`grpo.scale_rewards=true`), so the "
+                     "factor cancels. A teacher's term is weighed against the reward by `grpo.teacher_coef`. Leave "
+                     f"`grpo.{key}` at 1 (0 drops that part), or set `--grpo.scale_rewards=false`.")
         for key, path, role in (("teacher", grpo.teacher, "distil from a dense teacher"),
                                 ("reward_model", grpo.reward_model, "score with a dense reward model")):
             if not path:

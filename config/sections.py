@@ -226,8 +226,8 @@ class GRPOSection:
     overlong_penalty: float = field(default=1.0, metadata={"help": "the reward lost by a completion that reaches max_new_tokens, with overlong_buffer > 0"})
     baseline: str = field(default="mean", metadata={"help": f"advantage baseline within a group: {' | '.join(BASELINES)} (the group mean, GRPO; the mean of the others, RLOO)"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group's reward std (false: Dr. GRPO)"})
-    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch is full"})
-    max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step (at least 2); a batch still short after them is filled with dropped groups"})
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups that do not vary in grpo.filter_metric and sample more prompts until the batch is full"})
+    max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step (at least 2); a batch still short after them is filled with dropped groups, trained with advantage 0"})
     filter_metric: str = field(default="accuracy", metadata={"help": f"with dynamic_sampling, what a group must vary in to be kept: {' | '.join(FILTER_METRICS)} (accuracy: the reward function's full marks or its (reward, correct), or an environment's (reward, correct), as DAPO and verl's filter_groups.metric=acc; reward: the shaped reward, environment's, overlong penalty and format bonus included)"})
     tolerate_reward_errors: bool = field(default=False, metadata={"help": "go on when the reward function fails on every completion of a step (scored 0) instead of stopping with its error"})
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
@@ -242,8 +242,8 @@ class GRPOSection:
     entropy_coef: float = field(default=0.0, metadata={"help": "weight of an entropy bonus: the loss subtracts entropy_coef x the aggregated token entropy"})
     loss_aggregation: str = field(default="token_mean", metadata={"help": f"token losses to one loss: {' | '.join(LOSS_AGGREGATIONS)} (the token mean over the global batch, DAPO; the mean over completions of each one's token mean, GRPO; each completion's token sum over max_new_tokens, Dr. GRPO)"})
     teacher: str = field(default="", metadata={"help": "on-policy distillation: a Hugging Face checkpoint directory with the policy's tokenizer (any size, dense), frozen at the policy's parallel layout, whose log-prob of every sampled token adds teacher_coef x (log pi_teacher - log pi_sampler) to that token's advantage (the per-token reverse KL, as the Thinking Machines recipe; with grpo.reward_weight=0 it is the whole signal); empty: off"})
-    teacher_coef: float = field(default=1.0, metadata={"help": "with grpo.teacher, the weight of the teacher's per-token term in the advantage"})
-    reward_weight: float = field(default=1.0, metadata={"help": "the weight of the reward function's score (and an environment's reward) in each rollout's reward, beside grpo.reward_model_weight x a reward model's score; 0: the reward model alone, or with grpo.teacher distillation alone (the reward function still gives `accuracy` and the held-out evaluation)"})
+    teacher_coef: float = field(default=1.0, metadata={"help": "with grpo.teacher, the weight of the teacher's per-token term in the advantage, against the group advantage of the reward"})
+    reward_weight: float = field(default=1.0, metadata={"help": "the weight of the reward function's score (and an environment's reward) in each rollout's reward, beside grpo.reward_model_weight x a reward model's score (with grpo.scale_rewards only their ratio counts; a teacher's term is weighed by grpo.teacher_coef); 0: the reward model alone, or with grpo.teacher distillation alone (the reward function still gives `accuracy` and the held-out evaluation)"})
     reward_model: str = field(default="", metadata={"help": "a reward model scoring every rollout: a Hugging Face ...ForSequenceClassification directory with one label (trainer.rm's hf/ output, or a downloaded one of a family Megatron-Bridge loads), frozen at the policy's parallel layout; it reads each conversation as the chat template renders it; empty: off"})
     reward_model_weight: float = field(default=1.0, metadata={"help": "with grpo.reward_model, the weight of its score in each rollout's reward"})
     share_prompts: bool = field(default=True, metadata={"help": "the training forwards (the update's, pi_old's, the reference's) lay each group out as one row, its prompt once and then every completion, each completion seeing the prompt and itself: the same log-probs and gradients as a row per completion, the prompt computed once per group (off by itself, with a start-up line saying why, where the attention cannot take the layout: pipeline stages, Transformer Engine or fused-softmax attention, sliding windows, context parallelism)"})
@@ -265,3 +265,10 @@ class GRPOSection:
     tool_timeout: float = field(default=10.0, metadata={"help": "with tools, seconds each call may take from its own start; a slower one answers with a timeout error (a plain function's episode goes on; an environment's episode ends)"})
     tool_workers: int = field(default=0, metadata={"help": "with tools, calls run at once on each rank (an episode's calls always one after another, in order); 0: this rank's share of the node's cores (raise it for tools that wait on the network)"})
     tool_isolation: str = field(default="process", metadata={"help": f"with tools, where a plain function's call runs: {' | '.join(TOOL_ISOLATIONS)} (a reused worker process, killed at the timeout, so a hung or CPU-bound tool neither leaks nor holds the trainer's GIL; or a thread of the trainer, cheaper, but one past its timeout runs on). An environment's methods always run in threads"})
+
+    def correction(self) -> str:
+        """`rollout_correction` with `auto` resolved: the decoupled objective (`tis`) where the rollouts are stale
+        (measured on the default task, one update behind: held-out 0.674 without a correction, 0.937 with it), else none."""
+        if self.rollout_correction != "auto":
+            return self.rollout_correction
+        return "tis" if self.rollout_processes and self.max_staleness else "none"

@@ -72,13 +72,23 @@ def test_key_set_is_frozen():
     (["--grpo.mini_batches=8"], "must be a multiple of `grpo.mini_batches=8` x `train.micro_batch_size=64`"),
     (["--parallel.pp=2", "--parallel.vpp=2"], "Set `--parallel.vpp=1` (`parallel.pp` > 1 is fine)"),
     (["--grpo.reward=none"], "but none of `grpo.environment`, `grpo.reward_model`, `grpo.teacher` is set"),
-    (["--grpo.reward_weight=0"], "`grpo.reward_weight=0.0` weighs the reward function against a reward model's score"),
-    (["--grpo.reward_model_weight=2"], "`grpo.reward_model_weight=2.0` weighs a reward model's score, and no `grpo.reward_model`"),
+    (["--grpo.reward_weight=0"], "`grpo.reward_weight=0.0` weighs the reward function's score against a reward model's"),
+    (["--grpo.reward_model_weight=2"], "`grpo.reward_model_weight=2.0` weighs the reward model's part, and no `grpo.reward_model`"),
+    (["--grpo.teacher_coef=2"], "`grpo.teacher_coef=2.0` weighs the teacher's part, and no `grpo.teacher` is set"),
+    (["--grpo.teacher={tiny}", "--grpo.reward_weight=0.25"],
+     "`grpo.reward_weight=0.25` would change nothing: it weighs the only part of each rollout's reward"),
+    (["--grpo.max_staleness=3"], "`grpo.max_staleness=3` bounds how stale rollout processes' batches may be"),
+    (["--grpo.rollout_correction_cap=5"], "`grpo.rollout_correction=auto` resolves to none here"),
+    (["--config=dapo", "--grpo.reward=none", "--grpo.teacher={tiny}"],
+     "`grpo.reward=none` with no `grpo.environment` marks no completion correct"),
+    (["--grpo.dynamic_sampling=true", "--grpo.filter_metric=reward", "--grpo.reward_weight=0",
+      "--grpo.teacher={tiny}"], "the reward has no part that varies"),
     (["--grpo.teacher=/nonexistent/teacher"], "`grpo.teacher=/nonexistent/teacher` is not a Hugging Face checkpoint directory"),
     (["--grpo.reward_model=/nonexistent/rm"], "`grpo.reward_model=/nonexistent/rm` is not a Hugging Face checkpoint directory"),
     (["--grpo.teacher_coef=-1"], "`grpo.teacher_coef`, `grpo.reward_weight` and `grpo.reward_model_weight` must be 0 or more"),
 ])
 def test_start_up_errors_name_the_key(argv, expected):
+    argv = [argument.replace("{tiny}", str(ensure_tiny_checkpoint())) for argument in argv]
     config, _ = parse_args(GRPOConfig, argv, "trainer.grpo")
     with pytest.raises(UserError) as error:
         config.validate(world_size=2)
@@ -103,8 +113,8 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     other = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))
     with pytest.raises(UserError, match="has another tokenizer than the policy"):
         Teacher(config, other)
-    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0.5",
-                                        "--grpo.teacher_coef=2"], "trainer.grpo")
+    config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.teacher_coef=2"],
+                           "trainer.grpo")
     settings = LossSettings.from_config(config.grpo)
     batch = {"sampler_logprobs": torch.tensor([[-1.0, -2.0, 0.0]]), "loss_mask": torch.tensor([[1.0, 1.0, 0.0]])}
     advantages = distilled_advantages(torch.tensor([[0.4]]), batch, torch.tensor([[-1.5, -1.0, -3.0]]), settings)
@@ -159,6 +169,13 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_the_batch():
     # The rounds ran out with one group too few: the first group without signal fills the batch.
     rounds = [make_round([True, False, True, True]), make_round([True, False, True, True])]
     assert grpo.select_groups(rounds, 4) == [(0, 0), (0, 1), (0, 2), (1, 1)]
+    # A filler trains at advantage 0, even where the shaping (a format bonus, the overlong penalty) varies in it;
+    # without dynamic sampling the same group keeps its advantages.
+    shaped = make_round([False, False])
+    shaped.advantages, shaped.kept = torch.tensor([[0.5, -0.5], [1.0, -1.0]]), torch.tensor([True, False])
+    assert grpo.trained_advantages(shaped, 0, True).tolist() == [0.5, -0.5]
+    assert grpo.trained_advantages(shaped, 1, True).tolist() == [0.0, 0.0]
+    assert grpo.trained_advantages(shaped, 1, False).tolist() == [1.0, -1.0]
     # Round 0 of each step is what it always was (the seed of a run without dynamic sampling does not change).
     assert grpo.rollout_seed(1234, 3, 1) == grpo.rollout_seed(1234, 3, 1, 0) != grpo.rollout_seed(1234, 3, 1, 1)
     draws = [grpo.extra_prompt_indices(100, 8, 1234, 3, number, []) for number in (1, 2)]
@@ -313,8 +330,7 @@ def launches(default_sft, tmp_path_factory):
     # On-policy distillation beside the reward (half each), from the untrained tiny model as the teacher; a reward
     # model (the tiny model with a random score head, as transformers makes one) beside the reward, half each.
     reward_model = tiny_reward_model(root / "reward-model")
-    layouts = {**RESUME_LAYOUTS, "distill": [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0.5",
-                                             "--grpo.teacher_coef=0.5"],
+    layouts = {**RESUME_LAYOUTS, "distill": [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.teacher_coef=0.5"],
                "reward_model": [f"--grpo.reward_model={reward_model}", "--grpo.reward_weight=0.5"]}
 
     def resume_commands(run: str, *extra: str) -> list[dict]:

@@ -17,21 +17,27 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
            "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),
-           **phase_figures(global_totals, runtime),
+           **phase_figures(global_totals, runtime, samplers(config, runtime)),
            **(async_figures(step, global_totals, timer, runtime) if step_batch.version is not None else {})}
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "grad_norm")}}
 
 
-def phase_figures(total: dict, runtime) -> dict:
+def samplers(config, runtime) -> int:
+    """How many processes sample side by side: the data-parallel ranks, or the rollout processes (each sampling the
+    batches of several trainer ranks one after another): the rollout phases' sums over batches divide by it."""
+    return config.grpo.rollout_processes or runtime.dp_size
+
+
+def phase_figures(total: dict, runtime, sampling: int) -> dict:
     """Where the step's seconds went besides generating (`rollout_time_s`): scoring (`reward_time_s`), pi_old's
     forward (`pi_old_time_s`, 0 unless it is recomputed), the KL reference's (`reference_time_s`, 0 without KL), the
     distillation teacher's (`teacher_time_s`, only with `grpo.teacher`), the
     update (`update_time_s`: forwards, backwards, optimizer steps) and the wait for the data-parallel ranks' slowest
     rollout (`rank_wait_time_s`), means over data-parallel ranks as `rollout_time_s` (what is left of `step_time_s`:
-    collating the micro-batches); on a GPU also this process's
+    collating the micro-batches; scoring and sampling as the `sampling` processes that did them saw them); on a GPU also this process's
     peak allocated memory (`peak_memory_gib`). The loop adds `eval_time_s` and `checkpoint_time_s` (rank 0's, after
     the step's clock stops)."""
-    return {"reward_time_s": total["reward_seconds"] / runtime.dp_size,
+    return {"reward_time_s": total["reward_seconds"] / sampling,
             **{name: total[name] / runtime.dp_size for name in ("pi_old_time_s", "reference_time_s", "update_time_s",
                                                                 "rank_wait_time_s")},
             **({"teacher_time_s": total["teacher_time_s"] / runtime.dp_size} if "teacher_time_s" in total else {}),
@@ -83,12 +89,12 @@ def rollout_figures(total: dict, step_batch: StepBatch, config, runtime) -> dict
     figures = {"reward_mean": total["reward"] / count, "accuracy": total["correct"] / count,
                "format_rate": total["in_format"] / count, "answer_accuracy": total["right_answer"] / count,
                "response_len": total["completion_tokens"] / count,
-               "rollout_tokens_per_s": total["completion_tokens"] / step_batch.seconds,
-               "rollout_time_s": total["seconds"] / runtime.dp_size, "reward_errors": int(total["errors"]),
+               "rollout_tokens_per_s": total["completion_tokens"] / (total["seconds"] / samplers(config, runtime)),
+               "rollout_time_s": total["seconds"] / samplers(config, runtime), "reward_errors": int(total["errors"]),
                "zero_advantage_groups": int(total["zero_groups"]),
                "truncated_rate": total["truncated"] / count}
     if config.grpo.tools or config.grpo.environment:
-        figures.update(tool_metrics(total, count, runtime))
+        figures.update(tool_metrics(total, count, samplers(config, runtime)))
     if config.grpo.overlong_buffer:
         figures["overlong_penalty"] = total["penalty"] / count
     if config.grpo.reward_model:  # `reward_mean` stays the reward function's
@@ -99,9 +105,9 @@ def rollout_figures(total: dict, step_batch: StepBatch, config, runtime) -> dict
     return figures
 
 
-def tool_metrics(total: dict, count: float, runtime) -> dict:
+def tool_metrics(total: dict, count: float, sampling: int) -> dict:
     """With tools: per-episode turns and calls, the share of episodes that called a tool, the failures' counts, the
-    sampled share of the episodes' tokens and the seconds spent in tools (per rank, like rollout_time_s)."""
+    sampled share of the episodes' tokens and the seconds spent in tools (per sampling process, like rollout_time_s)."""
     return {"turns_per_episode": total["turns"] / count, "tool_calls_per_episode": total["tool_calls"] / count,
             "tool_call_rate": total["episodes_with_calls"] / count, "tool_errors": int(total["tool_errors"]),
             "tool_parse_errors": int(total["parse_errors"]), "tool_timeouts": int(total["tool_timeouts"]),
@@ -110,7 +116,7 @@ def tool_metrics(total: dict, count: float, runtime) -> dict:
             "truncated_tool_responses": int(total["truncated_tool_responses"]),
             "prompts_too_long": int(total["prompts_too_long"]),
             "sampled_token_share": total["sampled_tokens"] / max(total["completion_tokens"], 1),
-            "tool_time_s": total["tool_seconds"] / runtime.dp_size}
+            "tool_time_s": total["tool_seconds"] / sampling}
 
 
 def sample_rows(step_batch: StepBatch, tokenizer, n_samples: int, toolset) -> list[dict]:

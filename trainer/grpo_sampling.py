@@ -123,7 +123,8 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     scores = rollout.score(reward, episodes, grpo.format_bonus)
     shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
     model_scores = None if reward_model is None else reward_model.score(episodes)  # [episodes]
-    if model_scores is not None:
+    if model_scores is not None:  # a skipped prompt's episodes score 0 here too, as `rollout.score` gives them
+        model_scores = model_scores.masked_fill(torch.tensor([episode.skipped for episode in episodes]), 0.0)
         shaped = shaped + grpo.reward_model_weight * model_scores
     penalty = 0.0
     if grpo.overlong_buffer:  # the budget bounds the whole episode, so its length counts every token after the prompt
@@ -149,12 +150,22 @@ def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, 
 
 def select_groups(rounds: list[Round], wanted: int) -> list[tuple[int, int]]:
     """(round, group) of this rank's batch, in sampling order: the first `wanted` groups kept, then, only if the
-    rounds ran out, the first groups dropped. With one round of `wanted` groups that is every group, in order."""
+    rounds ran out, the first groups dropped (trained with advantage 0, `collect_rollouts`). With one round of `wanted`
+    groups that is every group, in order."""
     groups = [(round_index, group) for round_index, sampling_round in enumerate(rounds)
               for group in range(len(sampling_round.kept))]
     kept = [(round_index, group) for round_index, group in groups if rounds[round_index].kept[group]]
     dropped = [(round_index, group) for round_index, group in groups if not rounds[round_index].kept[group]]
     return sorted(kept[:wanted] + dropped[: max(0, wanted - len(kept))])
+
+
+def trained_advantages(sampling_round: Round, group: int, dynamic_sampling: bool) -> torch.Tensor:
+    """A selected group's advantages [samples]: 0 for a group dynamic sampling dropped that fills a short batch (only
+    the KL term, and a teacher's per-token term, train on it): a variation in what the filter ignores, the format
+    bonus or the overlong penalty, is not the signal the filter asked for."""
+    if dynamic_sampling and not sampling_round.kept[group]:
+        return torch.zeros_like(sampling_round.advantages[group])
+    return sampling_round.advantages[group]
 
 
 def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward, reward_model=None) -> StepBatch:
@@ -178,10 +189,11 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
     skipped_count = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
     for round_index, group in select_groups(rounds, wanted):
         sampling_round = rounds[round_index]
-        zero_advantage_count += int(sampling_round.equal[group])
+        trained = trained_advantages(sampling_round, group, grpo.dynamic_sampling)
+        zero_advantage_count += int(sampling_round.equal[group] or not trained.any())
         kept_count += int(sampling_round.kept[group])
         skipped_count += int(sampling_round.episodes[group * grpo.n_samples].skipped)
-        advantages.append(sampling_round.advantages[group])
+        advantages.append(trained)
         for row in range(group * grpo.n_samples, (group + 1) * grpo.n_samples):
             episode = sampling_round.episodes[row]
             trained = 0 if grpo.mask_truncated and sampling_round.truncated[row] else 1

@@ -61,8 +61,8 @@ class LossSettings:
         return cls(grpo.temperature, grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.kl_coef,
                    grpo_math.KL_ESTIMATORS[grpo.kl_estimator], grpo_math.IMPORTANCE_RATIOS[grpo.importance_ratio],
                    grpo.entropy_coef, grpo_math.LOSS_AGGREGATIONS[grpo.loss_aggregation], grpo.max_new_tokens,
-                   grpo.rollout_correction_cap if rollout_correction(grpo) != "none" else None, grpo.routing_replay,
-                   share_prompts, grpo.teacher_coef if grpo.teacher else None, rollout_correction(grpo))
+                   grpo.rollout_correction_cap if grpo.correction() != "none" else None, grpo.routing_replay,
+                   share_prompts, grpo.teacher_coef if grpo.teacher else None, grpo.correction())
 
     @classmethod
     def for_run(cls, config, policy, teacher=None) -> "LossSettings":
@@ -73,14 +73,6 @@ class LossSettings:
         if reason and config.grpo.share_prompts:
             log.info(f"each completion is its own row in the training forwards (grpo.share_prompts is off): {reason}")
         return cls.from_config(config.grpo, share_prompts=reason is None)
-
-
-def rollout_correction(grpo) -> str:
-    """`grpo.rollout_correction`, with `auto` resolved: the decoupled objective (`tis`) where the rollouts are stale
-    (measured on the default task, one update behind: held-out 0.674 without a correction, 0.937 with it), else none."""
-    if grpo.rollout_correction != "auto":
-        return grpo.rollout_correction
-    return "tis" if grpo.rollout_processes and grpo.max_staleness else "none"
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

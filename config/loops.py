@@ -274,7 +274,8 @@ class RMConfig(TrainerConfig):
     """`trainer.rm`: the shared sections with reward-model training's defaults: the embedded preference set, the
     default SFT's output as the start."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START))
+    # No router losses: megatron-core scales them for a loss averaged over tokens, and this one is over pairs.
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=DEFAULT_GRPO_START, moe_aux_loss_coeff=0.0))
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr_ratio=0.1, warmup_steps=10))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -296,5 +297,10 @@ class RMConfig(TrainerConfig):
                 (self.peft.method == "none", "`peft.method=lora` trains adapters only, but a reward model's new score "
                  "head must train whole. Set `--peft.method=none`."),
                 (not self.train.micro_batch_tokens, "`train.micro_batch_tokens` groups rows by length, which would "
-                 "split a pair's sides. Use `--train.micro_batch_size` (pairs per micro-batch) instead.")):
+                 "split a pair's sides. Use `--train.micro_batch_size` (pairs per micro-batch) instead."),
+                (not (self.model.moe_aux_loss_coeff or self.model.moe_z_loss_coeff),
+                 "`model.moe_aux_loss_coeff` / `model.moe_z_loss_coeff`: megatron-core scales a Mixture-of-Experts "
+                 "router's losses for a loss averaged over tokens, and a reward model's is averaged over pairs, so the "
+                 "coefficient would act about 2 x the padded length times stronger than set. Leave both at 0 for "
+                 "`trainer.rm`.")):
             require(holds, message)

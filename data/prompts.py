@@ -98,14 +98,20 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
 def held_out_split(data, load):
     """`load(path, split)` of the held-out data: `data.eval_path`, else the test split of `data.path`, else None.
 
-    A missing test split of `data.path` only skips evaluation; a bad `data.eval_path` is the user's error.
+    A missing test split of `data.path` only skips evaluation (said as a warning); a single local file has none (its
+    rows are the training rows); a bad `data.eval_path` is the user's error.
     """
+    if not data.eval_path and pathlib.Path(data.path).is_file():
+        log.warning("no held-out split in %s (one file: its rows are the training rows): evaluation is skipped; set "
+                    "data.eval_path to held-out rows, or make data.path a folder with train* and test* files", data.path)
+        return None
     try:
         return load(data.eval_path or data.path, "test")
     except UserError:
         if data.eval_path:
             raise
-        log.info("no held-out split found for %s: evaluation is skipped (set data.eval_path)", data.path)
+        log.warning("no held-out split found for %s: evaluation is skipped (set data.eval_path, or add test* files)",
+                    data.path)
         return None
 
 

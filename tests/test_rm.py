@@ -216,6 +216,7 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     (["--train.micro_batch_tokens=512"], "Use `--train.micro_batch_size` (pairs per micro-batch) instead"),
     (["--data.response_field=better"], "are not read by `trainer.rm`: a pair's sides are the columns `data.chosen_field`"),
     (["--data.messages_field=messages"], "Remove them and set those two."),
+    (["--model.path=tiny-moe", "--model.moe_aux_loss_coeff=1e-3"], "a reward model's is averaged over pairs"),
 ])
 def test_reward_model_training_refuses_what_a_scalar_head_over_pairs_cannot_take(argv, expected):
     config, _ = parse_args(RMConfig, [f"--model.path={ensure_tiny_checkpoint()}", *argv], "trainer.rm")

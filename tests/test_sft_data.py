@@ -1,6 +1,7 @@
 """Unit tests for the SFT data pipeline: loading, loss masks, truncation, packing and batch order."""
 
 import json
+import types
 from pathlib import Path
 
 import datasets
@@ -303,6 +304,28 @@ def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
     assert load_rows(str(parquet.parent)) == train
     assert load_rows(str(tmp_path)) == train
     assert load_rows(str(tmp_path), split="test") == test
+
+
+def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
+    """A single file, or a folder without test* files, has no held-out split: evaluation is skipped with a warning
+    (their rows were once read back as the "held-out" ones); `data.eval_path` names held-out rows in any file."""
+    from data.prompts import held_out_split
+
+    rows = [{"question": f"q{index}", "answer": f"a{index}"} for index in range(3)]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for file in (tmp_path / "rows.jsonl", folder / "part-0.jsonl"):
+        file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match="has no test split: none of its files is named test"):
+        load_rows(str(folder), split="test")
+    assert load_rows(str(folder)) == rows
+    for path in (tmp_path / "rows.jsonl", folder):
+        data = types.SimpleNamespace(path=str(path), eval_path="")
+        with caplog.at_level("WARNING"):
+            assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
+        assert "evaluation is skipped" in caplog.text
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"))
+    assert held_out_split(data, lambda path, split: load_rows(path, split=split)) == rows
 
 
 def test_arithmetic_splits():

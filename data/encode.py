@@ -26,8 +26,18 @@ def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def require_chat_template(tokenizer) -> None:
+    """A UserError for a tokenizer without a chat template (a base model's), before any conversation is rendered."""
+    if tokenizer.chat_template is None:
+        raise UserError(f"The tokenizer of {tokenizer.name_or_path!r} has no chat template, and every prompt and "
+                        "conversation is rendered by one. Start from a checkpoint whose tokenizer has one (an "
+                        "instruct model, or this trainer's SFT output), or set `chat_template` in its "
+                        "tokenizer_config.json.")
+
+
 def chat_text(messages: list[dict], tokenizer, tools: list | None, *, add_generation_prompt: bool = False) -> str:
     """Return the chat template's text of `messages`, offering `tools` (schemas or functions; None: no tools)."""
+    require_chat_template(tokenizer)
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from config.errors import UserError
-from data import conversations as conversation_data
+from data import conversations as conversation_data, encode
 from data.conversations import DropReport
 
 
@@ -38,6 +38,7 @@ def render(prompt, response, tokenizer) -> list[int] | None:
     messages = (as_messages(prompt, "user") if prompt is not None else []), as_messages(response, "assistant")
     if messages[0] is None or not messages[1]:
         return None
+    encode.require_chat_template(tokenizer)
     ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

@@ -66,10 +66,19 @@ def eval_mode(model):
 
 
 def load_tokenizer(model_path: Path):
-    """The checkpoint's tokenizer (loaded before the model, so data errors come first)."""
+    """The checkpoint's tokenizer (loaded before the model, so data errors come first). One without a padding token
+    (Llama 3's, Mistral's) pads with its end token, as TRL does: padding is masked out of every loss, and a reward
+    model scores each row's last token that is not padding, as transformers does with that `pad_token_id`."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(model_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"The tokenizer of `{model_path}` has neither a padding token nor an end token to pad "
+                            "with. Set `pad_token` (or `eos_token`) in its tokenizer_config.json.")
+        log.info("the tokenizer has no padding token: padding with its end token %r", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,

@@ -161,7 +161,9 @@ def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:
     architecture = (config.get("architectures") or [""])[0]
     if not architecture.endswith(CLASSIFIER):
         return path, None
-    labels = config.get("num_labels") or len(config.get("id2label") or {0: ""})
+    # The head's rows are the labels: transformers writes no id2label for its default of two.
+    weight = _read_tensor(path, "score.weight", key)
+    labels = weight.shape[0] if weight.dim() == 2 else 0
     if labels != 1:
         raise UserError(f"`{key}={path}` is a {architecture} with {labels} labels; a reward model has one "
                         "(`num_labels=1`, a scalar score). Point `--{key}` at a reward model.")
@@ -175,7 +177,7 @@ def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:
     # An index of the backbone's tensors alone: Bridge then neither reads the head nor, exporting, waits for it.
     (view / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
         name: file for name, file in _tensor_files(path).items() if name not in ("score.weight", "lm_head.weight")}}))
-    return view, _read_tensor(path, "score.weight", key)
+    return view, weight
 
 
 def _tensor_files(path: Path) -> dict[str, str]:

@@ -152,11 +152,38 @@ def test_a_classifier_is_read_through_a_causal_view_and_one_of_several_labels_is
     with safe_open(path / "model.safetensors", "pt") as handle:
         assert torch.equal(weight, handle.get_tensor("score.weight").float()) and weight.shape == (1, 128)
     assert score_head.causal_view(ensure_tiny_checkpoint(), "model.path") == (ensure_tiny_checkpoint(), None)
-    two = json.loads((path / "config.json").read_text()) | {"id2label": {"0": "A", "1": "B"}}
-    (tmp_path / "two").mkdir()
-    (tmp_path / "two" / "config.json").write_text(json.dumps(two))
+    # Two labels, as transformers saves them: no id2label in config.json (its default), the head two rows.
+    import transformers
+
+    transformers.AutoModelForSequenceClassification.from_pretrained(ensure_tiny_checkpoint(), num_labels=2).save_pretrained(tmp_path / "two")
+    assert "id2label" not in json.loads((tmp_path / "two" / "config.json").read_text())
     with pytest.raises(UserError, match="with 2 labels; a reward model has one"):
         score_head.causal_view(tmp_path / "two", "grpo.reward_model")
+
+
+def test_a_tokenizer_without_a_padding_token_pads_with_its_end_token(tmp_path):
+    """Llama 3's and Mistral's tokenizers have no padding token: every loop pads with the end token (it was None, and
+    collating raised a TypeError); a pair's sides then collate, and each side is scored at its last token that is not
+    padding, as transformers does with that pad_token_id."""
+    import transformers
+
+    from model import build
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "tok")
+    loaded = build.load_tokenizer(tmp_path / "tok")
+    assert loaded.pad_token_id == loaded.eos_token_id is not None
+    pair = preferences.Pair([5, 6, 7], [5, 8])
+    batch = preferences.collate_pairs([pair], 4, loaded.pad_token_id)
+    assert batch["tokens"].tolist() == [[5, 6, 7, loaded.eos_token_id], [5, 8, loaded.eos_token_id, loaded.eos_token_id]]
+    assert score_head.LastTokens.of(batch["tokens"], loaded.pad_token_id).columns.tolist() == [2, 1]
+    # A base model's tokenizer has no chat template: a pair with a prompt is refused with a paragraph, not a
+    # ValueError from transformers; whole-text sides need none.
+    loaded.chat_template = None
+    with pytest.raises(UserError, match="has no chat template, and every prompt and conversation is rendered by one"):
+        preferences.render("What is 2 + 2?", "4", loaded)
+    assert preferences.render(None, "2 + 2 = 4", loaded)[-1] == loaded.eos_token_id
 
 
 def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
@@ -194,6 +221,8 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     scorer = object.__new__(RewardModel)
     scorer.policy_tokenizer, scorer.tokenizer, scorer.same_tokenizer = tokenizer, tokenizer, True
     scorer.tail_ids = tokenizer(template_tail(tokenizer), add_special_tokens=False)["input_ids"]
+    other_end = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)  # an end id of generation_config's, say
+    scorer.end_ids = {tokenizer.eos_token_id, other_end}
     user = [{"role": "user", "content": "What is 2 + 2?"}]
     prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
     answer = tokenizer("2 + 2 = 4\n#### 4", add_special_tokens=False)["input_ids"]
@@ -202,6 +231,8 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     rendered = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": "2 + 2 = 4\n#### 4"}],
                                              tokenize=True)["input_ids"]
     assert scorer.rows([ended, cut]) == [rendered, prompt + answer]
+    # Generation may stop at another end id: the turn is still closed as the template closes it.
+    assert scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=answer + [other_end])]) == [rendered]
     spelled = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tokenizer.eos_token_id not in scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=spelled)])[0][len(prompt):]
     # Another tokenizer reads the same conversation as text.

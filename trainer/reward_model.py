@@ -45,8 +45,9 @@ class RewardModel:
                         "(as the policy's chat template rendered it) and re-tokenized with the reward model's", path)
         self.model = build.build_frozen_dense(config, view, self.tokenizer, score_head=(0, weight))
         self.policy_tokenizer = policy.tokenizer
+        self.end_ids = set(policy.engine.end_ids)  # generation stops at any (the tokenizer's, generation_config's)
         self.tail_ids = policy.tokenizer(template_tail(policy.tokenizer), add_special_tokens=False)["input_ids"]
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad = self.tokenizer.pad_token_id  # the end token where the tokenizer has none (`build.load_tokenizer`)
         self.micro = config.train.micro_batch_size
         self.multiple = math.lcm(8, config.parallel.sequence_multiple)
         log.info("reward model: %s (%d layers, hidden %d), at the policy's parallel layout", path,
@@ -55,15 +56,17 @@ class RewardModel:
     def rows(self, episodes) -> list[list[int]]:
         """Each episode's token ids as the reward model reads the conversation (see the module's docstring): with the
         policy's tokenizer, the ids in hand (the prompt's, then every id after it: nothing is decoded, so no text a tool
-        returned becomes a control token), the template's ids after a final end token added; with another tokenizer,
-        the conversation's text tokenized with the reward model's."""
+        returned becomes a control token), an episode ended by any end id closed as the template closes a turn (its
+        end token, then the text after it); with another tokenizer, the conversation's text tokenized with the reward
+        model's."""
         end = self.policy_tokenizer.eos_token_id
-        rows = [episode.prompt_ids + episode.ids + (self.tail_ids if episode.ids and episode.ids[-1] == end else [])
+        rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids
+                                      if episode.ids and episode.ids[-1] in self.end_ids else episode.ids)
                 for episode in episodes]
         if self.same_tokenizer:
             return rows
         texts = self.policy_tokenizer.batch_decode(rows)
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(texts)["input_ids"]  # with its own special tokens: a Llama reward model's BOS
 
     def score(self, episodes) -> torch.Tensor:
         """Scores [episodes] in fp32, the same on every rank of the model replica. Collective over it: micro-batches of

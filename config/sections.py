@@ -159,6 +159,7 @@ class PreferenceDataConfig(DataConfig):
     messages_field: str = field(default="", metadata={"help": "not read by trainer.rm (refused when set): a side that is a whole conversation is data.chosen_field / data.rejected_field without a data.prompt_field column"})
     pack: bool = field(default=False, metadata={"help": "refused by trainer.rm: each side is scored at its own row's last token"})
     cache: bool = field(default=True, metadata={"help": "not used by trainer.rm: preference pairs are tokenized at each start"})
+    max_seq_len: int = field(default=128, metadata={"help": "tokens per side of a pair; a pair with a longer side is dropped and counted in the start-up line"})
 
 
 @dataclass

@@ -260,8 +260,8 @@ def test_reward_model_training_refuses_what_a_scalar_head_over_pairs_cannot_take
 
 
 def launches(default_sft, tmp_path_factory):
-    """`trainer.rm` runs in two launches (conftest's `joint_launches`): straight, stopped at step 3, at TP=2 and at PP=2
-    on the small set, and the embedded default (its preference set sampled from the default SFT) followed by GRPO
+    """`trainer.rm` runs in two launches (conftest's `joint_launches`): straight, stopped at step 3, at TP=2, at PP=2 and
+    under Megatron-FSDP on the small set, and the embedded default (its preference set sampled from the default SFT) followed by GRPO
     scored by it alone; then the stopped run resumed, and a reward model's own export trained on."""
     root = tmp_path_factory.mktemp("rm-runs")
     write_pairs(root / "pairs")
@@ -281,10 +281,11 @@ def launches(default_sft, tmp_path_factory):
                           "--train.eval_samples=0", "--train.out_dir=outputs/grpo-rm"]}]
     first = yield launch([command("straight"), command("split", "--train.exit_interval=3"),
                           command("tp2", "--parallel.tp=2", "--train.exit_interval=3"),
-                          command("pp2", "--parallel.pp=2", "--train.exit_interval=3"), *defaults])
+                          command("pp2", "--parallel.pp=2", "--train.exit_interval=3"),
+                          command("fsdp", "--parallel.use_megatron_fsdp=true", "--train.exit_interval=3"), *defaults])
     second = yield launch([command("split", "--resume-from-checkpoint", "latest"),
                            command("continued", f"--model.path={root / 'straight' / 'hf'}", "--train.steps=1")])
-    return {"root": root, "home": home, "default_log": first[4]["log"], "grpo_log": first[5]["log"],
+    return {"root": root, "home": home, "default_log": first[5]["log"], "grpo_log": first[6]["log"],
             "continued": second[1]}
 
 
@@ -295,8 +296,8 @@ def runs(joint_launches) -> dict:
 
 @pytest.mark.distributed
 def test_reward_model_training_resumes_exactly_and_agrees_across_layouts(runs):
-    """3 + resume + 3 steps equal 6 straight (every figure, and the exported weights); at TP=2 and at PP=2 (one
-    replica, all 4 micro-batches on it) the same global batches give the same losses within float error, stopped at
+    """3 + resume + 3 steps equal 6 straight (every figure, and the exported weights); at TP=2, at PP=2 (one
+    replica, all 4 micro-batches on it) and under Megatron-FSDP the same global batches give the same losses within float error, stopped at
     step 3 of the same schedule; the held-out loss falls."""
     from safetensors.torch import load_file
 
@@ -307,7 +308,7 @@ def test_reward_model_training_resumes_exactly_and_agrees_across_layouts(runs):
     exported = [load_file(root / run / "hf" / "model.safetensors") for run in ("straight", "split")]
     assert exported[0].keys() == exported[1].keys() and all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
     assert "score.weight" in exported[0] and "lm_head.weight" not in exported[0]
-    for layout in ("tp2", "pp2"):
+    for layout in ("tp2", "pp2", "fsdp"):
         rows = metrics_rows(root / layout)
         assert [row["step"] for row in rows] == [0, 1, 2, 3]  # stopped at step 3 of the same 6-step schedule
         for mine, theirs in zip(rows, straight[:4]):

@@ -6,6 +6,7 @@ distributed optimizer, a Mixture-of-Experts model's EP/ETP and frozen router, Lo
 run's; data parallelism may differ. A changed setting is refused by name, with both values.
 """
 
+import json
 import logging
 from pathlib import Path
 
@@ -31,6 +32,50 @@ STATE_LAYOUT = {
 }
 
 
+# Settings whose values the checkpoint's own state holds, so that a resumed run would keep the checkpoint's and drop a
+# new one without a word: refused by name when they differ from the run that saved it.
+CONTINUED = {
+    "train.steps": "the learning-rate schedule's length is the checkpoint's",
+    "train.global_batch_size": "the data position counts batches of the checkpoint's size",
+    "train.seed": "the data order and every seed after it are the checkpoint's",
+    "optim.lr": "the schedule's peak learning rate is the checkpoint's", "optim.min_lr": "the schedule's floor is the "
+    "checkpoint's", "optim.min_lr_ratio": "the schedule's floor is the checkpoint's",
+    "optim.warmup_steps": "the schedule's warmup is the checkpoint's",
+    "optim.weight_decay": "the optimizer's parameter groups are restored with the checkpoint's",
+    "optim.betas": "the optimizer's parameter groups are restored with the checkpoint's",
+    "optim.eps": "the optimizer's parameter groups are restored with the checkpoint's",
+    "optim.override_optimizer_config": "the optimizer's parameter groups are restored with the checkpoint's",
+}
+
+
+def changed_settings(saved: dict, current: dict) -> dict[str, tuple]:
+    """{dotted key: (saved value, this run's)} of the settings two nested configs (`config.cli.to_dict`) differ in
+    (compared as JSON: a tuple and a list of the same values are the same setting)."""
+    def same(a, b) -> bool:
+        return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+    return {f"{section}.{key}": (value, current[section][key])
+            for section, values in saved.items() if isinstance(values, dict) and isinstance(current.get(section), dict)
+            for key, value in values.items() if key in current[section] and not same(current[section][key], value)}
+
+
+def check_continued_settings(path: Path, saved_config: dict | None, current: dict | None) -> None:
+    """Refuse a resume that changes a setting the checkpoint's state holds (`CONTINUED`); say the others it changes
+    (they take effect from the next step)."""
+    if not saved_config or current is None:
+        return
+    changed = changed_settings(saved_config, current)
+    for key, (was, now) in changed.items():
+        if key in CONTINUED:
+            raise UserError(f"Checkpoint `{path}` was saved with `{key}={was}` and this run has `{key}={now}`, but "
+                            f"{CONTINUED[key]}: a resumed run would go on with `{was}` without a word. Resume with "
+                            f"`--{key}={was}`; to train on with other settings, start a new run from the model it "
+                            "exports (`--model.path <train.out_dir>/hf`) or from a copy of the checkpoint's weights.")
+    if changed:
+        log.info("resuming with settings changed from the checkpoint's (in effect from the next step): %s",
+                 ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changed.items()))
+
+
 def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None,
                       freeze_router: bool = False) -> dict:
     """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats, and
@@ -53,8 +98,10 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
     return fingerprint
 
 
-def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tuple[Path | None, int]:
-    """(checkpoint to resume from, its step), or (None, 0) to start fresh; raises UserError for anything unusable.
+def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
+                   config: dict | None = None) -> tuple[Path | None, int]:
+    """(checkpoint to resume from, its step), or (None, 0) to start fresh; raises UserError for anything unusable
+    (with `config`, this run's nested config: also a setting the checkpoint's state holds changed).
 
     Runs before any model is built, so a bad `--resume-from-checkpoint` costs nothing and overwrites nothing.
     """
@@ -104,6 +151,7 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict) -> tupl
         raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
                         f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
                         "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
+    check_continued_settings(path, state.get("config"), config)
     return path, state["step"]
 
 

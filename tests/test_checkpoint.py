@@ -35,6 +35,30 @@ def fake_checkpoint(root, step: int, fingerprint=FINGERPRINT, point_latest: bool
     return path
 
 
+def test_a_resume_that_changes_what_the_checkpoint_holds_is_refused(tmp_path, caplog):
+    """A longer `train.steps` or a new `optim.lr` on resume would silently keep the checkpoint's schedule (megatron-core
+    restores it, and the optimizer's parameter groups): refused by name with both values; a setting read afresh
+    every step (`train.log_interval`) is said and taken; the same values in another form (a tuple read back as a
+    list) are no change."""
+    from config.cli import parse_args, to_dict
+    from config.loops import SFTConfig
+
+    saved = to_dict(parse_args(SFTConfig, ["--train.steps=100"], "trainer.sft")[0])
+    path = fake_checkpoint(tmp_path, 20)
+    torch.save({"step": 20, "fingerprint": FINGERPRINT, "config": saved}, path / checkpoint.STATE_FILE)
+    for argv, key in ((["--train.steps=200"], "train.steps"), (["--train.steps=100", "--optim.lr=1e-5"], "optim.lr"),
+                      (["--train.steps=100", "--train.global_batch_size=128"], "train.global_batch_size")):
+        current = to_dict(parse_args(SFTConfig, argv, "trainer.sft")[0])
+        with pytest.raises(UserError, match=f"was saved with `{key}=.*` and this run has `{key}=.*: a resumed run would "
+                                            f"go on with"):
+            checkpoint.resolve_resume("latest", tmp_path, FINGERPRINT, current)
+    current = to_dict(parse_args(SFTConfig, ["--train.steps=100", "--train.log_interval=1", "--optim.betas=[0.9, 0.95]"],
+                                 "trainer.sft")[0])
+    with caplog.at_level("INFO"):
+        assert checkpoint.resolve_resume("latest", tmp_path, FINGERPRINT, current) == (path, 20)
+    assert "train.log_interval 20 -> 1" in caplog.text and "optim.betas" not in caplog.text
+
+
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     assert checkpoint.resolve_resume("latest", tmp_path / "none", FINGERPRINT) == (None, 0)
     assert checkpoint.resolve_resume("", tmp_path, FINGERPRINT) == (None, 0)

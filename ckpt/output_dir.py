@@ -75,12 +75,13 @@ def _inside(path: Path, directory: Path) -> bool:
 
 def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
     """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` on disk and GRPO's
-    `grpo.teacher`."""
-    teacher = getattr(getattr(config, "grpo", None), "teacher", "")
-    for key, value in (("model.path", config.model.path), ("data.path", config.data.path), ("grpo.teacher", teacher)):
-        if not value or not Path(value).exists():  # `tiny`, a bundled task or a hub dataset name
+    `grpo.teacher` and `grpo.reward_model` (a `~` expanded, as the loaders expand it)."""
+    grpo = getattr(config, "grpo", None)
+    for key, value in (("model.path", config.model.path), ("data.path", config.data.path),
+                       ("grpo.teacher", getattr(grpo, "teacher", "")), ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
+        if not value or not Path(value).expanduser().exists():  # `tiny`, a bundled task or a hub dataset name
             continue
-        hit = next((path for path in replaced if _inside(Path(value), path)), None)
+        hit = next((path for path in replaced if _inside(Path(value).expanduser(), path)), None)
         if hit is not None:
             raise UserError(f"`{key}={value}` lies inside `{hit}`, which this run {action}, so it would destroy its "
                             f"own input. Copy the input elsewhere and point `--{key}` at the copy, or write this run to "

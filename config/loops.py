@@ -3,6 +3,7 @@ defaults as overrides of the same sections. `config.validate(world_size)` runs e
 nor data (`config.checks`) and raises a `UserError` naming the key to change; derived values (the data-parallel size,
 whether the precision-aware optimizer is in use) are defined on the sections and here, once."""
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from config.hf import hf_expert_count, read_hf_config
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
-    TOOL_ISOLATIONS, TrainConfig
+    TOOL_ISOLATIONS, TrainConfig, have_transformer_engine
 )
 
 
@@ -61,6 +62,14 @@ class SFTConfig(TrainerConfig):
         require(not (self.data.pack and self.parallel.pp > 1),
                  "`data.pack=true` gives microbatches a varying number of rows, which pipeline parallelism cannot "
                  "exchange between stages. Use `--data.pack=false` with `parallel.pp` > 1.")
+        attention = self.model.attention
+        causal_only = (attention == "transformer_engine" or (attention == "auto" and have_transformer_engine())
+                       or (attention == "local" and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None))
+        require(not (self.data.pack and causal_only),
+                 f"`data.pack=true` keeps packed samples apart with a block-diagonal attention mask, and the attention "
+                 f"`model.attention={attention}` runs here (Transformer Engine's, or the fused causal softmax) applies a "
+                 "causal mask over the whole row instead: each sample would attend to the ones packed before it. Set "
+                 "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
 
 
 # GRPO's default starting policy: the default SFT's output, trained first when missing.

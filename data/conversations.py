@@ -69,16 +69,21 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
                         ) from error
 
 
+HELD_OUT_SPLITS = ("test", "eval", "valid")  # names of files a folder's training split never reads
+
+
 def load_local(path: pathlib.Path, split: str) -> list[dict]:
-    """Load a local data file, or the files in a folder: those named after `split`; for `train`, every file when none
-    is named after it. A folder without files of another split (`test`) has no such split: a UserError."""
-    files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
+    """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
+    named after `split`; for `train`, when none is, every file not named after a held-out split. A folder without
+    files of another split (`test`) has no such split: a UserError."""
+    files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS
+                   and not any(part.startswith(".") for part in file.relative_to(path).parts)) if path.is_dir() else [path]
     # A folder holding train.jsonl and test.jsonl must not mix the two splits, and a folder of training files alone
     # must not pass them off as held-out ones.
     named = [file for file in files if file.stem.startswith(split)]
     if path.is_dir() and files and not named and split != "train":
         raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files is named {split}*.")
-    files = named or files
+    files = named or [file for file in files if not file.stem.startswith(HELD_OUT_SPLITS)] or files
     formats = {LOCAL_FORMATS.get(file.suffix) for file in files}
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "

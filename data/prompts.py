@@ -101,7 +101,7 @@ def held_out_split(data, load):
     A missing test split of `data.path` only skips evaluation (said as a warning); a single local file has none (its
     rows are the training rows); a bad `data.eval_path` is the user's error.
     """
-    if not data.eval_path and pathlib.Path(data.path).is_file():
+    if not data.eval_path and pathlib.Path(data.path).expanduser().is_file():
         log.warning("no held-out split in %s (one file: its rows are the training rows): evaluation is skipped; set "
                     "data.eval_path to held-out rows, or make data.path a folder with train* and test* files", data.path)
         return None

@@ -180,3 +180,16 @@ def test_the_config_reference_in_docs_is_current():
     result = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=repo, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_packing_is_refused_where_the_attention_would_ignore_its_mask(monkeypatch):
+    """With Transformer Engine installed, `model.attention=auto` is TE's attention, which runs causal over the whole
+    packed row (the block-diagonal mask unused): refused, naming sdpa; SDPA packs."""
+    import config.loops
+
+    monkeypatch.setattr(config.loops, "have_transformer_engine", lambda: True)
+    config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.pack=true"], "trainer.sft")
+    with pytest.raises(UserError, match="each sample would attend to the ones packed before it. Set `--model.attention=sdpa`"):
+        config.validate(world_size=1)
+    config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.pack=true", "--model.attention=sdpa"], "trainer.sft")
+    config.validate(world_size=1)

@@ -319,6 +319,12 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     with pytest.raises(UserError, match="has no test split: none of its files is named test"):
         load_rows(str(folder), split="test")
     assert load_rows(str(folder)) == rows
+    # Without train* files the training split is every file but the held-out ones, and never a hidden copy.
+    (folder / "test.jsonl").write_text(json.dumps({"question": "t", "answer": "t"}) + "\n")
+    (folder / ".ipynb_checkpoints").mkdir()
+    (folder / ".ipynb_checkpoints" / "part-0-checkpoint.jsonl").write_text(json.dumps({"question": "x", "answer": "x"}) + "\n")
+    assert load_rows(str(folder)) == rows and load_rows(str(folder), split="test") == [{"question": "t", "answer": "t"}]
+    (folder / "test.jsonl").unlink()
     for path in (tmp_path / "rows.jsonl", folder):
         data = types.SimpleNamespace(path=str(path), eval_path="")
         with caplog.at_level("WARNING"):

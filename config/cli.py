@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import time
 import types
@@ -60,7 +61,21 @@ def _coerce(key: str, value, annotation):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:
         return [_coerce(key, item, typing.get_args(annotation)[0]) for item in value]
+    if origin is dict:  # megatron-core's fields: `1e-5` inside a mapping is a number there too
+        return _numbers_in(value)
     return value
+
+
+SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # a number YAML 1.1 reads as a string
+
+
+def _numbers_in(value):
+    """`value` with every string written in exponent notation (`1e-5`) read as the number it is, at any depth."""
+    if isinstance(value, dict):
+        return {key: _numbers_in(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_numbers_in(item) for item in value]
+    return float(value) if isinstance(value, str) and SCIENTIFIC.fullmatch(value) else value
 
 
 def _set(config, key: str, value, keys: dict) -> None:
@@ -119,6 +134,8 @@ def parse_args(config_class, argv: list[str], program: str):
             config_file = value
         elif name == "resume-from-checkpoint":
             resume = value
+        elif keys.get(name) is not None and keys[name].type in (str, "str"):
+            pairs.append((name, value))  # a text key takes the text as typed (`--log.wandb_name=0001` stays 0001)
         else:
             pairs.append((name, _parse_value(name, value)))
         position += 1

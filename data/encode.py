@@ -38,8 +38,24 @@ def require_chat_template(tokenizer) -> None:
 def chat_text(messages: list[dict], tokenizer, tools: list | None, *, add_generation_prompt: bool = False) -> str:
     """Return the chat template's text of `messages`, offering `tools` (schemas or functions; None: no tools)."""
     require_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    with template_errors_named(tokenizer, messages):
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+
+@contextlib.contextmanager
+def template_errors_named(tokenizer, messages: list[dict]):
+    """A chat template that raises on a conversation (`raise_exception` in Mistral's and Llama 2's: roles that do not
+    alternate, a system turn it does not take) becomes a UserError naming the conversation's roles."""
+    import jinja2
+
+    try:
+        yield
+    except jinja2.TemplateError as error:
+        roles = " -> ".join(str(message.get("role")) for message in messages if isinstance(message, dict))
+        raise UserError(f"The chat template of {tokenizer.name_or_path!r} refused a conversation ({roles}): {error}. "
+                        "Give the rows in the form this template takes (many require user and assistant turns to "
+                        "alternate, some take no system turn), or train from a model whose template takes them.") from None
 
 
 def template_error(tokenizer, problem: str) -> UserError:

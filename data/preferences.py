@@ -39,7 +39,8 @@ def render(prompt, response, tokenizer) -> list[int] | None:
     if messages[0] is None or not messages[1]:
         return None
     encode.require_chat_template(tokenizer)
-    ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)
+    with encode.template_errors_named(tokenizer, messages[0] + messages[1]):
+        ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

@@ -79,6 +79,8 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]],
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
         header, turn = prompted[len(context) :], text[len(context) :]
         after_header, content = turn[len(header) :], message["content"]
+        if not after_header.startswith(content):  # a template that trims (Llama 3's `| trim`) shows the trimmed text
+            content = content.strip()
         if not (turn.startswith(header) and after_header.startswith(content)
                 and tokenizer.eos_token and tokenizer.eos_token in after_header[len(content) :]):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "

@@ -193,3 +193,13 @@ def test_packing_is_refused_where_the_attention_would_ignore_its_mask(monkeypatc
         config.validate(world_size=1)
     config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.pack=true", "--model.attention=sdpa"], "trainer.sft")
     config.validate(world_size=1)
+
+
+def test_numbers_in_mappings_and_text_keys_read_as_typed():
+    """YAML 1.1 reads `1e-5` as a string: inside megatron-core's override mappings it is the number (it reached
+    OptimizerConfig as '1e-5'); a text key keeps its text as typed (`0001` was read as the integer 1)."""
+    config, _ = parse_args(SFTConfig, ["--optim.override_optimizer_config={lr: 1e-5, adam_eps: 1.0e-6, name: x}",
+                                       "--log.wandb_name=0001", "--ddp.override_ddp_config", "{bucket_size: 4e7}"],
+                           "trainer.sft")
+    assert config.optim.override_optimizer_config == {"lr": 1e-5, "adam_eps": 1e-6, "name": "x"}
+    assert config.ddp.override_ddp_config == {"bucket_size": 4e7} and config.log.wandb_name == "0001"

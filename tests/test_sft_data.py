@@ -68,6 +68,17 @@ def test_loss_mask_covers_exactly_the_assistant_content_and_its_end_of_turn(toke
     )
 
 
+def test_a_template_that_trims_content_learns_the_text_it_shows(checkpoint):
+    """Llama 3's template renders `content | trim`: a response with surrounding whitespace learns the trimmed text the
+    template shows (it refused the whole run, naming the model, over one such row)."""
+    trimming = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5\n"}]
+    input_ids, loss_mask = tokenize_conversation(messages, trimming)
+    assert learned_spans(trimming, input_ids, loss_mask) == ["2 + 3 = 5\n#### 5<|im_end|>"]
+
+
 def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     row = {"messages": [
         {"role": "system", "content": "Be brief."},
@@ -505,3 +516,20 @@ def test_resume_from_state_dict_reproduces_the_next_batches(consumed, epoch, con
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [resumed.next_global_batch() for _ in range(4)] == [original.next_global_batch() for _ in range(4)]
     assert resumed.state_dict() == original.state_dict()
+
+
+def test_a_chat_template_that_refuses_a_conversation_is_a_paragraph_naming_its_roles():
+    """Mistral's and Llama 2's templates raise on roles that do not alternate: a UserError naming the roles, not a
+    jinja2 traceback."""
+    from data.encode import chat_text
+    from model.tiny import ensure_tiny_checkpoint
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    tokenizer.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                               "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(UserError, match=r"refused a conversation \(system -> user -> assistant\): Conversation roles must "
+                                        "alternate user/assistant. Give the rows in the form this template takes"):
+        chat_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                   {"role": "assistant", "content": "a"}], tokenizer, None)
+    assert chat_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], tokenizer, None) == "ua"

@@ -295,6 +295,10 @@ class TrainingChecks:
                    f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:
             require(holds, f"`{key}` must be {rule}, got {value_of(self, key)}. Change `--{key}`.")
+        require(self.data.eval_path or self.data.train_split != self.data.eval_split,
+                 f"`data.train_split` and `data.eval_split` are both `{self.data.eval_split}`: the held-out figures "
+                 "would be measured on the training rows. Set `--data.eval_split` to another split, or point "
+                 "`--data.eval_path` at held-out data.")
 
     def _validate_peft(self) -> None:
         peft, parallel = self.peft, self.parallel

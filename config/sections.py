@@ -138,7 +138,9 @@ class DDPConfig:
 class DataConfig:
     path: str = field(default="arithmetic", metadata={"help": "json/jsonl/parquet file or dir, a hub dataset name, `arithmetic` (bundled word problems) or `calculator` (the bundled tool task)"})
     hub_config: str = field(default="", metadata={"help": "hub dataset configuration name (e.g. `main` for openai/gsm8k)"})
-    eval_path: str = field(default="", metadata={"help": "held-out data (same forms as data.path); default: the test split of data.path"})
+    eval_path: str = field(default="", metadata={"help": "held-out data (same forms as data.path); default: data.eval_split of data.path"})
+    train_split: str = field(default="train", metadata={"help": "the split trained on: a hub dataset's split name (train_sft for HuggingFaceH4/ultrachat_200k, train_prefs for HuggingFaceH4/ultrafeedback_binarized), or the name a local folder's files start with (without such files: every file not named test*/eval*/valid*)"})
+    eval_split: str = field(default="test", metadata={"help": "the held-out split of data.eval_path, else of data.path: a hub split name, or the name a local folder's files start with; a single file, or a set without it, has none (evaluation skipped with a warning)"})
     prompt_field: str = field(default="question", metadata={"help": "row field holding the prompt"})
     response_field: str = field(default="answer", metadata={"help": "row field holding the response (GRPO: the reference answer the reward compares with)"})
     messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; every assistant turn is trained)"})

@@ -36,12 +36,25 @@ ARITHMETIC_SFT_PLAIN_SHARE = 0.75
 DROP_EXAMPLES_KEPT = 5
 
 
-def load_rows(path: str, *, split: str = "train", hub_config: str | None = None, sft_targets: bool = False) -> list[dict]:
+def load_split(data, path: str, split: str, sft_targets: bool = False) -> list[dict]:
+    """The rows of one split of `path` as the `data` section names it: `data.train_split` is trained on, any other
+    (`data.eval_split`) is held out; `data.hub_config` picks a hub set's configuration."""
+    return load_rows(path, split=split, hub_config=data.hub_config or None, sft_targets=sft_targets,
+                     held_out=split != data.train_split)
+
+
+def load_rows(path: str, *, split: str = "train", hub_config: str | None = None, sft_targets: bool = False,
+              held_out: bool | None = None) -> list[dict]:
     """Return the rows of the bundled arithmetic set, a local json/jsonl/parquet file or folder, or a hub dataset.
 
+    `held_out` (default: a split other than `train`): the split is held-out rows, never a folder's training files;
+    the bundled sets then give their test split whatever the name, else their train split.
     `sft_targets`: the rows are SFT training targets; only the bundled train split differs then (a seeded
     `ARITHMETIC_SFT_PLAIN_SHARE` answers in the plain style).
     """
+    held_out = split != "train" if held_out is None else held_out
+    if path in ("arithmetic", "calculator") and split not in ARITHMETIC_SPLITS:
+        split = "test" if held_out else "train"  # a split name set for the user's own data
     if path == "arithmetic":
         if split not in ARITHMETIC_SPLITS:
             raise UserError(f"The arithmetic data set has splits {sorted(ARITHMETIC_SPLITS)}, not {split!r}.")
@@ -54,7 +67,7 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
     local = pathlib.Path(path).expanduser()
     looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS
     if local.exists():
-        return load_local(local, split)
+        return load_local(local, split, held_out)
     if looks_local:
         raise UserError(f"data.path points to {path!r}, which does not exist. Set data.path to an existing "
                         ".json, .jsonl or .parquet file, a folder of them, 'arithmetic', or a hub dataset name.")
@@ -72,16 +85,16 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
 HELD_OUT_SPLITS = ("test", "eval", "valid")  # names of files a folder's training split never reads
 
 
-def load_local(path: pathlib.Path, split: str) -> list[dict]:
+def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
-    named after `split`; for `train`, when none is, every file not named after a held-out split. A folder without
-    files of another split (`test`) has no such split: a UserError."""
+    named after `split`; for the training split, when none is, every file not named after a held-out split. A folder
+    without files of a held-out split has no such split: a UserError."""
     files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS
                    and not any(part.startswith(".") for part in file.relative_to(path).parts)) if path.is_dir() else [path]
     # A folder holding train.jsonl and test.jsonl must not mix the two splits, and a folder of training files alone
     # must not pass them off as held-out ones.
     named = [file for file in files if file.stem.startswith(split)]
-    if path.is_dir() and files and not named and split != "train":
+    if path.is_dir() and files and not named and held_out:
         raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files is named {split}*.")
     files = named or [file for file in files if not file.stem.startswith(HELD_OUT_SPLITS)] or files
     formats = {LOCAL_FORMATS.get(file.suffix) for file in files}

@@ -47,7 +47,7 @@ def render(prompt, response, tokenizer) -> list[int] | None:
 def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
     """The rows of `path` (`data.path`'s forms) as tokenized pairs; rows whose sides are missing, malformed, alike or
     longer than `data.max_seq_len` are dropped and counted (a UserError when none is left)."""
-    rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None)
+    rows = conversation_data.load_split(data, path, split)
     if not rows:
         raise UserError(f"`{path}` ({split}) holds no rows; point `--data.path` at a preference set.")
     columns = sorted({key for row in rows for key in row})

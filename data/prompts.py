@@ -79,7 +79,7 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
     `tools`, when given, are offered with every prompt instead of each row's own; `cache_dir` keeps their token ids
     (see `prompts_from_conversations`)."""
     max_tokens = data.max_seq_len - max_new_tokens
-    rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None)
+    rows = conversation_data.load_split(data, path, split)
     conversations, report = conversation_data.to_conversations(
         rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
     every = prompts_from_conversations(conversations, tokenizer, tools, cache_dir)
@@ -96,7 +96,7 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
 
 
 def held_out_split(data, load):
-    """`load(path, split)` of the held-out data: `data.eval_path`, else the test split of `data.path`, else None.
+    """`load(path, split)` of the held-out data: `data.eval_split` of `data.eval_path`, else of `data.path`, else None.
 
     A missing test split of `data.path` only skips evaluation (said as a warning); a single local file has none (its
     rows are the training rows); a bad `data.eval_path` is the user's error.
@@ -106,7 +106,7 @@ def held_out_split(data, load):
                     "data.eval_path to held-out rows, or make data.path a folder with train* and test* files", data.path)
         return None
     try:
-        return load(data.eval_path or data.path, "test")
+        return load(data.eval_path or data.path, data.eval_split)
     except UserError:
         if data.eval_path:
             raise

@@ -8,7 +8,6 @@ export): pairs whose rejected side is in the answer's form (`#### N`: a wrong nu
 import argparse
 import json
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from config.sections import PreferenceDataConfig  # noqa: E402
 from data import preferences, rewards  # noqa: E402
 
 
@@ -26,8 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model).eval()
-    data = types.SimpleNamespace(hub_config="", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected",
-                                 max_seq_len=10**9)
+    data = PreferenceDataConfig(max_seq_len=10**9)  # trainer.rm's fields, no length limit
     rows = [json.loads(line) for line in Path(args.pairs).read_text().splitlines()]
     pairs, report = preferences.load_pairs(args.pairs, "test", data, tokenizer)
     kinds = {"rejected in the answer's form": [], "rejected in another form": []}

@@ -22,7 +22,8 @@ SFT_KEYS = {
     "optim.lr", "optim.min_lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "optim.betas", "optim.eps",
     "optim.use_precision_aware_optimizer", "optim.main_grads_dtype", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
     "optim.override_optimizer_config", "ddp.override_ddp_config",
-    "data.path", "data.hub_config", "data.eval_path", "data.prompt_field", "data.response_field", "data.messages_field",
+    "data.path", "data.hub_config", "data.eval_path", "data.train_split", "data.eval_split", "data.prompt_field",
+    "data.response_field", "data.messages_field",
     "data.max_seq_len", "data.pack", "data.cache",
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.micro_batch_tokens", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
@@ -203,3 +204,9 @@ def test_numbers_in_mappings_and_text_keys_read_as_typed():
                            "trainer.sft")
     assert config.optim.override_optimizer_config == {"lr": 1e-5, "adam_eps": 1e-6, "name": "x"}
     assert config.ddp.override_ddp_config == {"bucket_size": 4e7} and config.log.wandb_name == "0001"
+
+
+def test_the_same_split_for_training_and_held_out_is_refused():
+    config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.eval_split=train"], "trainer.sft")
+    with pytest.raises(UserError, match="`data.train_split` and `data.eval_split` are both `train`: the held-out figures"):
+        config.validate(world_size=1)

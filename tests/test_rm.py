@@ -2,6 +2,7 @@
 exact resume, the export transformers loads as a sequence classifier, the embedded preference set and reward model),
 and what GRPO asks of a reward model (`grpo.reward_model`) before it is built."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig, RMConfig
+from config.sections import PreferenceDataConfig
 from data import preferences
 from model import score_head
 from model.tiny import ensure_tiny_checkpoint
@@ -47,8 +49,7 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
             {"prompt": question, "chosen": good * 40, "rejected": bad}]  # too long
     (tmp_path / "explicit").mkdir()
     (tmp_path / "explicit" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    data = types.SimpleNamespace(hub_config="", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected",
-                                 max_seq_len=128)
+    data = PreferenceDataConfig(max_seq_len=128)
     pairs, report = preferences.load_pairs(str(tmp_path / "explicit"), "train", data, tokenizer)
     assert [(pair.chosen, pair.rejected) for pair in pairs] == [(chat(good), chat(bad))] * 2
     assert chat(good)[-1] != tokenizer.eos_token_id  # the template's newline after the end token is part of it
@@ -62,7 +63,7 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     assert pair.chosen == chat(good)
     assert pair.rejected == tokenizer(bad, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
-        preferences.load_pairs(str(tmp_path / "explicit"), "train", types.SimpleNamespace(**{**vars(data), "chosen_field": "better"}),
+        preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, chosen_field="better"),
                                tokenizer)
 
 

@@ -11,6 +11,7 @@ import transformers
 
 from data.batches import Example, collate, collate_packed, pack, padded_size, token_budget_microbatches
 from data.conversations import DropReport, load_rows, to_conversations
+from data import conversations
 from data.encode import encode_texts
 from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation
 from model.tiny import ensure_tiny_checkpoint
@@ -336,12 +337,21 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     (folder / ".ipynb_checkpoints" / "part-0-checkpoint.jsonl").write_text(json.dumps({"question": "x", "answer": "x"}) + "\n")
     assert load_rows(str(folder)) == rows and load_rows(str(folder), split="test") == [{"question": "t", "answer": "t"}]
     (folder / "test.jsonl").unlink()
+    # Split names as ultrachat_200k's (train_sft / test_sft): `data.train_split` and `data.eval_split` pick the files.
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "train_sft-00000.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (named / "test_sft-00000.jsonl").write_text(json.dumps({"question": "t", "answer": "t"}) + "\n")
+    data = types.SimpleNamespace(path=str(named), eval_path="", hub_config="", train_split="train_sft", eval_split="test_sft")
+    assert conversations.load_split(data, str(named), "train_sft") == rows
+    assert held_out_split(data, lambda path, split: conversations.load_split(data, path, split)) == [{"question": "t", "answer": "t"}]
+    assert len(conversations.load_split(data, "arithmetic", "train_sft")) == 10000  # the bundled set: its train split
     for path in (tmp_path / "rows.jsonl", folder):
-        data = types.SimpleNamespace(path=str(path), eval_path="")
+        data = types.SimpleNamespace(path=str(path), eval_path="", eval_split="test")
         with caplog.at_level("WARNING"):
             assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
         assert "evaluation is skipped" in caplog.text
-    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"))
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"), eval_split="test")
     assert held_out_split(data, lambda path, split: load_rows(path, split=split)) == rows
 
 

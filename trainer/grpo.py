@@ -127,7 +127,7 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     load = functools.partial(prompt_data.load_prompts, config.data, tokenizer, max_new_tokens=config.grpo.max_new_tokens,
                              tools=episode_sampler.schemas or None,
                              cache_dir=process.cache_dir() if config.data.cache else None)
-    train_prompts = load(config.data.path, "train")
+    train_prompts = load(config.data.path, config.data.train_split)
     tool_data.check_filter_reads_accuracy(toolset, config.grpo, train_prompts[0].row)
     eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],
                                                       config.train.eval_samples, config.parallel.data_parallel_size(world_size))

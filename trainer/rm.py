@@ -39,7 +39,7 @@ def load_data(config, tokenizer, data_parallel_size: int) -> RMData:
     """Every user error in the data is raised here, before a model is built. The held-out pairs are trimmed to whole
     micro-batches on every data-parallel rank."""
     data = config.data
-    train, report = preferences.load_pairs(data.path, "train", data, tokenizer)
+    train, report = preferences.load_pairs(data.path, data.train_split, data, tokenizer)
     log.info("pairs %s (train): %d used; %s", data.path, len(train), report.summary())
     held_out = []
     if config.train.eval_samples:

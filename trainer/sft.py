@@ -38,7 +38,7 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     data = config.data
 
     def examples(path: str, split: str):
-        rows = conversation_data.load_rows(path, split=split, hub_config=data.hub_config or None, sft_targets=True)
+        rows = conversation_data.load_split(data, path, split, sft_targets=True)
         conversations, report = conversation_data.to_conversations(
             rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
         built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
@@ -46,7 +46,7 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
         log.info("data %s (%s): %d samples used; %s", path, split, len(built), report.summary())
         return built, conversations
 
-    train, _ = examples(data.path, "train")
+    train, _ = examples(data.path, data.train_split)
     held_out = prompt_data.held_out_split(data, examples) or ([], [])
     eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size)
     eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)

@@ -25,3 +25,28 @@ def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
 def hf_expert_count(hf: dict) -> int:
     """Routed experts per MoE layer of an HF config.json (0: a dense model)."""
     return next((int(hf[key]) for key in HF_EXPERT_KEYS if hf.get(key)), 0)
+
+
+def special_texts(tokenizer) -> set[str]:
+    """The text of every special token of a tokenizer (its named ones and every added token marked special)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {*tokenizer.all_special_tokens, *(token.content for token in added.values() if getattr(token, "special", False))}
+
+
+def first_special(tokenizer, text: str) -> str | None:
+    """The special token that occurs first in `text` (the longest at one position), or None."""
+    hits = [(text.find(special), -len(special), special) for special in special_texts(tokenizer) if special and special in text]
+    return min(hits)[2] if hits else None
+
+
+def turn_end(tokenizer) -> str | None:
+    """The token that closes an assistant turn in the chat template: the first special token after an assistant's
+    content when a turn is rendered (ChatML's `<|im_end|>`, also under a base model's tokenizer whose end token is
+    `<|endoftext|>`; Llama 3's `<|eot_id|>`), else the end token."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer.eos_token
+    marker = "Fine."
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hello."},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    after = rendered[rendered.rindex(marker) + len(marker):] if marker in rendered else ""
+    return first_special(tokenizer, after) or tokenizer.eos_token

@@ -62,7 +62,8 @@ def template_error(tokenizer, problem: str) -> UserError:
     """Return the error for a chat template the loss mask cannot be derived from."""
     return UserError(f"The chat template of tokenizer {tokenizer.name_or_path!r} cannot be split into turns for "
                      f"the SFT loss mask: {problem}. Use a model whose template renders each turn as a plain suffix "
-                     "of the previous turns, with assistant turns closed by the eos token.")
+                     "of the previous turns, with assistant turns closed by a special token (the end token, or the "
+                     "template's own such as <|im_end|>).")
 
 
 def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:

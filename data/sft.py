@@ -23,6 +23,7 @@ import pathlib
 import torch
 
 from config.errors import UserError
+from config.hf import first_special
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
 from data.encode import cache_key, chat_text, encode_texts, read_cached, template_error, write_cached
@@ -81,13 +82,15 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]],
         after_header, content = turn[len(header) :], message["content"]
         if not after_header.startswith(content):  # a template that trims (Llama 3's `| trim`) shows the trimmed text
             content = content.strip()
-        if not (turn.startswith(header) and after_header.startswith(content)
-                and tokenizer.eos_token and tokenizer.eos_token in after_header[len(content) :]):
+        # The turn's end: the first special token after the content (the end token, or the template's own, such as
+        # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>).
+        end = first_special(tokenizer, after_header[len(content) :]) if after_header.startswith(content) else None
+        if not (turn.startswith(header) and end):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
                                             "end-of-turn token")
         # Learn the content, the rendered tool calls, and the token that ends the turn, so generation knows when
-        # to stop; the search starts after the content, so content quoting the eos text does not end it early.
-        learned = after_header.index(tokenizer.eos_token, len(content)) + len(tokenizer.eos_token)
+        # to stop; the search starts after the content, so content quoting the end text does not end it early.
+        learned = after_header.index(end, len(content)) + len(end)
         pieces += [(context[len(rendered) :], 0), (header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
         rendered = text
     if messages[-1]["role"] != "assistant":

@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from config.hf import read_hf_config
+from config.hf import read_hf_config, turn_end
 from model import collectives, pipeline
 from model.parallel import unwrap
 
@@ -134,11 +134,14 @@ def sequence_parallel_off(model):
 
 
 def end_token_ids(model_path, tokenizer) -> tuple[int, ...]:
-    """Every id that ends a completion: the tokenizer's EOS and each `eos_token_id` of the checkpoint's
-    `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two)."""
+    """Every id that ends a completion: the tokenizer's EOS, each `eos_token_id` of the checkpoint's
+    `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two), and the token that closes an assistant
+    turn in its chat template (`config.hf.turn_end`: a base model's ChatML <|im_end|>, whose EOS is <|endoftext|>)."""
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     declared = read_hf_config(model_path, "model.path", "generation_config.json").get("eos_token_id")
     ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
+    if (end := turn_end(tokenizer)) is not None:
+        ids.append(tokenizer.convert_tokens_to_ids(end))
     return tuple(dict.fromkeys(int(token) for token in ids))
 
 

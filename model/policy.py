@@ -11,7 +11,7 @@ from pathlib import Path
 
 from config import outputs
 from model import collectives, moe
-from model.providers import export_hf
+from model.providers import declare_end_ids, export_hf
 from model.wrapping import build_chunks, experts_span_data_parallel, training_hooks_detached
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class Policy:
                                         base_model_name_or_path=str(base))
         if is_main:
             self.tokenizer.save_pretrained(directories[outputs.HF])
+            declare_end_ids(directories[outputs.HF], self.engine.end_ids)
 
     def exports(self) -> tuple[str, ...]:
         """The names of what `export` writes into `train.out_dir`."""

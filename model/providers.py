@@ -7,6 +7,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import json
 import logging
 import sys
 from pathlib import Path
@@ -239,3 +240,17 @@ def disable_fusions_needing_transformer_engine(provider) -> None:
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
     bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
+
+
+def declare_end_ids(out_dir: str | Path, end_ids: tuple[int, ...]) -> None:
+    """Make the export's generation_config.json list every id that ends a completion here (`generate.end_token_ids`):
+    a base model trained on a ChatML template ends its turns with <|im_end|>, which its own generation_config does not
+    name, so transformers' `generate` would run past it."""
+    path = Path(out_dir) / "generation_config.json"
+    declared = json.loads(path.read_text()) if path.is_file() else {}
+    listed = declared.get("eos_token_id")
+    listed = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    if all(end in listed for end in end_ids):
+        return
+    declared["eos_token_id"] = list(dict.fromkeys([*listed, *end_ids]))
+    path.write_text(json.dumps(declared, indent=2) + "\n")

@@ -223,7 +223,7 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     scorer.policy_tokenizer, scorer.tokenizer, scorer.same_tokenizer = tokenizer, tokenizer, True
     scorer.tail_ids = tokenizer(template_tail(tokenizer), add_special_tokens=False)["input_ids"]
     other_end = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)  # an end id of generation_config's, say
-    scorer.end_ids = {tokenizer.eos_token_id, other_end}
+    scorer.end_ids, scorer.turn_end_id = {tokenizer.eos_token_id, other_end}, tokenizer.eos_token_id
     user = [{"role": "user", "content": "What is 2 + 2?"}]
     prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
     answer = tokenizer("2 + 2 = 4\n#### 4", add_special_tokens=False)["input_ids"]

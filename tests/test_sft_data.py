@@ -80,6 +80,28 @@ def test_a_template_that_trims_content_learns_the_text_it_shows(checkpoint):
     assert learned_spans(trimming, input_ids, loss_mask) == ["2 + 3 = 5\n#### 5<|im_end|>"]
 
 
+def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(checkpoint, tmp_path):
+    """Qwen2.5's base checkpoints (the README's example) end text with <|endoftext|> while their ChatML template closes
+    turns with <|im_end|>: the turn's end is the first special token after the content (the run was refused); it is
+    an end id of generation, and the export's generation_config.json lists it."""
+    from config.hf import turn_end
+    from model.generate import end_token_ids
+    from model.providers import declare_end_ids
+
+    base = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    base.eos_token = "<|endoftext|>"
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5"}]
+    input_ids, loss_mask = tokenize_conversation(messages, base)
+    assert learned_spans(base, input_ids, loss_mask) == ["2 + 3 = 5\n#### 5<|im_end|>"]
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end(base) == "<|im_end|>" and (tmp_path / "hf").mkdir() is None
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": %d}' % base.eos_token_id)
+    assert end_token_ids(tmp_path / "hf", base) == (base.eos_token_id, im_end)
+    declare_end_ids(tmp_path / "hf", (base.eos_token_id, im_end))
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [base.eos_token_id, im_end]
+
+
 def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     row = {"messages": [
         {"role": "system", "content": "Be brief."},

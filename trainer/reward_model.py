@@ -14,16 +14,18 @@ from pathlib import Path
 import torch
 
 from config.errors import UserError
+from config.hf import turn_end
 from data import batches, preferences
 from model import build, collectives, parallel, score_head
 from trainer.metrics import log
 
 
 def template_tail(tokenizer) -> str:
-    """The chat template's text after an assistant turn's end token (`\\n` for Qwen's), found by rendering a turn."""
+    """The chat template's text after the token that closes an assistant turn (`\\n` after Qwen's <|im_end|>),
+    found by rendering a turn."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}],
                                              tokenize=False)
-    end = tokenizer.eos_token or ""
+    end = turn_end(tokenizer) or ""
     return rendered[rendered.rindex(end) + len(end):] if end and end in rendered else ""
 
 
@@ -46,6 +48,7 @@ class RewardModel:
         self.model = build.build_frozen_dense(config, view, self.tokenizer, score_head=(0, weight))
         self.policy_tokenizer = policy.tokenizer
         self.end_ids = set(policy.engine.end_ids)  # generation stops at any (the tokenizer's, generation_config's)
+        self.turn_end_id = policy.tokenizer.convert_tokens_to_ids(turn_end(policy.tokenizer))  # the template's
         self.tail_ids = policy.tokenizer(template_tail(policy.tokenizer), add_special_tokens=False)["input_ids"]
         self.pad = self.tokenizer.pad_token_id  # the end token where the tokenizer has none (`build.load_tokenizer`)
         self.micro = config.train.micro_batch_size
@@ -59,7 +62,7 @@ class RewardModel:
         returned becomes a control token), an episode ended by any end id closed as the template closes a turn (its
         end token, then the text after it); with another tokenizer, the conversation's text tokenized with the reward
         model's."""
-        end = self.policy_tokenizer.eos_token_id
+        end = self.turn_end_id
         rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids
                                       if episode.ids and episode.ids[-1] in self.end_ids else episode.ids)
                 for episode in episodes]

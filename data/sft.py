@@ -80,17 +80,20 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]],
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
         header, turn = prompted[len(context) :], text[len(context) :]
         after_header, content = turn[len(header) :], message["content"]
-        if not after_header.startswith(content):  # a template that trims (Llama 3's `| trim`) shows the trimmed text
+        if content not in after_header:  # a template that trims (Llama 3's `| trim`) shows the trimmed text
             content = content.strip()
+        # What a template writes between the header and the content (Qwen3's empty <think></think> on the last turn)
+        # is learned with it: after the generation prompt the model writes it itself.
+        start = after_header.find(content)
         # The turn's end: the first special token after the content (the end token, or the template's own, such as
         # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>).
-        end = first_special(tokenizer, after_header[len(content) :]) if after_header.startswith(content) else None
+        end = first_special(tokenizer, after_header[start + len(content) :]) if start >= 0 else None
         if not (turn.startswith(header) and end):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
                                             "end-of-turn token")
         # Learn the content, the rendered tool calls, and the token that ends the turn, so generation knows when
         # to stop; the search starts after the content, so content quoting the end text does not end it early.
-        learned = after_header.index(end, len(content)) + len(end)
+        learned = after_header.index(end, start + len(content)) + len(end)
         pieces += [(context[len(rendered) :], 0), (header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
         rendered = text
     if messages[-1]["role"] != "assistant":

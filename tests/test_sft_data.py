@@ -78,6 +78,14 @@ def test_a_template_that_trims_content_learns_the_text_it_shows(checkpoint):
     messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5\n"}]
     input_ids, loss_mask = tokenize_conversation(messages, trimming)
     assert learned_spans(trimming, input_ids, loss_mask) == ["2 + 3 = 5\n#### 5<|im_end|>"]
+    # Qwen3's writes an empty <think></think> block before the last turn's content: learned with it (the model writes
+    # it after the generation prompt), where the run was refused.
+    thinking = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    thinking.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                              "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    input_ids, loss_mask = tokenize_conversation(messages, thinking)
+    assert learned_spans(thinking, input_ids, loss_mask) == ["<think>\n\n</think>\n\n2 + 3 = 5\n#### 5\n<|im_end|>"]
 
 
 def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(checkpoint, tmp_path):

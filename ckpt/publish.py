@@ -136,8 +136,10 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
 
 
 def prune_checkpoints(checkpoint_dir: Path, keep_last: int, keep: Path) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` (never `keep`)."""
-    complete = sorted(path for path in checkpoint_dir.glob(f"{PREFIX}*") if path.is_dir())
+    """Delete complete checkpoints beyond the newest `keep_last` up to `keep`, the one just written (never it). Those
+    after it are a branch a resume from an earlier checkpoint left behind: they neither count nor go (each is
+    replaced when the run reaches its step), so the resumed run keeps `keep_last` of its own."""
+    complete = sorted(path for path in checkpoint_dir.glob(f"{PREFIX}*") if path.is_dir() and path.name <= keep.name)
     for path in complete[: max(len(complete) - keep_last, 0)]:
         if path != keep:
             shutil.rmtree(path)

@@ -79,6 +79,13 @@ def test_prune_keeps_the_newest_and_never_the_one_just_written(tmp_path):
         fake_checkpoint(tmp_path, step)
     checkpoint.prune_checkpoints(tmp_path, keep_last=2, keep=tmp_path / checkpoint.checkpoint_name(40))
     assert sorted(path.name for path in tmp_path.glob("step_*")) == ["step_00000030", "step_00000040"]
+    # Resumed from step 10 (an explicit earlier checkpoint), the run writes step 20: the abandoned 30 and 40 neither
+    # count nor go, so the run keeps its own two.
+    for step in (10, 20):
+        fake_checkpoint(tmp_path, step)
+    checkpoint.prune_checkpoints(tmp_path, keep_last=2, keep=tmp_path / checkpoint.checkpoint_name(20))
+    assert sorted(path.name for path in tmp_path.glob("step_*")) == ["step_00000010", "step_00000020", "step_00000030",
+                                                                     "step_00000040"]
 
 
 @pytest.mark.parametrize("damage, expected", [

@@ -4,6 +4,8 @@ appended (never trained), what each bad input counts, the limits. The real gener
 test_tools_e2e.py."""
 
 import json
+import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -334,6 +336,44 @@ def test_a_hung_tool_times_out_and_in_a_process_is_killed(tokenizer, isolation):
             assert runner.leaked_threads == 0 and len(runner.idle) == 1
         else:
             assert runner.leaked_threads == 1
+    finally:
+        runner.close()
+
+
+def test_a_worker_numbered_past_1024_descriptors_answers_and_a_failing_call_thread_never_hangs(monkeypatch):
+    """A trainer holding many files (a launch of several runs held 1070) gives a new worker's pipe a descriptor past
+    select's limit of 1024: the call's thread raised there, put nothing, and `run` waited forever (a hung GRPO step).
+    Waiting for a worker now polls; and whatever fails in a call's thread is that call's error outcome."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    def run_within(runner, jobs, seconds: float = 60.0):  # a hang fails the test instead of stopping the suite
+        box = []
+        thread = threading.Thread(target=lambda: box.append(runner.run(jobs)), daemon=True)
+        thread.start()
+        thread.join(seconds)
+        assert box, f"ToolRunner.run did not return within {seconds:g} s"
+        return box[0]
+
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    episode = toolset("tests.tool_fixtures:digits").episode({})[0]
+    runner = tool_runner.ToolRunner(timeout=30.0, workers=1, preload=["tests.tool_fixtures:digits"])
+    try:
+        answered, = run_within(runner, [episode.job([tools.Call("digits", {"number": "12"})])])
+        assert runner.idle[0].process.stdout.fileno() >= 1024 and [outcome.text for outcome in answered] == ["3"]
+    finally:
+        runner.close()
+        for descriptor in held:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # A call whose thread fails before its worker answers (here its import wait) answers with that error at once.
+    monkeypatch.setattr(tool_runner.Worker, "wait_ready", lambda self: 1 / 0)
+    runner = tool_runner.ToolRunner(timeout=30.0, workers=1, preload=["tests.tool_fixtures:digits"])
+    try:
+        failed, = run_within(runner, [episode.job([tools.Call("digits", {"number": "12"})])])
+        assert failed[0].kind == "error" and "ZeroDivisionError" in failed[0].text
     finally:
         runner.close()
 

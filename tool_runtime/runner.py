@@ -168,11 +168,18 @@ class ToolRunner:
         running[index] = Running(number, worker)
 
         def run_call() -> None:
-            """The call's thread: its worker's imports (waited for here, where no other answer waits), clock, outcome."""
-            if worker is not None:
-                worker.wait_ready()
-            done.put((index, number, time.monotonic()))
-            outcome = call_tool(function, arguments) if worker is None else worker.call(spec, arguments)
+            """The call's thread: its worker's imports (waited for here, where no other answer waits), clock, outcome.
+            Whatever fails here is the call's error outcome: a thread that ended without one would leave `run`
+            waiting for it forever."""
+            try:
+                if worker is not None:
+                    worker.wait_ready()
+                done.put((index, number, time.monotonic()))
+                outcome = call_tool(function, arguments) if worker is None else worker.call(spec, arguments)
+            except BaseException as error:  # noqa: BLE001 - reported as the call's outcome, and logged
+                log.exception("running tool %s failed", name)
+                done.put((index, number, time.monotonic()))
+                outcome = Outcome(f"Error: the tool could not be run ({type(error).__name__}: {error}).", "error")
             done.put((index, number, outcome))
 
         threading.Thread(target=run_call, daemon=True, name=f"tool-call-{index}").start()
@@ -238,6 +245,14 @@ def _receive(stream):
     return pickle.loads(data)
 
 
+def _readable(stream, seconds: float) -> bool:
+    """Whether `stream` has something to read within `seconds`: `poll`, which takes any descriptor (`select` raises for
+    one numbered 1024 or more, as in a process holding many files, and the call's thread died with it)."""
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
 class Worker:
     """A worker process running plain-function tools by name: a new session (a terminal's Ctrl-C reaches the trainer,
     which finishes its step, not the worker), gone with its trainer (its stdin closes, and the parent-death signal,
@@ -256,7 +271,7 @@ class Worker:
     def wait_ready(self) -> None:
         """Wait until the worker has imported the tool modules, at most WORKER_START_SECONDS."""
         try:
-            if not self.ready and select.select([self.process.stdout], [], [], WORKER_START_SECONDS)[0]:
+            if not self.ready and _readable(self.process.stdout, WORKER_START_SECONDS):
                 _receive(self.process.stdout)
                 self.ready = True
         except (EOFError, OSError):  # a worker that could not start: its first call says so

@@ -31,6 +31,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them. Any run
     is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
     out_dir = Path(config.train.out_dir)
+    _check_writable_directories(config)
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
     if resume:
@@ -53,6 +54,21 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def _check_writable_directories(config) -> None:
+    """`train.out_dir` and `ckpt.dir` name directories (existing, or creatable under a directory): not empty, not a
+    file, not under a file; refused before any work (a file there failed after the model was built, or at the first
+    save as a full disk)."""
+    if not config.train.out_dir.strip():
+        raise UserError("`train.out_dir` is empty: the run would write its checkpoints, metrics and export into the "
+                        "current directory. Set `--train.out_dir DIR`.")
+    for key, value in (("train.out_dir", config.train.out_dir), ("ckpt.dir", str(checkpoint_dir(config)))):
+        path = Path(value).expanduser()
+        blocking = next((parent for parent in (path, *path.parents) if parent.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            raise UserError(f"`{key}={value}`: `{blocking}` is a file, not a directory, so the run could not write "
+                            f"there. Point `--{key}` at a directory (or a path to create one).")
 
 
 def _earlier_run(config) -> list[Path]:

@@ -193,7 +193,12 @@ def load(path: Path, chunks: list, optimizer) -> dict:
                         "`--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            state = torch.load(rng_file, weights_only=False)
+        except Exception as error:  # a truncated or foreign file, as `trainer_state.pt`'s
+            raise UserError(f"Checkpoint file `{rng_file}` cannot be read ({error}). It is corrupted; resume from an "
+                            "earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
+        set_rng_state(state)
     else:  # resumed at another world size: this rank has no saved stream of its own
         log.warning("checkpoint %s has no RNG state for rank %d; RNG streams restart from the seed", path, dist.get_rank())
     return torch.load(path / STATE_FILE, weights_only=False)

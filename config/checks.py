@@ -291,6 +291,7 @@ class TrainingChecks:
                   ("ckpt.save_interval", ckpt.save_interval >= 0, "0 (only at the end) or more"),
                   ("ckpt.keep_last", ckpt.keep_last >= 1, "at least 1"),
                   ("data.max_seq_len", self.data.max_seq_len >= 2, "at least 2 (one input and one label token)"),
+                  ("train.seed", 0 <= train.seed < 2**32, "from 0 to 2**32 - 1 (the random generators' range)"),
                   ("train.micro_batch_tokens", train.micro_batch_tokens == 0 or train.micro_batch_tokens >= self.data.max_seq_len,
                    f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -50,9 +51,11 @@ def _coerce(key: str, value, annotation):
         return float(value)
     if origin is float and isinstance(value, str):
         try:  # YAML 1.1 reads `1e-3` (no dot) as a string
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if origin is float and isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"`{key}` must be a finite number, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one

@@ -17,9 +17,13 @@ def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
         raise UserError(f"`{key}={path}` is not a Hugging Face checkpoint directory (no config.json there). "
                         f"Point `--{key}` at a directory saved with `save_pretrained`, or use `tiny`.")
     try:
-        return json.loads(config_file.read_text())
+        loaded = json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError) as error:
         raise UserError(f"`{config_file}` is not valid JSON ({error}). Fix the file or point `--{key}` elsewhere.") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"`{config_file}` holds a JSON {type(loaded).__name__}, not the mapping of settings a "
+                        f"checkpoint's config has. Fix the file or point `--{key}` elsewhere.")
+    return loaded
 
 
 def hf_expert_count(hf: dict) -> int:

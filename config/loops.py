@@ -188,7 +188,7 @@ class GRPOConfig(TrainerConfig):
         require(processes >= 0 and grpo.max_staleness >= 0,
                  f"`grpo.rollout_processes` and `grpo.max_staleness` must be 0 or more, got {processes} and "
                  f"{grpo.max_staleness}. Change them.")
-        require(processes or grpo.max_staleness == 1,
+        require(processes or grpo.max_staleness <= 1,
                  f"`grpo.max_staleness={grpo.max_staleness}` bounds how stale rollout processes' batches may be, and "
                  "`grpo.rollout_processes=0` (the colocated loop) trains each step on its own fresh rollouts. Set "
                  "`--grpo.rollout_processes`, or leave `grpo.max_staleness` at 1.")

@@ -107,9 +107,9 @@ def held_out_split(data, load):
         return None
     try:
         return load(data.eval_path or data.path, data.eval_split)
-    except UserError:
-        if data.eval_path:
-            raise
+    except UserError as error:
+        if data.eval_path:  # the loaders name data.path; here the file is data.eval_path's
+            raise UserError(str(error).replace("data.path", "data.eval_path")) from None
         log.warning("no held-out split found for %s: evaluation is skipped (set data.eval_path, or add test* files)",
                     data.path)
         return None

@@ -6,6 +6,7 @@ its answer GSM8K-style (`#### N`). `grpo.reward` may also name a function of you
 """
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -196,6 +197,13 @@ def get_reward(name: str) -> RewardFunction:
     function = user_code.load(name, "grpo.reward", f"Or use one of {known}.")
     if not callable(function):
         raise UserError(f"`grpo.reward={name}` is not a function. Change `--grpo.reward`.")
+    try:  # called as function(completion, reference): said now, not after a step's rollouts
+        inspect.signature(function).bind("", "")
+    except TypeError as error:
+        raise UserError(f"`grpo.reward={name}` is called as `{name.split(':')[-1]}(completion, reference)` with two "
+                        f"texts, which its signature does not take ({error}). Give it those two parameters, or change `--grpo.reward`.") from None
+    except ValueError:  # a builtin without a signature: its first call says
+        pass
     return function
 
 

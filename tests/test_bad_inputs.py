@@ -82,3 +82,20 @@ def test_the_entry_point_prints_one_paragraph(argv, expected):
     result = subprocess.run([sys.executable, "-m", "trainer.sft", *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and expected in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_bad_data_file_is_said_before_the_default_sft_runs(tmp_path, monkeypatch):
+    """From the default start (no outputs/sft/hf yet), GRPO and `trainer.rm` read their own local data once before
+    the default SFT's 600 steps: an empty file is said at once (it was said after that SFT's run)."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig, RMConfig
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    for config_class, program in ((GRPOConfig, "trainer.grpo"), (RMConfig, "trainer.rm")):
+        config, _ = parse_args(config_class, ["--data.path=empty.jsonl"], program)
+        assert config.starts_from_default_sft()
+        with pytest.raises(UserError, match="empty.jsonl.*is empty"):
+            default_start.validate(2, config.model.path, config.data, program)
+    assert not (tmp_path / "outputs").exists()

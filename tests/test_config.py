@@ -1,5 +1,6 @@
 """Config system: the frozen key set, YAML + dotted overrides, and start-up errors that name the key."""
 
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ from tests.conftest import REPO
 from config import cli, sections
 from config.cli import flat_keys, parse_args
 from config.errors import UserError
-from config.loops import RMConfig, SFTConfig
+from config.loops import GRPOConfig, RMConfig, SFTConfig
 
 SFT_KEYS = {
     "model.path", "model.dtype", "model.attention",
@@ -209,4 +210,34 @@ def test_numbers_in_mappings_and_text_keys_read_as_typed():
 def test_the_same_split_for_training_and_held_out_is_refused():
     config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.eval_split=train"], "trainer.sft")
     with pytest.raises(UserError, match="`data.train_split` and `data.eval_split` are both `train`: the held-out figures"):
+        config.validate(world_size=1)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--optim.lr=inf"], "`optim.lr` must be a finite number, got inf"),
+    (["--grpo.format_bonus=.nan"], "`grpo.format_bonus` must be a finite number, got nan"),
+    (["--train.seed=-1"], "`train.seed` must be from 0 to 2**32 - 1"),
+])
+def test_numbers_outside_what_the_run_can_use_are_refused_by_name(argv, expected):
+    with pytest.raises(UserError, match=re.escape(expected)):
+        config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+        config.validate(world_size=1)
+
+
+def test_output_directories_that_are_files_or_empty_are_refused_before_any_work(tmp_path):
+    from ckpt.output_dir import check_output_dir
+
+    (tmp_path / "afile").write_text("x")
+    for argv, expected in ((["--train.out_dir="], "`train.out_dir` is empty"),
+                           ([f"--train.out_dir={tmp_path / 'afile'}"], "is a file, not a directory"),
+                           ([f"--train.out_dir={tmp_path / 'afile' / 'sub'}"], "is a file, not a directory"),
+                           ([f"--train.out_dir={tmp_path / 'out'}", f"--ckpt.dir={tmp_path / 'afile'}"],
+                            "`ckpt.dir=")):
+        config, _ = parse_args(SFTConfig, argv, "trainer.sft")
+        with pytest.raises(UserError, match=re.escape(expected)):
+            check_output_dir(config, "", True)
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
+    config, _ = parse_args(SFTConfig, [f"--model.path={tmp_path / 'listed'}"], "trainer.sft")
+    with pytest.raises(UserError, match="holds a JSON list, not the mapping of settings"):
         config.validate(world_size=1)

@@ -167,6 +167,8 @@ def test_known_names_and_user_functions():
     ("gsm9k", "`grpo.reward=gsm9k` is not a known reward function; known ones are arithmetic, gsm8k, gsm8k_flexible"),
     ("no_such_module:f", "cannot load `f` from module `no_such_module`"),
     ("data.rewards:nothing", "cannot load `nothing` from module `data.rewards`"),
+    # Called as f(completion, reference): a function of one text is refused at start-up, not after a step's rollouts.
+    ("data.rewards:has_answer_format", "is called as `has_answer_format(completion, reference)` with two texts"),
 ])
 def test_unknown_reward_is_a_user_error_naming_the_key(name, expected):
     with pytest.raises(UserError) as error:

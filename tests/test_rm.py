@@ -329,14 +329,14 @@ def test_the_export_loads_in_transformers_and_scores_as_the_trainer_did(runs):
     its own head (its baseline evaluation is the run's last)."""
     root = runs["root"]
     script = f"""
-import json, sys, types, torch, transformers
+import json, sys, torch, transformers
 sys.path.insert(0, {str(REPO)!r})
+from config.sections import PreferenceDataConfig
 from data import preferences
 path = {str(root / 'straight' / 'hf')!r}
 tokenizer = transformers.AutoTokenizer.from_pretrained(path)
 model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
-data = types.SimpleNamespace(hub_config="", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected",
-                             max_seq_len=128)
+data = PreferenceDataConfig(max_seq_len=128)
 pairs = preferences.load_pairs({str(root / 'pairs')!r}, "test", data, tokenizer)[0][:16]
 batch = preferences.collate_pairs(pairs, max(len(side) for pair in pairs for side in (pair.chosen, pair.rejected)),
                                   tokenizer.pad_token_id)

@@ -14,6 +14,7 @@ from pathlib import Path
 from config import cli, outputs
 from config.errors import UserError
 from config.loops import BUNDLED_STARTS, SFTConfig
+from data import conversations as conversation_data
 from model import parallel
 from trainer import sft
 from trainer.metrics import log
@@ -27,23 +28,29 @@ def sft_arguments(start: str) -> list[str]:
     return (["--config", recipe] if recipe else []) + shlex.split(os.environ.get(ARGS_VARIABLE, ""))
 
 
-def validate(world_size: int, start: str) -> None:
-    """Every check of the default SFT that needs no model, before GRPO (or that SFT) does any work."""
+def validate(world_size: int, start: str, data=None, program: str = "GRPO") -> None:
+    """Every check of the default SFT that needs no model, before GRPO (or `trainer.rm`, `program`) or that SFT does
+    any work; with `data` (the loop's own section), its local data read once, so an empty or unreadable file is said
+    now, not after the default SFT's run."""
+    if data is not None:
+        path = Path(data.path).expanduser()
+        if path.exists() or path.suffix in conversation_data.LOCAL_FORMATS or data.path.startswith(("/", "./", "../", "~")):
+            conversation_data.load_split(data, data.path, data.train_split)
     try:
         config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")
         config.validate(world_size)
     except UserError as error:
-        raise UserError(f"GRPO starts from the default SFT's output `{start}`, which does not exist yet, and "
+        raise UserError(f"{program} starts from the default SFT's output `{start}`, which does not exist yet, and "
                         f"the default SFT cannot run as set up here ({world_size} processes, ${ARGS_VARIABLE}="
                         f"{os.environ.get(ARGS_VARIABLE, '')!r}): {error} Run `torchrun -m trainer.sft` with working "
                         "settings first, or set `--model.path`.") from None
     if Path(config.train.out_dir) / outputs.HF != Path(start):
-        raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but GRPO's default "
-                        f"start reads `{start}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
-                        "`--model.path` for GRPO.")
+        raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but {program}'s "
+                        f"default start reads `{start}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
+                        f"`--model.path` for {program}.")
 
 
-def train_default_sft(grpo_config, rejoin: bool = True) -> bool:
+def train_default_sft(grpo_config, rejoin: bool = True, program: str = "GRPO") -> bool:
     """Run `trainer.sft` (checked by `validate` already), writing `model.path`; False when it stopped on a signal
     (saved, not finished: GRPO must not start).
 
@@ -59,7 +66,8 @@ def train_default_sft(grpo_config, rejoin: bool = True) -> bool:
              "would)", start, f"SFT of `--config {recipe}`" if recipe else "default SFT", f"--config {recipe} " if recipe else "")
     sft.main([*arguments, "--resume-from-checkpoint", "latest"])
     if not (Path(start) / "config.json").is_file():
-        log.info("the %s stopped before its last step; rerun GRPO to continue it", "SFT" if recipe else "default SFT")
+        log.info("the %s stopped before its last step; rerun %s to continue it", "SFT" if recipe else "default SFT",
+                 program)
         return False
     if rejoin:
         parallel.init_distributed(grpo_config.parallel, grpo_config.train.seed)

@@ -91,7 +91,7 @@ def validated_world_size(config) -> int:
     config.validate(world_size)
     tool_data.check_turn_fits_collective_timeout(config, world_size)
     if config.starts_from_default_sft():
-        default_start.validate(world_size, config.model.path)
+        default_start.validate(world_size, config.model.path, config.data)
     return world_size - config.grpo.rollout_processes
 
 

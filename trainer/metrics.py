@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from config import outputs
+from config.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -183,9 +184,14 @@ class WandbLogger:
 
         id_file = out_dir / "wandb" / "trainer-run-id"
         run_id = id_file.read_text().strip() if start_step and id_file.is_file() else None
-        self.run = wandb.init(project=config.log.wandb_project or os.environ.get("WANDB_PROJECT") or "megatron-trainer",
-                              name=config.log.wandb_name or None, dir=str(out_dir), config=to_dict(config),
-                              id=run_id, resume="allow" if run_id else None)
+        try:
+            self.run = wandb.init(project=config.log.wandb_project or os.environ.get("WANDB_PROJECT") or "megatron-trainer",
+                                  name=config.log.wandb_name or None, dir=str(out_dir), config=to_dict(config),
+                                  id=run_id, resume="allow" if run_id else None)
+        except wandb.errors.UsageError as error:  # no API key (and not offline): before any step, not a traceback
+            raise UserError(f"`log.wandb=true`: W&B refused to start ({error}). Log in with `wandb login`, or write the "
+                            "run locally with `WANDB_MODE=offline` (`wandb sync` uploads it later), or leave "
+                            "`log.wandb` off.") from None
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(self.run.id)
 

@@ -42,6 +42,10 @@ def check_weight_files(path: Path) -> None:
     """Every safetensors file's header and length, read without loading weights: a truncated download is named now."""
     from safetensors import SafetensorError, safe_open
 
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"`{path}` holds no `*.safetensors` weight files (a config without its weights, or weights "
+                        "saved as .bin). Save the model with `save_pretrained(..., safe_serialization=True)`, or point "
+                        "the setting at a complete checkpoint.")
     for weights in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(weights, "pt"):

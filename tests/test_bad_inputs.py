@@ -99,3 +99,16 @@ def test_a_bad_data_file_is_said_before_the_default_sft_runs(tmp_path, monkeypat
         with pytest.raises(UserError, match="empty.jsonl.*is empty"):
             default_start.validate(2, config.model.path, config.data, program)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_checkpoint_without_weight_files_is_named(tmp_path):
+    """A config.json without its safetensors (a partial copy, or .bin weights) is a paragraph, not Bridge's
+    FileNotFoundError after the process group is up."""
+    import shutil
+
+    from model import build
+    from model.tiny import ensure_tiny_checkpoint
+
+    shutil.copytree(ensure_tiny_checkpoint(), tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(UserError, match="holds no `\\*.safetensors` weight files"):
+        build.check_weight_files(tmp_path / "m")

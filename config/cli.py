@@ -165,6 +165,9 @@ def config_path(value: str) -> Path:
         return path
     if "/" not in value and recipe.is_file():
         return recipe
+    if path.exists():
+        raise UserError(f"Config file `{value}` is {'a directory' if path.is_dir() else 'not a regular file'}, not a "
+                        "YAML file. Change `--config`.")
     names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml")))
     raise UserError(f"Config file `{value}` does not exist, and it is not one of the bundled recipes ({names}). "
                     "Change `--config`.")

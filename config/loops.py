@@ -142,7 +142,7 @@ class GRPOConfig(TrainerConfig):
                                     "dropped group, so dynamic sampling would do nothing)"),
             "entropy_coef": (grpo.entropy_coef >= 0, "0 or more (it weighs an entropy bonus)"),
             "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
-                          "at least 2 with tools (a call is answered in the next turn)"),
+                          "at least 1, and at least 2 with tools (a call is answered in the next turn)"),
             "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
             "tool_timeout": (grpo.tool_timeout > 0, "positive"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),

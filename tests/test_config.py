@@ -241,3 +241,8 @@ def test_output_directories_that_are_files_or_empty_are_refused_before_any_work(
     config, _ = parse_args(SFTConfig, [f"--model.path={tmp_path / 'listed'}"], "trainer.sft")
     with pytest.raises(UserError, match="holds a JSON list, not the mapping of settings"):
         config.validate(world_size=1)
+
+
+def test_a_config_that_is_a_directory_is_said_as_such(tmp_path):
+    with pytest.raises(UserError, match="is a directory, not a YAML file"):
+        parse_args(SFTConfig, ["--config", str(tmp_path)], "trainer.sft")

@@ -68,7 +68,7 @@ def test_one_tool_needs_no_brackets():
 
 
 def test_tool_keys_are_checked_at_start_up():
-    for argv, expected in [(["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.max_turns=1"], "`grpo.max_turns` must be at least 2 with tools"),
+    for argv, expected in [(["--grpo.tools=[tests.tool_fixtures:digits]", "--grpo.max_turns=1"], "`grpo.max_turns` must be at least 1, and at least 2 with tools"),
                            (["--grpo.tool_timeout=0"], "`grpo.tool_timeout` must be positive"),
                            (["--grpo.max_tool_response_tokens=0"], "`grpo.max_tool_response_tokens` must be at least 1"),
                            (["--grpo.tool_workers=-1"], "`grpo.tool_workers` must be 0"),

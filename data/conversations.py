@@ -36,6 +36,11 @@ ARITHMETIC_SFT_PLAIN_SHARE = 0.75
 DROP_EXAMPLES_KEPT = 5
 
 
+def looks_local(path: str) -> bool:
+    """Whether `data.path` names a file on disk (a path, or a data file's suffix) rather than a hub dataset."""
+    return path.startswith(("/", "./", "../", "~")) or pathlib.Path(path).suffix in LOCAL_FORMATS
+
+
 def load_split(data, path: str, split: str, sft_targets: bool = False) -> list[dict]:
     """The rows of one split of `path` as the `data` section names it: `data.train_split` is trained on, any other
     (`data.eval_split`) is held out; `data.hub_config` picks a hub set's configuration."""
@@ -65,10 +70,9 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
 
         return calculator.load_split(split, sft_targets)
     local = pathlib.Path(path).expanduser()
-    looks_local = path.startswith(("/", "./", "../", "~")) or local.suffix in LOCAL_FORMATS
     if local.exists():
         return load_local(local, split, held_out)
-    if looks_local:
+    if looks_local(path):
         raise UserError(f"data.path points to {path!r}, which does not exist. Set data.path to an existing "
                         ".json, .jsonl or .parquet file, a folder of them, 'arithmetic', or a hub dataset name.")
     import datasets  # imported where used: 3-4 s of start-up (pandas, pyarrow) that the bundled data never needs

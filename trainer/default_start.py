@@ -33,8 +33,7 @@ def validate(world_size: int, start: str, data=None, program: str = "GRPO") -> N
     any work; with `data` (the loop's own section), its local data read once, so an empty or unreadable file is said
     now, not after the default SFT's run."""
     if data is not None:
-        path = Path(data.path).expanduser()
-        if path.exists() or path.suffix in conversation_data.LOCAL_FORMATS or data.path.startswith(("/", "./", "../", "~")):
+        if Path(data.path).expanduser().exists() or conversation_data.looks_local(data.path):
             conversation_data.load_split(data, data.path, data.train_split)
     try:
         config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")

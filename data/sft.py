@@ -23,7 +23,7 @@ import pathlib
 import torch
 
 from config.errors import UserError
-from config.hf import first_special
+from config.hf import first_special, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
 from data.encode import cache_key, chat_text, encode_texts, read_cached, template_error, write_cached
@@ -40,69 +40,96 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], l
     The learned part is the turn's content, its rendered tool calls, and the end-of-turn token that closes it."""
     tokenized = tokenize_conversations([messages], tokenizer)[0]
     if tokenized is None:
-        raise template_error(tokenizer, "tokenizing the turns one by one differs from tokenizing the whole text")
+        raise template_error(tokenizer, "a token of the whole text crosses the edge of an assistant turn")
     return tokenized
 
 
 def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | None]:
-    """Tokenize like `tokenize_conversation` in two batched calls; None where the pieces tokenize differently."""
+    """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; None for a conversation where
+    a token crosses the edge of a learned span (a response starting with a newline merges with the header's).
+
+    The ids are those of the whole rendering, so a tokenizer that writes a word differently at the start of a text
+    (SentencePiece's leading space, Mistral's and Llama 2's) gets the ids the model reads; the mask comes from each
+    token's characters."""
     split = [split_turns(messages, tokenizer) for messages in conversations]
-    texts = [text for pieces, _ in split for text, _ in pieces]
-    piece_ids = iter(encode_texts(texts, tokenizer))
-    whole_ids = encode_texts([rendered for _, rendered in split], tokenizer)
-    tokenized = []
-    for (pieces, _), expected in zip(split, whole_ids):
-        input_ids, loss_mask = [], []
-        # zip asks `pieces` first, so it stops without taking the next conversation's first piece.
-        for (_, flag), ids in zip(pieces, piece_ids):
-            input_ids += ids
-            loss_mask += [flag] * len(ids)
-        # Text at a turn boundary can merge into one token (a response starting with a newline joins
-        # the header's newline); such a token belongs to neither side, so the caller must not guess.
-        tokenized.append((input_ids, loss_mask) if input_ids == expected else None)
-    return tokenized
+    if not getattr(tokenizer, "is_fast", False):
+        return [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
+    encodings = tokenizer.backend_tokenizer.encode_batch([rendered for _, rendered in split], add_special_tokens=False)
+    return [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
+            for (spans, rendered), encoding in zip(split, encodings)]
 
 
-def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[str, int]], str]:
-    """Return the rendered conversation as `(text, loss flag)` pieces, and the whole rendering they concatenate to."""
+def token_mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+               length: int) -> tuple[list[int], list[int]] | None:
+    """`(ids, loss_mask)`: 1 on tokens whose characters lie in `spans`, None when a token has characters on both sides
+    of a span's edge. Characters a token's offsets leave out (trimmed whitespace) belong to the token after them; a
+    token whose characters an earlier one already took (byte pieces of one character) follows that token."""
+    learned = bytearray(length)
+    for start, end in spans:
+        learned[start:end] = b"\x01" * (end - start)
+    mask, covered, flag = [], 0, learned[0] if length else 0
+    for _, end in offsets:
+        if end > covered:
+            chars = set(learned[covered:end])
+            if len(chars) > 1:
+                return None
+            flag, covered = chars.pop(), end
+        mask.append(flag)
+    return ids, mask
+
+
+def tokenize_pieces(spans: list[tuple[int, int]], rendered: str, tokenizer) -> tuple[list[int], list[int]] | None:
+    """A slow tokenizer's (no offsets): each piece between the spans' edges tokenized alone, None unless together they
+    are the whole rendering's ids."""
+    edges = sorted({0, len(rendered), *(edge for span in spans for edge in span)})
+    input_ids, loss_mask = [], []
+    for start, end, ids in zip(edges, edges[1:], encode_texts([rendered[a:b] for a, b in zip(edges, edges[1:])], tokenizer)):
+        input_ids += ids
+        loss_mask += [int(any(a <= start < b for a, b in spans))] * len(ids)
+    return (input_ids, loss_mask) if input_ids == encode_texts([rendered], tokenizer)[0] else None
+
+
+def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]], str]:
+    """Return the character spans learned in the whole rendering of `messages`, and that rendering.
+
+    Each assistant turn is found where the whole conversation puts it: after the rendering of the turns before it with
+    the generation prompt (which must be how the whole rendering starts). Its learned span runs from there through
+    the special token that closes it, which is the first one after the content when the turn is rendered last. A
+    template that renders a turn differently once more turns follow (Qwen3 drops a think block from every turn before
+    the last user turn) is learned as the whole conversation shows it."""
     tools = conversation_tools(messages)
-    pieces = []
-    rendered = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        # The turns since the last assistant turn are one unlearned piece, rendered together: a template may
-        # join them (consecutive tool results share one user turn), so one of them alone is no prefix.
-        context = chat_text(messages[:index], tokenizer, tools)
+    rendered = chat_text(messages, tokenizer, tools)
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    contexts = [chat_text(messages[:index], tokenizer, tools) for index in turns]
+    spans = []
+    for index, context, following in zip(turns, contexts, [*contexts[1:], rendered]):
         prompted = chat_text(messages[:index], tokenizer, tools, add_generation_prompt=True)
-        text = chat_text(messages[: index + 1], tokenizer, tools)
-        if not (context.startswith(rendered) and prompted.startswith(context) and text.startswith(context)):
+        last = chat_text(messages[: index + 1], tokenizer, tools)  # the turn as the generation prompt is answered
+        if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)
+                and len(context) >= (spans[-1][1] if spans else 0)):
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
-        header, turn = prompted[len(context) :], text[len(context) :]
-        after_header, content = turn[len(header) :], message["content"]
-        if content not in after_header:  # a template that trims (Llama 3's `| trim`) shows the trimmed text
+        # Up to the next assistant turn's context: this turn, and the turns after it that are not the assistant's.
+        turn, alone, content = rendered[len(prompted) : len(following)], last[len(prompted) :], messages[index]["content"]
+        if content not in turn:  # a template that trims (Llama 3's `| trim`) shows the trimmed text
             content = content.strip()
-        # What a template writes between the header and the content (Qwen3's empty <think></think> on the last turn)
-        # is learned with it: after the generation prompt the model writes it itself.
-        start = after_header.find(content)
+        # What a template writes between the header and the content (Qwen3's <think> block on the last turn) is
+        # learned with it: after the generation prompt the model writes it itself.
+        start, start_alone = turn.find(content), alone.find(content)
         # The turn's end: the first special token after the content (the end token, or the template's own, such as
-        # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>).
-        end = first_special(tokenizer, after_header[start + len(content) :]) if start >= 0 else None
-        if not (turn.startswith(header) and end):
+        # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>). A template that
+        # rewrites the content (Qwen3 moves a `<think>...</think>` at its start into a block of its own) shows it
+        # nowhere whole: the turn is learned as rendered, through the template's turn end.
+        if start < 0 or start_alone < 0:
+            start, content, end = 0, "", turn_end(tokenizer)
+        else:
+            end = first_special(tokenizer, alone[start_alone + len(content) :])
+        if not (last.startswith(prompted) and end and end in turn[start + len(content) :] and end in alone):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
                                             "end-of-turn token")
         # Learn the content, the rendered tool calls, and the token that ends the turn, so generation knows when
         # to stop; the search starts after the content, so content quoting the end text does not end it early.
-        learned = after_header.index(end, start + len(content)) + len(end)
-        pieces += [(context[len(rendered) :], 0), (header, 0), (after_header[:learned], 1), (after_header[learned:], 0)]
-        rendered = text
-    if messages[-1]["role"] != "assistant":
-        text = chat_text(messages, tokenizer, tools)
-        if not text.startswith(rendered):
-            raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
-        pieces.append((text[len(rendered) :], 0))
-        rendered = text
-    return pieces, rendered
+        spans.append((len(prompted), len(prompted) + turn.index(end, start + len(content)) + len(end)))
+    return spans, rendered
 
 
 def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> list[Example]:

@@ -88,6 +88,107 @@ def test_a_template_that_trims_content_learns_the_text_it_shows(checkpoint):
     assert learned_spans(thinking, input_ids, loss_mask) == ["<think>\n\n</think>\n\n2 + 3 = 5\n#### 5\n<|im_end|>"]
 
 
+# Qwen3's chat template as its checkpoints ship it, without the tool parts: a think block is rendered only on the
+# assistant turns after the last user turn, and a `<think>...</think>` opening the content is moved into one.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and not("
+    "message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
+    "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders_it(checkpoint):
+    """Qwen3's template renders a turn differently once a user turn follows it (its think block goes): every turn is
+    learned as the whole conversation shows it (such rows refused the run: "rendering more turns rewrites earlier
+    ones"). `reasoning_content` is kept from the data and rendered; a `<think>` block opening the content too."""
+    qwen3 = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    qwen3.chat_template = QWEN3_TEMPLATE
+    plain = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"},
+             {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    input_ids, loss_mask = tokenize_conversation(plain, qwen3)
+    assert input_ids == encode_texts([qwen3.apply_chat_template(plain, tokenize=False)], qwen3)[0]
+    assert learned_spans(qwen3, input_ids, loss_mask) == ["2<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
+    row = {"messages": [plain[0], {**plain[1], "reasoning_content": "one and one"}, plain[2],
+                        {**plain[3], "reasoning_content": "two and two"}]}
+    conversations, _ = to_conversations([row], messages_field="messages")
+    assert conversations[0][3]["reasoning_content"] == "two and two"
+    expected = ["2<|im_end|>", "<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
+    assert learned_spans(qwen3, *tokenize_conversation(conversations[0], qwen3)) == expected
+    inline = [plain[0], {"role": "assistant", "content": "<think>\none and one\n</think>\n\n2"}, plain[2],
+              {"role": "assistant", "content": "<think>two and two</think>4"}]
+    assert learned_spans(qwen3, *tokenize_conversation(inline, qwen3)) == expected
+
+
+def sentencepiece_tokenizer(legacy: bool, chat_template: str):
+    """A Llama-family fast tokenizer trained here (byte-fallback BPE over `▁`-joined words, as SentencePiece models
+    convert): `legacy` prepends `▁` by a normalizer as Llama 2's does, else by a Metaspace pre-tokenizer as Mistral's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    if legacy:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    text = [f"What is {a} + {b}? It is {a + b}." for a in range(30) for b in range(30)]
+    alphabet = [chr(code) for code in range(32, 127)] + ["▁", "\n"]
+    backend.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          initial_alphabet=alphabet, show_progress=False))
+    tokenizer = transformers.LlamaTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", legacy=legacy, add_bos_token=False)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+LLAMA2_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+                   "message['content'].strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+                   "{{ ' ' + message['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+                    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+                    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("legacy, chat_template", [(True, LLAMA2_TEMPLATE), (False, MISTRAL_TEMPLATE)],
+                         ids=["llama2", "mistral"])
+def test_sentencepiece_templates_learn_on_the_whole_renderings_ids(legacy, chat_template):
+    """Mistral's and Llama 2's templates have no generation prompt, and their tokenizers write a word differently at
+    the start of a text (`▁It` alone, `It` after `[/INST]`): the ids are the whole rendering's, the mask follows each
+    token's characters (every row was refused: the turns tokenized alone differed from the whole)."""
+    from data.sft import split_turns, tokenize_pieces
+
+    tokenizer = sentencepiece_tokenizer(legacy, chat_template)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."},
+                {"role": "user", "content": "What is 4 + 4?"}, {"role": "assistant", "content": "It is 8."}]
+    input_ids, loss_mask = tokenize_conversation(messages, tokenizer)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    spaced = " " if legacy else ""  # Llama 2's turn is " content </s>"
+    assert learned_spans(tokenizer, input_ids, loss_mask) == [f"It is 5.{spaced}</s>", f"It is 8.{spaced}</s>"]
+    unlearned = tokenizer.decode([t for t, f in zip(input_ids, loss_mask) if not f])
+    assert "It is" not in unlearned and unlearned.count("[INST]") == 2
+    if not legacy:  # the pieces alone tokenize otherwise: what refused every Mistral row
+        assert tokenize_pieces(*split_turns(messages, tokenizer), tokenizer) is None
+
+
 def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(checkpoint, tmp_path):
     """Qwen2.5's base checkpoints (the README's example) end text with <|endoftext|> while their ChatML template closes
     turns with <|im_end|>: the turn's end is the first special token after the content (the run was refused); it is

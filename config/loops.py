@@ -145,6 +145,7 @@ class GRPOConfig(TrainerConfig):
                           "at least 1, and at least 2 with tools (a call is answered in the next turn)"),
             "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
             "tool_timeout": (grpo.tool_timeout > 0, "positive"),
+            "reward_timeout": (grpo.reward_timeout >= 0, "0 (no limit, in the trainer's process) or more"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
         for name, (holds, rule) in rules.items():

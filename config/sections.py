@@ -233,6 +233,7 @@ class GRPOSection:
     max_sampling_rounds: int = field(default=4, metadata={"help": "with dynamic_sampling, at most this many generation rounds per step (at least 2); a batch still short after them is filled with dropped groups, trained with advantage 0"})
     filter_metric: str = field(default="accuracy", metadata={"help": f"with dynamic_sampling, what a group must vary in to be kept: {' | '.join(FILTER_METRICS)} (accuracy: the reward function's full marks or its (reward, correct), or an environment's (reward, correct), as DAPO and verl's filter_groups.metric=acc; reward: the shaped reward, environment's, overlong penalty and format bonus included)"})
     tolerate_reward_errors: bool = field(default=False, metadata={"help": "go on when the reward function fails on every completion of a step (scored 0) instead of stopping with its error"})
+    reward_timeout: float = field(default=30.0, metadata={"help": "seconds one call of a module:function reward may take: such a reward runs in worker processes (grpo.tool_workers of them on each rank), a call past this is stopped and scores 0 as a failure, and once a batch's first 4 calls all timed out the rest are not made; 0: called in the trainer's process with no limit (a reward that must share the trainer's memory, such as a model on its GPU)"})
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
     # reference forward did not shorten a CPU step measurably (docs/grpo.md).
     kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
@@ -266,7 +267,7 @@ class GRPOSection:
     max_turns: int = field(default=4, metadata={"help": "with tools, at most this many assistant turns per episode (a tool call in the last is not run)"})
     max_tool_response_tokens: int = field(default=256, metadata={"help": "with tools, a tool result longer than this many tokens is cut (its message says so)"})
     tool_timeout: float = field(default=10.0, metadata={"help": "with tools, seconds each call may take from its own start; a slower one answers with a timeout error (a plain function's episode goes on; an environment's episode ends)"})
-    tool_workers: int = field(default=0, metadata={"help": "with tools, calls run at once on each rank (an episode's calls always one after another, in order); 0: this rank's share of the node's cores (raise it for tools that wait on the network)"})
+    tool_workers: int = field(default=0, metadata={"help": "with tools (or a module:function reward), calls run at once on each rank (an episode's calls always one after another, in order); 0: this rank's share of the node's cores (raise it for tools that wait on the network)"})
     tool_isolation: str = field(default="process", metadata={"help": f"with tools, where a plain function's call runs: {' | '.join(TOOL_ISOLATIONS)} (a reused worker process, killed at the timeout, so a hung or CPU-bound tool neither leaks nor holds the trainer's GIL; or a thread of the trainer, cheaper, but one past its timeout runs on). An environment's methods always run in threads"})
 
     def correction(self) -> str:

@@ -2,7 +2,8 @@
 
 A reward function maps `(completion text, reference answer)` to a correctness score in [0, 1]; 1.0 is
 full marks and counts towards `accuracy`. `grpo.format_bonus` is added on top for a completion that ends
-its answer GSM8K-style (`#### N`). `grpo.reward` may also name a function of your own as `module:function`.
+its answer GSM8K-style (`#### N`). `grpo.reward` may also name a function of your own as `module:function`, which is
+called in worker processes, each call within `grpo.reward_timeout` seconds (`IsolatedReward`; 0: in this process).
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from config.errors import UserError
 from config import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
+from tool_runtime import runner as tool_runner
 
 RewardFunction = Callable[[str, str], float]
 
@@ -186,8 +188,56 @@ REWARDS: dict[str, RewardFunction] = {"arithmetic": arithmetic, "gsm8k": gsm8k, 
                                       "none": none}
 
 
-def get_reward(name: str) -> RewardFunction:
-    """The reward function called `name` (a key of REWARDS, or `module:function`); UserError naming `grpo.reward` otherwise."""
+class IsolatedReward:
+    """A `module:function` reward called in worker processes (`tool_runtime.runner`, as tools are), so one that hangs
+    or spins cannot hold the run: a call past `timeout` seconds is killed and fails with a TimeoutError (scored 0,
+    counted). A batch's calls run side by side on `workers` processes (`grpo.tool_workers`; 0: this rank's share of
+    the cores), in rounds of ROUND calls per worker. Once GIVE_UP calls of a batch have been made and every one timed
+    out, the rest fail unrun: a reward that always hangs costs a few timeouts, not one per completion, while one
+    that hangs on some inputs has all its other calls made. Each worker imports the module itself: module state is
+    per worker, not the trainer's."""
+
+    ROUND, GIVE_UP = 2, 4
+
+    def __init__(self, spec: str, function: RewardFunction, timeout: float, workers: int = 0):
+        self.spec, self.function = spec, function
+        self.runner = tool_runner.ToolRunner(timeout, workers, "process", preload=[spec],
+                                             late="the reward function did not answer within {:g} s "
+                                                  "(grpo.reward_timeout): it was stopped.")
+
+    def __call__(self, completion: str, reference: str):
+        return self.function(completion, reference)
+
+    def call_all(self, completions: list[str], references: list[str]) -> list:
+        """Each call's return value, or the exception it raised (TimeoutError past the timeout)."""
+        calls = [tool_runner.Job([(self.spec, self.function, self.spec, pair)], stateful=False, tool_names=[])
+                 for pair in zip(completions, references, strict=True)]
+        size, results, answered = self.ROUND * self.runner.workers, [], False
+        for start in range(0, len(calls), size):
+            outcomes = [job_outcomes[0] for job_outcomes in self.runner.run(calls[start : start + size])]
+            results += [outcome.value if outcome.kind == "ok" or isinstance(outcome.value, Exception) else
+                        (TimeoutError if outcome.kind == "timeout" else RuntimeError)(outcome.text.removeprefix("Error: "))
+                        for outcome in outcomes]
+            answered = answered or any(outcome.kind != "timeout" for outcome in outcomes)
+            if not answered and len(results) >= self.GIVE_UP:
+                unrun = TimeoutError(f"not called: the {len(results)} calls before it all timed out")
+                return results + [unrun] * (len(calls) - len(results))
+        return results
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self.runner.close()
+
+
+def close(reward) -> None:
+    """Stop a reward's worker processes, if it has any."""
+    if isinstance(reward, IsolatedReward):
+        reward.close()
+
+
+def get_reward(name: str, timeout: float = 0.0, workers: int = 0) -> RewardFunction:
+    """The reward function called `name` (a key of REWARDS, or `module:function`: with a `timeout`, an
+    `IsolatedReward` on `workers`); UserError naming `grpo.reward` otherwise."""
     if name in REWARDS:
         return REWARDS[name]
     known = ", ".join(sorted(REWARDS))
@@ -204,7 +254,7 @@ def get_reward(name: str) -> RewardFunction:
                         f"texts, which its signature does not take ({error}). Give it those two parameters, or change `--grpo.reward`.") from None
     except ValueError:  # a builtin without a signature: its first call says
         pass
-    return function
+    return IsolatedReward(name, function, timeout, workers) if timeout > 0 else function
 
 
 def has_answer_format(completion: str) -> bool:
@@ -243,6 +293,7 @@ def _as_reward(value) -> float:
 
 def describe_failure(reward: RewardFunction, error: Exception, completion: str) -> str:
     """One line naming the reward function, its exception and the completion (cut) it failed on."""
+    reward = getattr(reward, "function", reward)  # an IsolatedReward's own
     name = f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', repr(reward))}"
     text = " ".join(str(error).split())[:200]
     shown = completion if len(completion) <= 120 else completion[:117] + "..."
@@ -255,10 +306,15 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
     counted, and the first failure of each exception type is kept, described (the loop decides what to say)."""
     rewards, correct, errors, failures = [], [], 0, {}
     in_format = [has_answer_format(completion) for completion in completions]
-    for completion, reference, formatted in zip(completions, references, in_format, strict=True):
+    if isinstance(reward, IsolatedReward):
+        returned = reward.call_all(completions, references)
+    else:
+        returned = [call(reward, completion, reference) for completion, reference in zip(completions, references)]
+    for completion, value, formatted in zip(completions, returned, in_format, strict=True):
         verdict = None  # a graded reward may say which completions are correct: (reward, correct)
         try:
-            value = reward(completion, reference)
+            if isinstance(value, Exception):
+                raise value
             if isinstance(value, tuple) and len(value) == 2:
                 value, verdict = value[0], bool(value[1])
             value = _as_reward(value)
@@ -269,3 +325,11 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
         rewards.append(value + (format_bonus if formatted else 0.0))
     right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
     return Scores(rewards, correct, errors, in_format, right_answer, failures)
+
+
+def call(reward: RewardFunction, completion: str, reference: str):
+    """`reward(completion, reference)` in this process: its value, or the exception it raised."""
+    try:
+        return reward(completion, reference)
+    except Exception as error:  # a user's reward function may fail in any way on odd model output
+        return error

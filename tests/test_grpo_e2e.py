@@ -23,7 +23,7 @@ from tests.conftest import tiny_reward_model, REPO, launch, torchrun, worker_out
 from trainer import grpo_sampling as grpo
 
 GRPO_KEYS = {
-    "grpo.n_samples", "grpo.reward", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
+    "grpo.n_samples", "grpo.reward", "grpo.reward_timeout", "grpo.format_bonus", "grpo.baseline", "grpo.scale_rewards", "grpo.kl_coef",
     "grpo.kl_estimator", "grpo.clip_low", "grpo.clip_high", "grpo.dual_clip", "grpo.loss_aggregation", "grpo.share_prompts", "grpo.teacher", "grpo.teacher_coef", "grpo.reward_weight", "grpo.reward_model", "grpo.reward_model_weight", "grpo.ppo_epochs",
     "grpo.mini_batches", "grpo.max_new_tokens", "grpo.temperature", "grpo.top_p", "grpo.top_k",
     "grpo.importance_ratio", "grpo.dynamic_sampling", "grpo.max_sampling_rounds", "grpo.filter_metric",
@@ -473,7 +473,8 @@ def test_a_rollout_process_that_dies_ends_the_run_with_a_paragraph(sft_checkpoin
     started = time.perf_counter()
     result = torchrun(["-m", "trainer.grpo", f"--model.path={sft_checkpoint}", f"--train.out_dir={tmp_path / 'out'}",
                        "--train.steps=4", "--train.global_batch_size=32", "--train.micro_batch_size=16",
-                       "--train.eval_samples=0", "--grpo.rollout_processes=1", "--grpo.reward=killing_reward:reward"],
+                       "--train.eval_samples=0", "--grpo.rollout_processes=1", "--grpo.reward=killing_reward:reward",
+                       "--grpo.reward_timeout=0"],  # in the rollout process itself
                       check=False, env={"PYTHONPATH": f"{tmp_path}:{REPO}"}, timeout=300)
     assert result.returncode != 0 and time.perf_counter() - started < 150
     assert "error: Asynchronous GRPO lost its rollout process (global rank 1)" in result.stderr, result.stderr[-3000:]

@@ -39,7 +39,10 @@ REWARDS = (
     "        raise ValueError('cannot parse this one')\n"
     "    return float('####' in completion)\n"
     "def noisy(completion, reference):\n"
-    "    return random.random()  # another value at every call, as a model judge's may be\n")
+    "    return random.random()  # another value at every call, as a model judge's may be\n"
+    "def hang(completion, reference):\n"
+    "    import time\n"
+    "    time.sleep(3600)  # a reward stuck on some input: the run waited for it forever\n")
 
 
 def metrics(out_dir) -> list[dict]:
@@ -207,6 +210,7 @@ def launches(default_sft, tmp_path_factory):
                      "--train.steps=1"),
         grpo_command("gspo2", "--config", "gspo", *ten, "--train.steps=1"),
         grpo_command("text", *brief, "--grpo.reward=fidelity_rewards:text", expect_error=True),
+        grpo_command("hang", *brief, "--grpo.reward=fidelity_rewards:hang", "--grpo.reward_timeout=1", expect_error=True),
         grpo_command("third", *brief, "--grpo.reward=fidelity_rewards:third"),
         grpo_command("tp2", *brief, "--grpo.reward=fidelity_rewards:noisy", "--parallel.tp=2",
                      "--parallel.sequence_parallel=false", checksums=True),
@@ -287,6 +291,12 @@ def test_a_reward_that_fails_everywhere_stops_at_step_1_and_one_failing_sometime
     assert "--grpo.tolerate_reward_errors=true" in text["error"]
     assert not (runs["root"] / "text" / "checkpoints" / "latest").exists()  # no step trained
     assert [row["step"] for row in metrics(runs["root"] / "text")] == [0]  # the baseline evaluation only
+    # A reward that never answers: each call stopped at `grpo.reward_timeout`, and after a round of them timed out
+    # the batch's other calls are not made, so the run ends with the same paragraph within seconds.
+    hang = result(runs, "hang")
+    assert hang["error"].startswith("The reward function `grpo.reward=fidelity_rewards:hang` failed on every one of "
+                                    "the 32 completions of step 1")
+    assert "raised TimeoutError: the reward function did not answer within 1 s (grpo.reward_timeout)" in hang["error"]
     third = result(runs, "third")
     rows = [row for row in metrics(runs["root"] / "third") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["reward_errors"] > 0 for row in rows)

@@ -174,3 +174,72 @@ def test_unknown_reward_is_a_user_error_naming_the_key(name, expected):
     with pytest.raises(UserError) as error:
         rewards.get_reward(name)
     assert expected in str(error.value) and "--grpo.reward" in str(error.value)
+
+
+USER_REWARDS = '''
+import os, time
+
+class Unreadable(Exception):
+    def __init__(self, first, second):
+        super().__init__(f"{first} {second}")
+
+def graded(completion, reference):
+    if "boom" in completion:
+        raise ValueError("cannot parse " + completion)
+    if "odd" in completion:
+        raise Unreadable("needs", "two")   # pickles, but cannot be read back
+    if "object" in completion:
+        return (lambda: 1.0)               # cannot be sent back
+    if "hang" in completion:
+        time.sleep(600)
+    if "spin" in completion:
+        while True:
+            pass
+    return (len(completion) / 10, "####" in completion)
+
+def always_hangs(completion, reference):
+    time.sleep(600)
+'''
+
+
+def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(tmp_path, monkeypatch):
+    """`module:function` rewards run in worker processes (`grpo.reward_timeout`): the same scores as in the trainer's
+    process; a call that sleeps or spins is stopped at the timeout and scores 0 as a TimeoutError (a hanging reward
+    function hung the run: it was called in the trainer with no limit); one that always hangs costs a few timeouts, not one per completion."""
+    import time
+
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    in_process = rewards.get_reward("user_rewards:graded", timeout=0)
+    isolated = rewards.get_reward("user_rewards:graded", timeout=2.0, workers=2)
+    assert not isinstance(in_process, rewards.IsolatedReward) and isinstance(isolated, rewards.IsolatedReward)
+    try:
+        plain = ["#### 8", "no answer", "boom here", "odd one", "object", "#### 12345678"]
+        local, remote = rewards.score(in_process, plain, [REFERENCE] * 6), rewards.score(isolated, plain, [REFERENCE] * 6)
+        assert remote.rewards == local.rewards == [0.6, 0.9, 0.0, 0.0, 0.0, 1.3]
+        assert remote.correct == local.correct == [True, False, False, False, False, True]
+        assert remote.errors == local.errors == 3
+        assert remote.failures["ValueError"] == local.failures["ValueError"] == (
+            "`user_rewards:graded` raised ValueError: cannot parse boom here (on the completion 'boom here')")
+        # An exception that cannot be read back arrives as its text; a value that cannot be sent is a failure.
+        assert "raised RuntimeError: Unreadable: needs two (on the completion 'odd one')" in remote.failures["RuntimeError"]
+        assert rewards.score(isolated, ["object"], [REFERENCE]).failures["RuntimeError"].startswith(
+            "`user_rewards:graded` raised RuntimeError: its return value could not be sent from the worker process")
+        started = time.monotonic()
+        stuck = rewards.score(isolated, ["#### 8", "hang", "spin", "no answer"], [REFERENCE] * 4)
+        assert time.monotonic() - started < 10
+        assert stuck.rewards == [0.6, 0.0, 0.0, 0.9] and stuck.errors == 2
+        assert "did not answer within 2 s (grpo.reward_timeout)" in stuck.failures["TimeoutError"]
+        # The stopped calls' workers were killed; the next batch starts fresh ones.
+        assert rewards.score(isolated, ["#### 8"], [REFERENCE]).rewards == [0.6]
+    finally:
+        rewards.close(isolated)
+    hanging = rewards.get_reward("user_rewards:always_hangs", timeout=1.0, workers=1)
+    try:
+        started = time.monotonic()
+        scores = rewards.score(hanging, ["a"] * 50, [REFERENCE] * 50)
+        # GIVE_UP calls on the one worker timed out, and nothing answered: the other calls are not made.
+        assert time.monotonic() - started < 1.0 * rewards.IsolatedReward.GIVE_UP + 5
+        assert scores.errors == 50 and scores.rewards == [0.0] * 50
+    finally:
+        rewards.close(hanging)

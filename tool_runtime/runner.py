@@ -1,6 +1,7 @@
 """Running a turn's tool calls: each episode's calls one after another, in the order the policy wrote them; different
 episodes' calls side by side on a bounded pool of `grpo.tool_workers`; every call within `grpo.tool_timeout` seconds
-of its own start.
+of its own start. A `module:function` reward runs here too (`data.rewards.IsolatedReward`): one call per completion,
+its arguments positional and its value (or exception) sent back whole, within `grpo.reward_timeout`.
 
 Where a call runs (`grpo.tool_isolation`):
 - `process` (the default for plain functions): in a worker process of this module (`python -m tool_runtime.runner`),
@@ -42,10 +43,12 @@ WORKER_START_SECONDS = 60.0
 
 @dataclasses.dataclass
 class Outcome:
-    """A tool call's result as the tool message's text, and what it ended as: `ok`, `error`, `timeout` or `unknown_tool`."""
+    """A tool call's result as the tool message's text, and what it ended as: `ok`, `error`, `timeout` or `unknown_tool`;
+    a call with positional arguments (a reward function's) keeps its return value or its exception in `value`."""
 
     text: str
     kind: str
+    value: object = None
 
 
 @dataclasses.dataclass
@@ -83,12 +86,15 @@ def error_text(error: BaseException) -> str:
     return f"Error: {type(error).__name__}: {error}"
 
 
-def call_tool(function: Callable, arguments: dict) -> Outcome:
-    """One call in this process: its text, or its error's; never raises."""
+def call_tool(function: Callable, arguments: dict | tuple) -> Outcome:
+    """One call in this process: a tool's (keyword `arguments`) as its text, or its error's; a reward function's (a
+    tuple of positional ones) with its value, or its exception, kept. Never raises."""
     try:
+        if isinstance(arguments, tuple):
+            return Outcome("", "ok", function(*arguments))
         return Outcome(result_text(function(**arguments)), "ok")
     except Exception as error:  # a user's tool may fail in any way
-        return Outcome(error_text(error), "error")
+        return Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
 
 
 @dataclasses.dataclass
@@ -104,8 +110,9 @@ class Running:
 class ToolRunner:
     """Runs tool calls for a rollout; built once per run. `close()` stops its worker processes."""
 
-    def __init__(self, timeout: float, workers: int = 0, isolation: str = "process", preload: list[str] = ()):
-        self.timeout, self.isolation, self.preload = timeout, isolation, list(preload)
+    def __init__(self, timeout: float, workers: int = 0, isolation: str = "process", preload: list[str] = (),
+                 late: str = "the tool did not answer within {:g} s (grpo.tool_timeout)."):
+        self.timeout, self.isolation, self.preload, self.late = timeout, isolation, list(preload), late
         self.workers = workers or default_workers()
         self.idle: list[Worker] = []  # worker processes waiting for a call
         self.leaked_threads = 0  # thread calls abandoned at their timeout, still running
@@ -143,8 +150,7 @@ class ToolRunner:
             late = [job for job, call in running.items() if call.start is not None and now - call.start >= self.timeout]
             for job in late:
                 self._finish(running.pop(job), timed_out=True)
-                results[job].append(Outcome(f"Error: the tool did not answer within {self.timeout:g} s "
-                                            "(grpo.tool_timeout).", "timeout"))
+                results[job].append(Outcome("Error: " + self.late.format(self.timeout), "timeout"))
                 if not jobs[job].stateful:
                     self._next(jobs, job, results, waiting)
         return results
@@ -277,15 +283,14 @@ class Worker:
         except (EOFError, OSError):  # a worker that could not start: its first call says so
             pass
 
-    def call(self, spec: str, arguments: dict) -> Outcome:
-        """Run `spec(**arguments)` in the worker; a dead worker's outcome is an error."""
+    def call(self, spec: str, arguments: dict | tuple) -> Outcome:
+        """Run `spec(**arguments)` (a tuple: `spec(*arguments)`) in the worker; a dead worker's outcome is an error."""
         try:
             _send(self.process.stdin, (spec, arguments))
             if not self.ready:  # "ready" comes first, never to be taken for the answer
                 _receive(self.process.stdout)
                 self.ready = True
-            kind, text = _receive(self.process.stdout)
-            return Outcome(text, kind)
+            return Outcome(*_receive(self.process.stdout))
         except (EOFError, OSError, pickle.PickleError) as error:
             code = self.process.poll()
             return Outcome(f"Error: the tool's worker process ended ({'exit status ' + str(code) if code is not None else error}).",
@@ -308,8 +313,20 @@ class Worker:
         self.process.wait()
 
 
+def sendable(outcome: Outcome) -> tuple:
+    """`(text, kind, value)` of an outcome, the value left out (said in the text) when it would not arrive whole: what
+    pickle cannot write, or an exception it cannot read back (one whose constructor takes other arguments)."""
+    try:
+        pickle.loads(pickle.dumps(outcome.value))
+        return outcome.text, outcome.kind, outcome.value
+    except Exception as error:  # noqa: BLE001 - any value a user's function returns
+        if outcome.kind == "ok":
+            return f"Error: its return value could not be sent from the worker process ({error}).", "error", None
+        return outcome.text, outcome.kind, None
+
+
 def worker_main() -> None:
-    """A worker process's loop: read (spec, arguments), answer (kind, text), until the trainer closes the pipe."""
+    """A worker process's loop: read (spec, arguments), answer (text, kind, value), until the trainer closes the pipe."""
     try:
         import ctypes
 
@@ -328,12 +345,16 @@ def worker_main() -> None:
     sys.stdout = sys.stderr  # Python's own prints line-buffered, in order with the log's lines
     path, preload = _receive(requests)
     sys.path[:] = path
-    from config import user_code
+    import importlib
+
+    def load(spec: str):  # `module:function`, which imported in the trainer
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     functions = {}
     for spec in preload:
         try:
-            functions[spec] = user_code.load(spec, "grpo.tools", "")
+            functions[spec] = load(spec)
         except Exception:  # said by the call that needs it
             pass
     _send(answers, "ready")
@@ -344,11 +365,11 @@ def worker_main() -> None:
             return
         try:
             if spec not in functions:
-                functions[spec] = user_code.load(spec, "grpo.tools", "")
+                functions[spec] = load(spec)
             outcome = call_tool(functions[spec], arguments)
         except Exception as error:  # the module failed to import here (it imported in the trainer)
-            outcome = Outcome(error_text(error), "error")
-        _send(answers, (outcome.kind, outcome.text))
+            outcome = Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
+        _send(answers, sendable(outcome))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def validated_world_size(config) -> int:
 def load_user_code(config) -> tuple:
     """(reward function, toolset or None): a user's reward, tool and environment modules, imported before any model
     is built."""
-    return rewards.get_reward(config.grpo.reward), tool_data.Toolset.from_config(config.grpo)
+    reward = rewards.get_reward(config.grpo.reward, config.grpo.reward_timeout, config.grpo.tool_workers)
+    return reward, tool_data.Toolset.from_config(config.grpo)
 
 
 def train_default_sft_first(config, startup, rejoin: bool = True) -> bool:
@@ -134,6 +135,12 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 
 
+def close_workers(episode_sampler, reward) -> None:
+    """Stop the worker processes of the tools and of a `module:function` reward."""
+    episode_sampler.close()
+    rewards.close(reward)
+
+
 def run_rollout_process(config, runtime, reward, toolset) -> None:
     """A rollout process of asynchronous GRPO: the tokenizer, the prompts and a whole forward-only replica of the
     policy, then sampling for the trainers until they end (`trainer.grpo_async.serve`)."""
@@ -145,7 +152,7 @@ def run_rollout_process(config, runtime, reward, toolset) -> None:
     try:
         grpo_async.serve(config, runtime, replica, episode_sampler, train_prompts, reward)
     finally:
-        episode_sampler.close()
+        close_workers(episode_sampler, reward)
         parallel.shutdown(runtime)
 
 
@@ -236,7 +243,7 @@ def main(argv: list[str]):
                 break
     rollouts.close()
     checkpointer.export_if_already_finished(start_step)
-    episode_sampler.close()
+    close_workers(episode_sampler, reward)
     parallel.shutdown(runtime)
     return policy
 

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,6 +70,11 @@ def _check_writable_directories(config) -> None:
         if blocking is not None and not blocking.is_dir():
             raise UserError(f"`{key}={value}`: `{blocking}` is a file, not a directory, so the run could not write "
                             f"there. Point `--{key}` at a directory (or a path to create one).")
+        try:  # writable: a directory made and removed in the nearest one that exists (root passes any access check)
+            os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=blocking))
+        except OSError as error:
+            raise UserError(f"`{key}={value}`: the run cannot write in `{blocking}` ({error.strerror}). Point "
+                            f"`--{key}` at a directory you can write to.") from None
 
 
 def _earlier_run(config) -> list[Path]:

@@ -25,17 +25,56 @@ def require(holds: bool, message: str) -> None:
 
 
 def check_override_keys(overrides: dict, config_class, key: str) -> None:
-    """Reject override keys the megatron-core class does not have, naming our config key."""
-    known = {item.name for item in dataclasses.fields(config_class)}
-    unknown = sorted(set(overrides) - known)
+    """Reject override keys the megatron-core class does not have, and values of another kind than its default's (a
+    number for a number, true/false for a flag, text for text), naming our config key; an optimizer it cannot build."""
+    fields = {item.name: item for item in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - set(fields))
     require(not unknown, f"`{key}` sets {', '.join(f'`{name}`' for name in unknown)}, which megatron-core's "
              f"{config_class.__name__} does not have. Remove or rename them in `{key}`.")
+    kinds = ((bool, "true or false", (bool,)), ((int, float), "a number", (int, float)), (str, "text", (str,)))
+    for name, value in overrides.items():
+        default = fields[name].default
+        for default_types, kind, accepted in kinds:
+            if isinstance(default, default_types) and default is not None:
+                require(isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool)),
+                        f"`{key}` sets `{name}` to {value!r}, and megatron-core's {config_class.__name__}.{name} takes "
+                        f"{kind} (its default: {default!r}). Change it in `{key}`.")
+                break
+    if config_class.__name__ == "OptimizerConfig" and "optimizer" in overrides:
+        from megatron.core import optimizer as megatron_optimizer
+
+        known = ("adam", "sgd") + (("lion",) if getattr(megatron_optimizer, "HAVE_EMERGING_OPTIMIZERS", False) else ())
+        require(overrides["optimizer"] in known,
+                f"`{key}` sets `optimizer` to {overrides['optimizer']!r}; megatron-core builds {', '.join(known)} here "
+                f"(lion needs the emerging_optimizers package). Change it in `{key}`.")
 
 
 def value_of(config, dotted: str):
     """The value of a dotted key."""
     section, name = dotted.split(".")
     return getattr(getattr(config, section), name)
+
+
+SHAPE_SETTINGS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "hidden_size", "intermediate_size",
+                  "vocab_size", "head_dim")
+
+
+def check_shape_settings(hf: dict, name: str) -> None:
+    """A checkpoint's config.json (`hf`, of the `name` model) names an architecture transformers knows, and gives its
+    shape as positive whole numbers (a damaged or hand-edited file raised deep in the build: a division by zero, or
+    transformers' retries "due to network issues")."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = hf.get("model_type")
+    require(model_type in CONFIG_MAPPING_NAMES,
+            f"The {name}'s config.json names `model_type` {model_type!r}, which this transformers does not know (it "
+            "knows llama, mistral, qwen2, qwen3, qwen3_moe, ...). Fix its config.json, or point at a checkpoint of a "
+            "family in docs/models.md.")
+    for setting in SHAPE_SETTINGS:
+        value = hf.get(setting)
+        require(value is None or (type(value) is int and value > 0),
+                f"The {name}'s config.json gives `{setting}` as {value!r}, not a positive whole number. Fix its "
+                "config.json (a damaged copy, or a hand edit), or point at another checkpoint.")
 
 
 class ModelChecks:
@@ -45,6 +84,7 @@ class ModelChecks:
         """TP divides the heads of a checkpoint (its config.json `hf`; `name` says which), PP x VPP its layers; the
         layers each model chunk holds."""
         parallel = self.parallel
+        check_shape_settings(hf, name)
         heads = hf.get("num_attention_heads", 1)
         kv_heads = hf.get("num_key_value_heads") or heads
         require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,

@@ -105,7 +105,7 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
                         f"files of one of those formats; found {[file.name for file in files]}.")
-    empty = [file.name for file in files if file.stat().st_size == 0]
+    empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
     import datasets
@@ -116,9 +116,30 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
         raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
                         "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
     except Exception as error:
-        reason = str(error).strip() or type(error).__name__
+        reason = first_bad_line(files) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
+
+
+def first_bad_line(files: list[pathlib.Path]) -> str | None:
+    """Where the first line of JSON lines files that is not JSON is, and why; None when every line parses."""
+    for file in files:
+        if file.suffix != ".jsonl":
+            continue
+        with open(file, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    line.strip() and json.loads(line)
+                except ValueError as error:
+                    return f"{file.name}, line {number}, is not JSON: {error}"
+    return None
+
+
+def innermost_reason(error: BaseException) -> str:
+    """The message of the exception at the bottom of `error`'s chain (datasets wraps pyarrow's, which says why)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 class Conversation(list):

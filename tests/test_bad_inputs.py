@@ -112,3 +112,65 @@ def test_a_checkpoint_without_weight_files_is_named(tmp_path):
     shutil.copytree(ensure_tiny_checkpoint(), tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(UserError, match="holds no `\\*.safetensors` weight files"):
         build.check_weight_files(tmp_path / "m")
+
+
+def test_an_output_or_cache_directory_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """`train.out_dir` where nothing can be made (under `/proc`), and `$TRAINER_CACHE_DIR` under a file: a paragraph
+    each before any work (they were tracebacks: the metrics writer's mkdir after the model was built, the tiny
+    model's build)."""
+    from ckpt.output_dir import check_output_dir
+    from config import process
+
+    with pytest.raises(UserError, match=r"`train.out_dir=/proc/run`: the run cannot write in `/proc` \("):
+        check_output_dir(make(**{"train.out_dir": "/proc/run"}), "", True)
+    check_output_dir(make(**{"train.out_dir": str(tmp_path / "a" / "b")}), "", True)
+    assert list(tmp_path.iterdir()) == []  # the check leaves nothing behind
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(UserError, match="cache directory .* cannot be made: `.*file` is a file. Set \\$TRAINER_CACHE_DIR"):
+        process.cache_dir()
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"model_type": "qwen9"}, "names `model_type` 'qwen9', which this transformers does not know"),
+    ({"num_attention_heads": 0}, "gives `num_attention_heads` as 0, not a positive whole number"),
+    ({"num_hidden_layers": "2"}, "gives `num_hidden_layers` as '2', not a positive whole number"),
+])
+def test_a_damaged_model_config_is_named_before_the_build(tmp_path, change, expected):
+    """A config.json with an unknown architecture or a shape that is not a positive number: a paragraph (they were a
+    ZeroDivisionError in the build, or transformers' four retries "due to network issues")."""
+    import shutil
+
+    from model.tiny import ensure_tiny_checkpoint
+
+    model = shutil.copytree(ensure_tiny_checkpoint(), tmp_path / "model")
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(UserError, match=expected):
+        make(**{"model.path": str(model)}).validate_model_shape(model)
+
+
+def test_a_data_file_that_is_not_json_names_its_line_and_a_blank_one_is_empty(tmp_path):
+    """A JSON lines file with one broken line names the line (it said only "An error occurred while generating the
+    dataset"); a .json file of whitespace is empty (it said "Instruction 'train' corresponds to no data")."""
+    (tmp_path / "bad.jsonl").write_text('{"question": "a", "answer": "b"}\n\n{"question": "a" "answer": "b"}\n')
+    with pytest.raises(UserError, match=r"\(bad.jsonl, line 3, is not JSON: Expecting ',' delimiter"):
+        conversation_data.load_rows(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "blank.json").write_text("  \n\n")
+    with pytest.raises(UserError, match="blank.json is empty"):
+        conversation_data.load_rows(str(tmp_path / "blank.json"))
+    (tmp_path / "bad.json").write_text('[{"question": "a", "answer": "b"},]')
+    with pytest.raises(UserError, match="could not be read as a table \\((?!An error occurred)"):
+        conversation_data.load_rows(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("override, expected", [
+    ({"adam_beta1": "high"}, "sets `adam_beta1` to 'high', and megatron-core's OptimizerConfig.adam_beta1 takes a number"),
+    ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer takes true or false"),
+    ({"optimizer": "lion"}, "sets `optimizer` to 'lion'; megatron-core builds adam, sgd here"),
+])
+def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
+    """They were a TypeError inside megatron-core's optimizer build, or its "lion optimizer requires ..."."""
+    with pytest.raises(UserError, match=expected.replace("(", r"\(")):
+        make(**{"optim.override_optimizer_config": override}).validate(world_size=1)
+    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2}}).validate(world_size=1)

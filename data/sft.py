@@ -105,9 +105,12 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     for index, context, following in zip(turns, contexts, [*contexts[1:], rendered]):
         prompted = chat_text(messages[:index], tokenizer, tools, add_generation_prompt=True)
         last = chat_text(messages[: index + 1], tokenizer, tools)  # the turn as the generation prompt is answered
-        if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)
-                and len(context) >= (spans[-1][1] if spans else 0)):
+        if not (rendered.startswith(context) and len(context) >= (spans[-1][1] if spans else 0)):
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
+        if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)):
+            header = prompted[len(context) :] if prompted.startswith(context) else prompted
+            raise template_error(tokenizer, f"its generation prompt {header!r} is not how it renders an assistant turn "
+                                            "once written (DeepSeek-R1's opens a think block only in the prompt)")
         # Up to the next assistant turn's context: this turn, and the turns after it that are not the assistant's.
         turn, alone, content = rendered[len(prompted) : len(following)], last[len(prompted) :], messages[index]["content"]
         if content not in turn:  # a template that trims (Llama 3's `| trim`) shows the trimmed text

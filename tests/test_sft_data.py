@@ -137,6 +137,16 @@ def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders
     assert learned_spans(qwen3, *tokenize_conversation(inline, qwen3)) == expected
 
 
+def test_a_generation_prompt_the_written_turns_do_not_start_with_is_refused_by_name(checkpoint):
+    """DeepSeek-R1's template opens a think block in the generation prompt but writes past turns without it: learning
+    the turns as written would teach a start the prompt never gives, so the template is refused, its prompt named."""
+    opening = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    opening.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    with pytest.raises(UserError, match=r"generation prompt '<\|im_start\|>assistant\\n<think>\\n' is not how it renders"):
+        tokenize_conversation([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}], opening)
+
+
 def sentencepiece_tokenizer(legacy: bool, chat_template: str):
     """A Llama-family fast tokenizer trained here (byte-fallback BPE over `▁`-joined words, as SentencePiece models
     convert): `legacy` prepends `▁` by a normalizer as Llama 2's does, else by a Metaspace pre-tokenizer as Mistral's."""

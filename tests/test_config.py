@@ -84,7 +84,7 @@ def make(**sections) -> SFTConfig:
 def test_validate_startup_errors(tmp_path):
     qwen_like = tmp_path / "model"
     qwen_like.mkdir()
-    (qwen_like / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
+    (qwen_like / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
     cases = [
         (make(model={"dtype": "fp64"}), 1, "`model.dtype=fp64` is not one of fp32, bf16, fp16"),
         (make(model={"attention": "flash"}), 1, "`model.attention=flash` is not one of auto, sdpa, local, transformer_engine"),

@@ -103,7 +103,8 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
 
     moe = tmp_path / "moe"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2, "num_experts": 8}))
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_hidden_layers": 2,
+                                                    "num_experts": 8}))
     for key in ("teacher", "reward_model"):  # a reward model is built at the policy's layout too
         config, _ = parse_args(GRPOConfig, [f"--grpo.{key}={moe}"], "trainer.grpo")
         with pytest.raises(UserError, match=f"`grpo.{key}=.*` is a Mixture-of-Experts model"):

@@ -69,7 +69,7 @@ def test_what_each_layer_spec_cannot_recompute(monkeypatch):
 
 
 def test_recompute_layers_are_checked_against_the_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}')
     config = make(f"--model.path={tmp_path}", "--parallel.pp=2", "--parallel.vpp=2", "--model.recompute=full",
                   "--model.recompute_num_layers=7")
     with pytest.raises(UserError) as error:

@@ -24,7 +24,7 @@ def make(*argv: str, config_class=SFTConfig):
 
 def write_config(directory, **fields) -> str:
     """A checkpoint directory holding only a config.json (enough for the start-up shape checks)."""
-    (directory / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                                                        "num_hidden_layers": 4, **fields}))
     return str(directory)
 

@@ -75,7 +75,7 @@ def test_bad_router_settings_are_refused_at_start_up(argv, config_class, expecte
 def write_hf_config(directory: Path, **extra) -> Path:
     """A config.json (and nothing else) of a small model's shape, with `extra` keys."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                                                        "num_hidden_layers": 2, **extra}))
     return directory
 

@@ -230,14 +230,26 @@ class EpisodeTools:
         return tool_runner.Job([(call.name, self.tools.get(call.name), self.specs.get(call.name), call.arguments)
                                 for call in calls], self.environment is not None, list(self.tools))
 
-    def reward(self) -> tuple[float, bool | None]:
-        """The environment's own reward for the episode and, when `reward()` returns `(reward, correct)`, whether the
-        episode is correct (DAPO's filter reads it); (0, None) without an environment or a `reward` method, and for
-        an episode whose environment was abandoned at a timeout (its reward is never read while a call may run)."""
+    def reward_job(self) -> tool_runner.Job | None:
+        """The call of the environment's `reward()`, for the tool runner (a thread, within `grpo.tool_timeout`); None
+        without an environment or a `reward` method, and for an episode whose environment was abandoned at a timeout
+        (its reward is never read while a call may run)."""
         if self.environment is None or not hasattr(self.environment, "reward") or self.abandoned:
+            return None
+        return tool_runner.Job([("reward", self.environment.reward, None, ())], True, [])
+
+    def reward(self, outcome: tool_runner.Outcome | None) -> tuple[float, bool | None]:
+        """The environment's own reward for the episode from its `reward_job`'s outcome (None: no job) and, when
+        `reward()` returns `(reward, correct)`, whether the episode is correct (DAPO's filter reads it); (0, None) when
+        there was no call, it raised, or it ran past the timeout (its instance is then abandoned)."""
+        if outcome is None:
             return 0.0, None
         try:
-            value, correct = self.environment.reward(), None
+            if outcome.kind != "ok":
+                self.abandoned = self.abandoned or outcome.kind == "timeout"
+                raise outcome.value if isinstance(outcome.value, Exception) else TimeoutError(
+                    outcome.text.removeprefix("Error: ").replace("the tool", "reward()"))
+            value, correct = outcome.value, None
             if isinstance(value, tuple) and len(value) == 2:
                 value, correct = value[0], bool(value[1])
             value = float(value)

@@ -46,7 +46,13 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     assert loaded.schemas[0]["function"]["parameters"]["properties"]["number"] == {"type": "string", "description": "a whole number, as text"}
     episode, extra = loaded.episode({"question": "q"})
     assert extra == "Count with the tool." and sorted(episode.tools) == ["add", "digits"]
-    assert episode.tools["add"]("1") == "1" and episode.reward() == (0.5, None)  # the episode's own instance
+    assert episode.tools["add"]("1") == "1" and reward_now(episode) == (0.5, None)  # the episode's own instance
+
+
+def reward_now(episode: tools.EpisodeTools) -> tuple:
+    """The episode's environment reward, its `reward()` called here as the tool runner would."""
+    job = episode.reward_job()
+    return episode.reward(None if job is None else tool_runner.call_tool(job.calls[0][1], job.calls[0][3]))
 
 
 @pytest.mark.parametrize("key, spec, expected", [
@@ -270,7 +276,29 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     loaded.environment = Broken
     with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
         loaded.episode({"question": "q"})
-    assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None)
+    assert reward_now(tools.EpisodeTools({}, Broken())) == (0.0, None)
+
+
+def test_an_environments_reward_that_hangs_scores_zero_at_the_tool_timeout(tokenizer):
+    """`reward()` runs on the tool runner within `grpo.tool_timeout` (a hanging one held the run forever): past it the
+    episode's environment reward is 0 and its instance abandoned; the other episodes' rewards are read."""
+    class Hanging(tool_fixtures.Counter):
+        def reward(self):
+            if self.calls == 1:
+                time.sleep(60)
+            return 0.25
+
+    import tests.tool_fixtures as fixtures
+
+    fixtures.Hanging = Hanging
+    try:
+        started = time.monotonic()
+        episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "1", "#### 17"], ["#### 17"]], specs=(),
+                                  environment="tests.tool_fixtures:Hanging")
+    finally:
+        del fixtures.Hanging
+    assert time.monotonic() - started < 10
+    assert [episode.environment_reward for episode in episodes] == [0.0, 0.25]
 
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):

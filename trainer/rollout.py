@@ -285,9 +285,16 @@ class Rollout:
 
     def _finish(self, completions: list[list[int]]) -> list[tuple]:
         """Per episode: its answer (the last turn's text), the environment's (reward, correct), whether its last turn
-        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped."""
-        return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), trajectory.tools.reward(),
-                 int(not trajectory.ended), trajectory.skipped) for trajectory, ids in zip(self.trajectories, completions)]
+        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped. The
+        environments' `reward()` calls run side by side on the tool runner, each within `grpo.tool_timeout` (one that
+        hung held the run)."""
+        jobs = [trajectory.tools.reward_job() for trajectory in self.trajectories]
+        outcomes = iter(self.runner.run([job for job in jobs if job is not None]))
+        rewards = [trajectory.tools.reward(next(outcomes)[0] if job is not None else None)
+                   for trajectory, job in zip(self.trajectories, jobs)]
+        return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), reward,
+                 int(not trajectory.ended), trajectory.skipped)
+                for trajectory, ids, reward in zip(self.trajectories, completions, rewards)]
 
 
 def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards.Scores:

@@ -126,7 +126,7 @@ def first_bad_line(files: list[pathlib.Path]) -> str | None:
     for file in files:
         if file.suffix != ".jsonl":
             continue
-        with open(file, encoding="utf-8", errors="replace") as lines:
+        with open(file, encoding="utf-8-sig", errors="replace") as lines:
             for number, line in enumerate(lines, 1):
                 try:
                     line.strip() and json.loads(line)
@@ -137,7 +137,7 @@ def first_bad_line(files: list[pathlib.Path]) -> str | None:
 
 def innermost_reason(error: BaseException) -> str:
     """The message of the exception at the bottom of `error`'s chain (datasets wraps pyarrow's, which says why)."""
-    while error.__cause__ is not None or error.__context__ is not None:
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
         error = error.__cause__ or error.__context__
     return " ".join(str(error).split()) or type(error).__name__
 

@@ -22,8 +22,27 @@ def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
     if not texts:
         return []
     if getattr(tokenizer, "is_fast", False):
-        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in encode_batch(texts, tokenizer)]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_batch(texts: list[str], tokenizer) -> list:
+    """A fast tokenizer's backend encodings of `texts` (ids and character offsets), no special tokens added, and
+    neither padded nor cut: a tokenizer.json may carry padding or truncation settings, which would pad a shorter
+    text with ids that a loss mask then learns, or cut a long one without a word."""
+    backend = tokenizer.backend_tokenizer
+    padding, truncation = backend.padding, backend.truncation
+    if padding is None and truncation is None:
+        return backend.encode_batch(texts, add_special_tokens=False)
+    backend.no_padding()
+    backend.no_truncation()
+    try:
+        return backend.encode_batch(texts, add_special_tokens=False)
+    finally:  # the settings belong to the shared backend: restored for every other caller
+        if padding is not None:
+            backend.enable_padding(**padding)
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
 
 
 def require_chat_template(tokenizer) -> None:

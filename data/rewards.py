@@ -192,12 +192,11 @@ class IsolatedReward:
     """A `module:function` reward called in worker processes (`tool_runtime.runner`, as tools are), so one that hangs
     or spins cannot hold the run: a call past `timeout` seconds is killed and fails with a TimeoutError (scored 0,
     counted). A batch's calls run side by side on `workers` processes (`grpo.tool_workers`; 0: this rank's share of
-    the cores), in rounds of ROUND calls per worker. Once GIVE_UP calls of a batch have been made and every one timed
-    out, the rest fail unrun: a reward that always hangs costs a few timeouts, not one per completion, while one
-    that hangs on some inputs has all its other calls made. Each worker imports the module itself: module state is
-    per worker, not the trainer's."""
+    the cores). Its first GIVE_UP calls (or one per worker, if more) run first: when every one of them timed out the
+    rest fail unrun, so a reward that always hangs costs a few timeouts, not one per completion; otherwise the rest
+    run at once. Each worker imports the module itself: module state is per worker, not the trainer's."""
 
-    ROUND, GIVE_UP = 2, 4
+    GIVE_UP = 4
 
     def __init__(self, spec: str, function: RewardFunction, timeout: float, workers: int = 0):
         self.spec, self.function = spec, function
@@ -212,17 +211,20 @@ class IsolatedReward:
         """Each call's return value, or the exception it raised (TimeoutError past the timeout)."""
         calls = [tool_runner.Job([(self.spec, self.function, self.spec, pair)], stateful=False, tool_names=[])
                  for pair in zip(completions, references, strict=True)]
-        size, results, answered = self.ROUND * self.runner.workers, [], False
-        for start in range(0, len(calls), size):
-            outcomes = [job_outcomes[0] for job_outcomes in self.runner.run(calls[start : start + size])]
-            results += [outcome.value if outcome.kind == "ok" or isinstance(outcome.value, Exception) else
-                        (TimeoutError if outcome.kind == "timeout" else RuntimeError)(outcome.text.removeprefix("Error: "))
-                        for outcome in outcomes]
-            answered = answered or any(outcome.kind != "timeout" for outcome in outcomes)
-            if not answered and len(results) >= self.GIVE_UP:
-                unrun = TimeoutError(f"not called: the {len(results)} calls before it all timed out")
-                return results + [unrun] * (len(calls) - len(results))
-        return results
+        first = max(self.GIVE_UP, self.runner.workers)
+        outcomes = [job_outcomes[0] for job_outcomes in self.runner.run(calls[:first])]
+        if calls[first:] and all(outcome.kind == "timeout" for outcome in outcomes):
+            unrun = TimeoutError(f"not called: the {len(outcomes)} calls before it all timed out")
+            return [self._returned(outcome) for outcome in outcomes] + [unrun] * (len(calls) - first)
+        outcomes += [job_outcomes[0] for job_outcomes in self.runner.run(calls[first:])] if calls[first:] else []
+        return [self._returned(outcome) for outcome in outcomes]
+
+    @staticmethod
+    def _returned(outcome: tool_runner.Outcome):
+        """A call's return value, or its exception (one that could not come back whole: its text)."""
+        if outcome.kind == "ok" or isinstance(outcome.value, Exception):
+            return outcome.value
+        return (TimeoutError if outcome.kind == "timeout" else RuntimeError)(outcome.text.removeprefix("Error: "))
 
     def close(self) -> None:
         """Stop the worker processes."""

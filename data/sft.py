@@ -26,7 +26,7 @@ from config.errors import UserError
 from config.hf import first_special, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
-from data.encode import cache_key, chat_text, encode_texts, read_cached, template_error, write_cached
+from data.encode import cache_key, chat_text, encode_batch, encode_texts, read_cached, template_error, write_cached
 
 log = logging.getLogger(__name__)
 TOKENIZE_CHUNK = 1024
@@ -54,7 +54,7 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[t
     split = [split_turns(messages, tokenizer) for messages in conversations]
     if not getattr(tokenizer, "is_fast", False):
         return [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
-    encodings = tokenizer.backend_tokenizer.encode_batch([rendered for _, rendered in split], add_special_tokens=False)
+    encodings = encode_batch([rendered for _, rendered in split], tokenizer)
     return [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
             for (spans, rendered), encoding in zip(split, encodings)]
 

@@ -167,7 +167,7 @@ def test_a_data_file_that_is_not_json_names_its_line_and_a_blank_one_is_empty(tm
 @pytest.mark.parametrize("override, expected", [
     ({"adam_beta1": "high"}, "sets `adam_beta1` to 'high', and megatron-core's OptimizerConfig.adam_beta1 takes a number"),
     ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer takes true or false"),
-    ({"optimizer": "lion"}, "sets `optimizer` to 'lion'; megatron-core builds adam, sgd here"),
+    ({"optimizer": "lion"}, "sets `optimizer` to 'lion'; without the emerging_optimizers package megatron-core builds adam and sgd only"),
 ])
 def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
     """They were a TypeError inside megatron-core's optimizer build, or its "lion optimizer requires ..."."""

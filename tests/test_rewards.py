@@ -177,7 +177,7 @@ def test_unknown_reward_is_a_user_error_naming_the_key(name, expected):
 
 
 USER_REWARDS = '''
-import os, time
+import os, sys, time
 
 class Unreadable(Exception):
     def __init__(self, first, second):
@@ -195,6 +195,8 @@ def graded(completion, reference):
     if "spin" in completion:
         while True:
             pass
+    if "exit" in completion:
+        sys.exit(3)                        # its worker ends
     return (len(completion) / 10, "####" in completion)
 
 def always_hangs(completion, reference):
@@ -234,6 +236,15 @@ def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(t
         assert rewards.score(isolated, ["#### 8"], [REFERENCE]).rewards == [0.6]
     finally:
         rewards.close(isolated)
+    # A worker that ended is never handed the next call (its closed pipe failed every later call of the batch).
+    alone = rewards.get_reward("user_rewards:graded", timeout=5.0, workers=1)
+    try:
+        for _ in range(3):
+            exited = rewards.score(alone, ["exit", "#### 8", "#### 8", "#### 8"], [REFERENCE] * 4)
+            assert exited.errors == 1 and exited.rewards == [0.0, 0.6, 0.6, 0.6], exited.failures
+            assert "the worker process running it ended (exit status 3)" in exited.failures["RuntimeError"]
+    finally:
+        rewards.close(alone)
     hanging = rewards.get_reward("user_rewards:always_hangs", timeout=1.0, workers=1)
     try:
         started = time.monotonic()

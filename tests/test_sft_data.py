@@ -13,7 +13,7 @@ from data.batches import Example, collate, collate_packed, pack, padded_size, to
 from data.conversations import DropReport, load_rows, to_conversations
 from data import conversations
 from data.encode import encode_texts
-from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation
+from data.sft import BatchSchedule, build_examples, cached_examples, tokenize_conversation, tokenize_conversations
 from model.tiny import ensure_tiny_checkpoint
 from config.errors import UserError
 
@@ -197,6 +197,13 @@ def test_sentencepiece_templates_learn_on_the_whole_renderings_ids(legacy, chat_
     assert "It is" not in unlearned and unlearned.count("[INST]") == 2
     if not legacy:  # the pieces alone tokenize otherwise: what refused every Mistral row
         assert tokenize_pieces(*split_turns(messages, tokenizer), tokenizer) is None
+    # Padding and truncation a tokenizer.json carries are not applied (padded ids after the end token were learned).
+    tokenizer.backend_tokenizer.enable_padding(pad_id=0, pad_token="<unk>")
+    tokenizer.backend_tokenizer.enable_truncation(max_length=8)
+    shorter = messages[:2]
+    assert tokenize_conversations([messages, shorter], tokenizer) == [
+        (input_ids, loss_mask), tokenize_conversations([shorter], sentencepiece_tokenizer(legacy, chat_template))[0]]
+    assert tokenizer.backend_tokenizer.padding["pad_id"] == 0 and tokenizer.backend_tokenizer.truncation["max_length"] == 8
 
 
 def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(checkpoint, tmp_path):

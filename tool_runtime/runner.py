@@ -269,6 +269,7 @@ class Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "tool_runtime.runner"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True, cwd=os.getcwd())
         self.ready = False  # whether its "ready" was read: a start past WORKER_START_SECONDS leaves it to the first call
+        self.broken = False  # a call found its pipes closed
         try:  # the trainer's import path, so the user's tool modules import alike, and the modules to import now
             _send(self.process.stdin, (list(sys.path), preload))
         except OSError:  # a worker that could not start: its first call says so
@@ -292,13 +293,17 @@ class Worker:
                 self.ready = True
             return Outcome(*_receive(self.process.stdout))
         except (EOFError, OSError, pickle.PickleError) as error:
-            code = self.process.poll()
-            return Outcome(f"Error: the tool's worker process ended ({'exit status ' + str(code) if code is not None else error}).",
-                           "error")
+            self.broken = True  # its pipe is gone even while its process is still exiting: never reused
+            try:  # it is exiting: its status says how
+                code = self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
+            why = f"exit status {code}" if code is not None else f"{type(error).__name__}: {error}"
+            return Outcome(f"Error: the worker process running it ended ({why}).", "error")
 
     def alive(self) -> bool:
-        """Whether the process still runs."""
-        return self.process.poll() is None
+        """Whether the process still runs and its pipes still carry calls."""
+        return not self.broken and self.process.poll() is None
 
     def kill(self) -> None:
         """Kill the worker and whatever it started (its session), and reap it."""

@@ -104,18 +104,19 @@ class Toolset:
                             f"named {' or '.join(ENVIRONMENT_HOOKS)}, or starting with `_`, are not tools).")
         return cls(functions, environment, schemas, specs)
 
-    def episode(self, row: dict, seed: int = 0) -> tuple["EpisodeTools", str | None]:
+    def episode(self, row: dict, seed: int = 0, timeout: float | None = None) -> tuple["EpisodeTools", str | None]:
         """A new episode's tools (its own environment instance, reset with the data row, and with `seed` when reset
-        takes one: `reset_environment`) and the text reset returned."""
+        takes one: `reset_environment`, within `timeout` seconds: `grpo.tool_timeout`) and the text reset returned."""
         if self.environment is None:
             return EpisodeTools(dict(self.functions), None, self.specs), None
         try:
             environment = self.environment()
-            extra = reset_environment(environment, row, seed)
+            extra = tool_runner.call_within(timeout, reset_environment, environment, row, seed)
         except Exception as error:  # a user's environment may fail in any way; no episode can start without it
             raise UserError(f"`grpo.environment`: {self.environment.__name__}() or its reset(row) raised "
                             f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
-                            "`--grpo.environment`.") from None
+                            "`--grpo.environment`" + (" (or raise `--grpo.tool_timeout`)." if isinstance(error, TimeoutError)
+                                                      else ".")) from None
         tools = {**self.functions, **dict(environment_methods(environment))}
         return EpisodeTools(tools, environment, self.specs), None if extra is None else str(extra)
 

@@ -278,6 +278,17 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
         loaded.episode({"question": "q"})
     assert reward_now(tools.EpisodeTools({}, Broken())) == (0.0, None)
 
+    class Stuck(tool_fixtures.Counter):
+        def reset(self, row):
+            time.sleep(60)
+
+    loaded.environment = Stuck
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"Stuck\(\) or its reset\(row\) raised TimeoutError: it did not return within "
+                                        r"0.5 s \(grpo.tool_timeout\).*raise `--grpo.tool_timeout`"):
+        loaded.episode({"question": "q"}, timeout=0.5)  # it hung the run
+    assert time.monotonic() - started < 5
+
 
 def test_an_environments_reward_that_hangs_scores_zero_at_the_tool_timeout(tokenizer):
     """`reward()` runs on the tool runner within `grpo.tool_timeout` (a hanging one held the run forever): past it the

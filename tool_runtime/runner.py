@@ -97,6 +97,30 @@ def call_tool(function: Callable, arguments: dict | tuple) -> Outcome:
         return Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
 
 
+def call_within(seconds: float | None, function: Callable, *arguments):
+    """`function(*arguments)` on a thread, within `seconds` (None or 0: no limit, on this thread): its value, or its
+    exception raised here; past the limit a TimeoutError (the thread cannot be stopped: it runs on as a daemon). An
+    environment's `reset`."""
+    if not seconds:
+        return function(*arguments)
+    answer: dict = {}
+
+    def run() -> None:
+        try:
+            answer["value"] = function(*arguments)
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            answer["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True, name="environment-reset")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"it did not return within {seconds:g} s (grpo.tool_timeout)")
+    if "error" in answer:
+        raise answer["error"]
+    return answer["value"]
+
+
 @dataclasses.dataclass
 class Running:
     """A call in flight: its number in its job, its worker process (None in a thread) and its clock's start (None while

@@ -159,7 +159,8 @@ class Rollout:
         (said once a run): the ids, and the skipped prompts."""
         self.trajectories, prompt_ids, skipped_prompts = [], [], []
         for number, prompt in enumerate(prompts):
-            started = [self.toolset.episode(prompt.row, seed=group_seed(seed, number)) for _ in range(samples)]
+            started = [self.toolset.episode(prompt.row, seed=group_seed(seed, number), timeout=self.runner.timeout)
+                       for _ in range(samples)]
             messages = [dict(message) for message in prompt.messages]
             extra, ids, skipped = self._group_text([text for _, text in started]), prompt.ids, False
             if extra:

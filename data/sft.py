@@ -166,6 +166,21 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
     return examples
 
 
+def warn_if_reasoning_unrendered(conversations: list[list[dict]], tokenizer) -> None:
+    """Say so when the chat template leaves out the `reasoning_content` the data gives (a template without think
+    blocks, such as Qwen2.5's): it is then not learned. Read on the first conversation whose last assistant turn has
+    some (earlier turns' a template may drop by design, as Qwen3's does)."""
+    for messages in conversations:
+        last = next((message for message in reversed(messages) if message["role"] == "assistant"), {})
+        reasoning = (last.get("reasoning_content") or "").strip()
+        if reasoning:
+            if reasoning not in chat_text(messages, tokenizer, conversation_tools(messages)):
+                log.warning("the chat template of %s does not render the assistant turns' `reasoning_content`: it is "
+                            "not learned. Use a model whose template writes it (Qwen3's think blocks), or put the "
+                            "reasoning into the content", tokenizer.name_or_path)
+            return
+
+
 # --- cache of tokenized examples -----------------------------------------------------------------
 
 CACHE_FOLDER = "sft-examples"
@@ -192,6 +207,7 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
 
     Every process reads or writes the same file (each write is atomic), so ranks and nodes sharing the cache agree. A
     damaged entry is rebuilt; a cache that cannot be written is left out with a warning."""
+    warn_if_reasoning_unrendered(conversations, tokenizer)
     key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
     if key is None:
         return build_examples(conversations, tokenizer, max_seq_len, report)

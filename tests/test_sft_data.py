@@ -1,6 +1,7 @@
 """Unit tests for the SFT data pipeline: loading, loss masks, truncation, packing and batch order."""
 
 import json
+import logging
 import types
 from pathlib import Path
 
@@ -115,7 +116,7 @@ QWEN3_TEMPLATE = (
     "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
-def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders_it(checkpoint):
+def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders_it(checkpoint, caplog):
     """Qwen3's template renders a turn differently once a user turn follows it (its think block goes): every turn is
     learned as the whole conversation shows it (such rows refused the run: "rendering more turns rewrites earlier
     ones"). `reasoning_content` is kept from the data and rendered; a `<think>` block opening the content too."""
@@ -132,6 +133,14 @@ def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders
     assert conversations[0][3]["reasoning_content"] == "two and two"
     expected = ["2<|im_end|>", "<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
     assert learned_spans(qwen3, *tokenize_conversation(conversations[0], qwen3)) == expected
+    # A template that leaves reasoning out (the tiny model's ChatML, as Qwen2.5's) says it is not learned.
+    from data.sft import warn_if_reasoning_unrendered
+
+    with caplog.at_level(logging.WARNING):
+        warn_if_reasoning_unrendered(conversations, qwen3)
+        assert "reasoning_content" not in caplog.text
+        warn_if_reasoning_unrendered(conversations, transformers.AutoTokenizer.from_pretrained(checkpoint))
+    assert "does not render the assistant turns' `reasoning_content`: it is not learned" in caplog.text
     inline = [plain[0], {"role": "assistant", "content": "<think>\none and one\n</think>\n\n2"}, plain[2],
               {"role": "assistant", "content": "<think>two and two</think>4"}]
     assert learned_spans(qwen3, *tokenize_conversation(inline, qwen3)) == expected

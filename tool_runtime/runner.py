@@ -222,9 +222,10 @@ class ToolRunner:
             if timed_out:
                 self.leaked_threads += 1
                 if self.leaked_threads == 1:  # said once: a thread cannot be stopped
-                    log.warning("a tool call ran past grpo.tool_timeout in a thread (grpo.tool_isolation=thread): its "
-                                "thread cannot be stopped and runs on beside training, holding the GIL while it computes; "
-                                "`--grpo.tool_isolation=process` kills such a call")
+                    log.warning("a call ran past grpo.tool_timeout in a thread (an environment's method, or a tool under "
+                                "grpo.tool_isolation=thread): its thread cannot be stopped and runs on beside training, "
+                                "holding the GIL while it computes; a plain function's call under "
+                                "`--grpo.tool_isolation=process` is killed instead")
         elif timed_out or not worker.alive():
             worker.kill()
         else:

@@ -27,18 +27,27 @@ def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
 
 
 def encode_batch(texts: list[str], tokenizer) -> list:
-    """A fast tokenizer's backend encodings of `texts` (ids and character offsets), no special tokens added, and
-    neither padded nor cut: a tokenizer.json may carry padding or truncation settings, which would pad a shorter
-    text with ids that a loss mask then learns, or cut a long one without a word."""
+    """A fast tokenizer's backend encodings of `texts` (ids and character offsets), no special tokens added, neither
+    padded nor cut (`unpadded_backend`)."""
+    with unpadded_backend(tokenizer) as backend:
+        return backend.encode_batch(texts, add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def unpadded_backend(tokenizer):
+    """A fast tokenizer's backend with its padding and truncation off while in use: a tokenizer.json may carry them,
+    which would pad a shorter text with ids that a loss mask learns or a policy reads, or cut a long one without a
+    word. The settings belong to the shared backend: restored for every other caller."""
     backend = tokenizer.backend_tokenizer
     padding, truncation = backend.padding, backend.truncation
     if padding is None and truncation is None:
-        return backend.encode_batch(texts, add_special_tokens=False)
+        yield backend
+        return
     backend.no_padding()
     backend.no_truncation()
     try:
-        return backend.encode_batch(texts, add_special_tokens=False)
-    finally:  # the settings belong to the shared backend: restored for every other caller
+        yield backend
+    finally:
         if padding is not None:
             backend.enable_padding(**padding)
         if truncation is not None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from config.errors import UserError
 from config import user_code
 from tool_runtime import runner as tool_runner
+from data import encode
 from data.encode import encode_texts
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,7 @@ class Toolset:
         if self.environment is None:
             return EpisodeTools(dict(self.functions), None, self.specs), None
         try:
-            environment = self.environment()
-            extra = tool_runner.call_within(timeout, reset_environment, environment, row, seed)
+            environment, extra = tool_runner.call_within(timeout, start_environment, self.environment, row, seed)
         except Exception as error:  # a user's environment may fail in any way; no episode can start without it
             raise UserError(f"`grpo.environment`: {self.environment.__name__}() or its reset(row) raised "
                             f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
@@ -119,6 +119,12 @@ class Toolset:
                                                       else ".")) from None
         tools = {**self.functions, **dict(environment_methods(environment))}
         return EpisodeTools(tools, environment, self.specs), None if extra is None else str(extra)
+
+
+def start_environment(environment_class: type, row: dict, seed: int) -> tuple:
+    """A new instance of the environment, reset (`reset_environment`): the instance and the text reset returned."""
+    environment = environment_class()
+    return environment, reset_environment(environment, row, seed)
 
 
 def reset_environment(environment, row: dict, seed: int):
@@ -231,26 +237,16 @@ class EpisodeTools:
         return tool_runner.Job([(call.name, self.tools.get(call.name), self.specs.get(call.name), call.arguments)
                                 for call in calls], self.environment is not None, list(self.tools))
 
-    def reward_job(self) -> tool_runner.Job | None:
-        """The call of the environment's `reward()`, for the tool runner (a thread, within `grpo.tool_timeout`); None
-        without an environment or a `reward` method, and for an episode whose environment was abandoned at a timeout
-        (its reward is never read while a call may run)."""
+    def reward(self) -> tuple[float, bool | None]:
+        """The environment's own reward for the episode and, when `reward()` returns `(reward, correct)`, whether the
+        episode is correct (DAPO's filter reads it); (0, None) without an environment or a `reward` method, and for
+        an episode whose environment was abandoned at a timeout (its reward is never read while a call may run).
+        Called on the trainer's main thread, with no time limit: graders that time themselves with signals (as
+        math_verify does) only work there, and one that failed on a thread would score every episode 0."""
         if self.environment is None or not hasattr(self.environment, "reward") or self.abandoned:
-            return None
-        return tool_runner.Job([("reward", self.environment.reward, None, ())], True, [])
-
-    def reward(self, outcome: tool_runner.Outcome | None) -> tuple[float, bool | None]:
-        """The environment's own reward for the episode from its `reward_job`'s outcome (None: no job) and, when
-        `reward()` returns `(reward, correct)`, whether the episode is correct (DAPO's filter reads it); (0, None) when
-        there was no call, it raised, or it ran past the timeout (its instance is then abandoned)."""
-        if outcome is None:
             return 0.0, None
         try:
-            if outcome.kind != "ok":
-                self.abandoned = self.abandoned or outcome.kind == "timeout"
-                raise outcome.value if isinstance(outcome.value, Exception) else TimeoutError(
-                    outcome.text.removeprefix("Error: ").replace("the tool", "reward()"))
-            value, correct = outcome.value, None
+            value, correct = self.environment.reward(), None
             if isinstance(value, tuple) and len(value) == 2:
                 value, correct = value[0], bool(value[1])
             value = float(value)
@@ -297,13 +293,13 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as plain text: a special token's string in it (`<|im_end|>`) is tokenized as the characters
     it is, never as the control id."""
     if getattr(tokenizer, "is_fast", False):
-        backend = tokenizer.backend_tokenizer
-        previous = backend.encode_special_tokens  # a flag on the shared backend: restored for every other caller
-        backend.encode_special_tokens = True
-        try:
-            return backend.encode(text, add_special_tokens=False).ids
-        finally:
-            backend.encode_special_tokens = previous
+        with encode.unpadded_backend(tokenizer) as backend:
+            previous = backend.encode_special_tokens  # a flag on the shared backend: restored for every other caller
+            backend.encode_special_tokens = True
+            try:
+                return backend.encode(text, add_special_tokens=False).ids
+            finally:
+                backend.encode_special_tokens = previous
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 

@@ -46,13 +46,7 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     assert loaded.schemas[0]["function"]["parameters"]["properties"]["number"] == {"type": "string", "description": "a whole number, as text"}
     episode, extra = loaded.episode({"question": "q"})
     assert extra == "Count with the tool." and sorted(episode.tools) == ["add", "digits"]
-    assert episode.tools["add"]("1") == "1" and reward_now(episode) == (0.5, None)  # the episode's own instance
-
-
-def reward_now(episode: tools.EpisodeTools) -> tuple:
-    """The episode's environment reward, its `reward()` called here as the tool runner would."""
-    job = episode.reward_job()
-    return episode.reward(None if job is None else tool_runner.call_tool(job.calls[0][1], job.calls[0][3]))
+    assert episode.tools["add"]("1") == "1" and episode.reward() == (0.5, None)  # the episode's own instance
 
 
 @pytest.mark.parametrize("key, spec, expected", [
@@ -276,7 +270,7 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     loaded.environment = Broken
     with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
         loaded.episode({"question": "q"})
-    assert reward_now(tools.EpisodeTools({}, Broken())) == (0.0, None)
+    assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None)
 
     class Stuck(tool_fixtures.Counter):
         def reset(self, row):
@@ -290,27 +284,31 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     assert time.monotonic() - started < 5
 
 
-def test_an_environments_reward_that_hangs_scores_zero_at_the_tool_timeout(tokenizer):
-    """`reward()` runs on the tool runner within `grpo.tool_timeout` (a hanging one held the run forever): past it the
-    episode's environment reward is 0 and its instance abandoned; the other episodes' rewards are read."""
-    class Hanging(tool_fixtures.Counter):
+def test_an_environments_reward_runs_on_the_main_thread_and_gets_its_own_row(tokenizer):
+    """`reward()` is called on the trainer's main thread, where a grader that times itself with signals (math_verify's
+    `signal.alarm`) works (on a thread it raised, and every episode scored 0); each episode's `reset` gets its own copy
+    of the row (one that popped the answer took it from the group's next episodes)."""
+    import signal
+
+    class Graded(tool_fixtures.Counter):
+        def reset(self, row):
+            self.answer = row.pop("answer")
+            return super().reset(row)
+
         def reward(self):
-            if self.calls == 1:
-                time.sleep(60)
-            return 0.25
+            previous = signal.signal(signal.SIGALRM, lambda *_: None)  # raises off the main thread
+            signal.signal(signal.SIGALRM, previous)
+            return 0.25 if self.answer == "17" else 0.0
 
     import tests.tool_fixtures as fixtures
 
-    fixtures.Hanging = Hanging
+    fixtures.Graded = Graded
     try:
-        started = time.monotonic()
-        episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "1", "#### 17"], ["#### 17"]], specs=(),
-                                  environment="tests.tool_fixtures:Hanging")
+        episodes, _ = run_rollout(tokenizer, [["#### 17"], ["#### 17"]], specs=(), environment="tests.tool_fixtures:Graded",
+                                  row={"question": "What is 12 + 5?", "answer": "17"})
     finally:
-        del fixtures.Hanging
-    assert time.monotonic() - started < 10
-    assert [episode.environment_reward for episode in episodes] == [0.0, 0.25]
-
+        del fixtures.Graded
+    assert [episode.environment_reward for episode in episodes] == [0.25, 0.25]
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):
     episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "1", "#### 17"], ["#### 17"]], specs=(),

@@ -317,7 +317,9 @@ class Worker:
                 _receive(self.process.stdout)
                 self.ready = True
             return Outcome(*_receive(self.process.stdout))
-        except (EOFError, OSError, pickle.PickleError) as error:
+        except pickle.PickleError as error:  # nothing half-sent or half-read: the worker goes on
+            return Outcome(f"Error: the call could not be passed to or from its worker process ({error}).", "error")
+        except (EOFError, OSError) as error:
             self.broken = True  # its pipe is gone even while its process is still exiting: never reused
             try:  # it is exiting: its status says how
                 code = self.process.wait(timeout=2)

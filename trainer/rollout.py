@@ -28,6 +28,7 @@ model's shards and stages.
 """
 
 import collections
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -159,8 +160,10 @@ class Rollout:
         (said once a run): the ids, and the skipped prompts."""
         self.trajectories, prompt_ids, skipped_prompts = [], [], []
         for number, prompt in enumerate(prompts):
-            started = [self.toolset.episode(prompt.row, seed=group_seed(seed, number), timeout=self.runner.timeout)
-                       for _ in range(samples)]
+            # Each episode gets its own copy of the row: an environment that changes what reset was given (pops the
+            # answer, say) would change it for the group's next episodes.
+            started = [self.toolset.episode(copy.deepcopy(prompt.row), seed=group_seed(seed, number),
+                                            timeout=self.runner.timeout) for _ in range(samples)]
             messages = [dict(message) for message in prompt.messages]
             extra, ids, skipped = self._group_text([text for _, text in started]), prompt.ids, False
             if extra:
@@ -286,16 +289,9 @@ class Rollout:
 
     def _finish(self, completions: list[list[int]]) -> list[tuple]:
         """Per episode: its answer (the last turn's text), the environment's (reward, correct), whether its last turn
-        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped. The
-        environments' `reward()` calls run side by side on the tool runner, each within `grpo.tool_timeout` (one that
-        hung held the run)."""
-        jobs = [trajectory.tools.reward_job() for trajectory in self.trajectories]
-        outcomes = iter(self.runner.run([job for job in jobs if job is not None]))
-        rewards = [trajectory.tools.reward(next(outcomes)[0] if job is not None else None)
-                   for trajectory, job in zip(self.trajectories, jobs)]
-        return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), reward,
-                 int(not trajectory.ended), trajectory.skipped)
-                for trajectory, ids, reward in zip(self.trajectories, completions, rewards)]
+        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped."""
+        return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), trajectory.tools.reward(),
+                 int(not trajectory.ended), trajectory.skipped) for trajectory, ids in zip(self.trajectories, completions)]
 
 
 def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards.Scores:

@@ -22,7 +22,7 @@ from ckpt.failures import barrier
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, checkpoint_dir
 from config import outputs
 from config.errors import UserError
-from config.process import is_global_rank_zero
+from config.process import is_global_rank_zero, nearest_existing
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ def _check_writable_directories(config) -> None:
                         "current directory. Set `--train.out_dir DIR`.")
     for key, value in (("train.out_dir", config.train.out_dir), ("ckpt.dir", str(checkpoint_dir(config)))):
         path = Path(value).expanduser()
-        blocking = next((parent for parent in (path, *path.parents) if parent.exists()), None)
-        if blocking is not None and not blocking.is_dir():
+        blocking = nearest_existing(path)
+        if not blocking.is_dir():
             raise UserError(f"`{key}={value}`: `{blocking}` is a file, not a directory, so the run could not write "
                             f"there. Point `--{key}` at a directory (or a path to create one).")
         try:  # writable: a directory made and removed in the nearest one that exists (root passes any access check)

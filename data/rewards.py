@@ -204,9 +204,6 @@ class IsolatedReward:
                                              late="the reward function did not answer within {:g} s "
                                                   "(grpo.reward_timeout): it was stopped.")
 
-    def __call__(self, completion: str, reference: str):
-        return self.function(completion, reference)
-
     def call_all(self, completions: list[str], references: list[str]) -> list:
         """Each call's return value, or the exception it raised (TimeoutError past the timeout)."""
         calls = [tool_runner.Job([(self.spec, self.function, self.spec, pair)], stateful=False, tool_names=[])
@@ -237,7 +234,7 @@ def close(reward) -> None:
         reward.close()
 
 
-def get_reward(name: str, timeout: float = 0.0, workers: int = 0) -> RewardFunction:
+def get_reward(name: str, timeout: float = 0.0, workers: int = 0) -> "RewardFunction | IsolatedReward":
     """The reward function called `name` (a key of REWARDS, or `module:function`: with a `timeout`, an
     `IsolatedReward` on `workers`); UserError naming `grpo.reward` otherwise."""
     if name in REWARDS:

@@ -19,6 +19,7 @@ that difference is tokenized, so the ids of earlier turns, the policy's own samp
 template that rewrites earlier turns when more are added cannot be continued this way and is refused at start-up.
 """
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -29,8 +30,7 @@ from collections.abc import Callable
 from config.errors import UserError
 from config import user_code
 from tool_runtime import runner as tool_runner
-from data import encode
-from data.encode import encode_texts
+from data.encode import encode_texts, unpadded_backend
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,9 @@ class Toolset:
 def start_environment(environment_class: type, row: dict, seed: int) -> tuple:
     """A new instance of the environment, reset (`reset_environment`): the instance and the text reset returned."""
     environment = environment_class()
-    return environment, reset_environment(environment, row, seed)
+    # Its own copy of the row: an environment that changes what reset was given (pops the answer, say) would change
+    # it for the group's next episodes.
+    return environment, reset_environment(environment, copy.deepcopy(row), seed)
 
 
 def reset_environment(environment, row: dict, seed: int):
@@ -293,7 +295,7 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as plain text: a special token's string in it (`<|im_end|>`) is tokenized as the characters
     it is, never as the control id."""
     if getattr(tokenizer, "is_fast", False):
-        with encode.unpadded_backend(tokenizer) as backend:
+        with unpadded_backend(tokenizer) as backend:
             previous = backend.encode_special_tokens  # a flag on the shared backend: restored for every other caller
             backend.encode_special_tokens = True
             try:

@@ -28,7 +28,6 @@ model's shards and stages.
 """
 
 import collections
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -160,10 +159,8 @@ class Rollout:
         (said once a run): the ids, and the skipped prompts."""
         self.trajectories, prompt_ids, skipped_prompts = [], [], []
         for number, prompt in enumerate(prompts):
-            # Each episode gets its own copy of the row: an environment that changes what reset was given (pops the
-            # answer, say) would change it for the group's next episodes.
-            started = [self.toolset.episode(copy.deepcopy(prompt.row), seed=group_seed(seed, number),
-                                            timeout=self.runner.timeout) for _ in range(samples)]
+            started = [self.toolset.episode(prompt.row, seed=group_seed(seed, number), timeout=self.runner.timeout)
+                       for _ in range(samples)]
             messages = [dict(message) for message in prompt.messages]
             extra, ids, skipped = self._group_text([text for _, text in started]), prompt.ids, False
             if extra:

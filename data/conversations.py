@@ -216,11 +216,11 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
         if messages_field:
             messages = row.get(messages_field)
             tools, tools_reason = row_tools(row.get("tools"))
-            reason = messages_problem(messages) or tools_reason
+            reason = messages_problem(messages, messages_field) or tools_reason
         else:
             messages = [{"role": "user", "content": row.get(prompt_field)},
                         {"role": "assistant", "content": row.get(response_field)}]
-            tools, reason = None, pair_problem(row.get(prompt_field), row.get(response_field))
+            tools, reason = None, pair_problem(row, prompt_field, response_field)
         if reason:
             report.drop(index, reason)
             continue
@@ -232,19 +232,21 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
     return conversations, report
 
 
-def pair_problem(prompt, response) -> str | None:
-    """Return why a prompt/response pair is unusable, or None when it is fine."""
-    if prompt is None or response is None:
-        return "missing field"
-    if not isinstance(prompt, str) or not isinstance(response, str):
-        return "not a string"
-    return "empty response" if not response.strip() else None
+def pair_problem(row: dict, prompt_field: str, response_field: str) -> str | None:
+    """Return why a row's prompt/response pair is unusable, or None when it is fine; the reason names the field."""
+    for field in (prompt_field, response_field):
+        if row.get(field) is None:
+            return f"missing {field!r}"
+    for field in (prompt_field, response_field):
+        if not isinstance(row[field], str):
+            return f"{field!r} not a string ({type(row[field]).__name__})"
+    return "empty response" if not row[response_field].strip() else None
 
 
-def messages_problem(messages) -> str | None:
-    """Return why a list of chat messages is unusable, or None when it is fine."""
+def messages_problem(messages, field: str) -> str | None:
+    """Return why a row's list of chat messages (its `field`) is unusable, or None when it is fine."""
     if messages is None:
-        return "missing field"
+        return f"missing {field!r}"
     if not isinstance(messages, list) or not all(
         isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
     ):

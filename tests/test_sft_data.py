@@ -270,7 +270,7 @@ def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
     conversations, report = to_conversations(rows, messages_field="messages")
     assert len(conversations) == 1 and report.kept_rows == [0]
     assert report.first_drops == [(1, "no assistant turn"), (2, "no assistant turn"), (3, "malformed messages"),
-                                  (4, "starts with assistant turn"), (5, "missing field")]
+                                  (4, "starts with assistant turn"), (5, "missing 'messages'")]
 
 
 def test_a_template_that_does_not_close_assistant_turns_with_eos_is_refused(checkpoint):
@@ -302,10 +302,12 @@ def test_malformed_rows_are_counted_by_reason_with_their_indices():
         [{"role": "user", "content": "q5"}, {"role": "assistant", "content": "a5"}],
     ]
     assert report.kept_rows == [0, 5] and report.rows_read == 7 and report.used + report.dropped == 7
-    assert report.dropped_by_reason == {"missing field": 3, "not a string": 1, "empty response": 1}
-    assert report.first_drops == [(1, "missing field"), (2, "missing field"), (3, "not a string"),
-                                  (4, "empty response"), (6, "missing field")]
-    assert report.summary().startswith("2 of 7 rows used, 5 dropped (empty response: 1, missing field: 3")
+    assert report.dropped_by_reason == {"missing 'answer'": 2, "missing 'question'": 1, "'answer' not a string (int)": 1,
+                                        "empty response": 1}
+    assert report.first_drops == [(1, "missing 'answer'"), (2, "missing 'answer'"), (3, "'answer' not a string (int)"),
+                                  (4, "empty response"), (6, "missing 'question'")]
+    assert report.summary().startswith("2 of 7 rows used, 5 dropped ('answer' not a string (int): 1, empty response: 1, "
+                                       "missing 'answer': 2, missing 'question': 1")
 
 
 def test_truncation_cuts_from_the_right_and_drops_samples_left_without_loss_tokens(tokenizer):

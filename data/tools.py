@@ -164,12 +164,13 @@ def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> N
     """Refuse, before any model is built, DAPO's accuracy filter where no episode could ever be correct:
     `grpo.reward=none` (the environment's reward alone) and an environment whose `reward()` gives no verdict (a
     plain number, not `(reward, correct)`), probed on a throwaway episode of the first training row. Every group
-    would be dropped: each step would run all `grpo.max_sampling_rounds` and train on fill-ins."""
+    would be dropped: each step would run all `grpo.max_sampling_rounds` and train on fill-ins. The episode starts as
+    the run's do (within `grpo.tool_timeout`; one that fails is the run's error, said now) and `reward()` runs on this
+    thread, as in the run."""
     if toolset is None or not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy" and grpo.reward == "none"):
         return
+    instance = toolset.episode(row, seed=0, timeout=grpo.tool_timeout)[0].environment
     try:
-        instance = toolset.environment()
-        reset_environment(instance, row, seed=0)
         value = instance.reward() if hasattr(instance, "reward") else None
     except Exception as error:  # a fresh episode's reward may not be defined yet: the run says it at its first step
         log.info("could not probe %s.reward() on a fresh episode (%s: %s)", toolset.environment.__name__,

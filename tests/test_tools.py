@@ -539,12 +539,23 @@ def test_dapos_filter_reads_an_environments_or_a_graded_rewards_verdict(tokenize
 
 
 def test_dapos_accuracy_filter_with_an_environment_that_gives_no_verdict_is_refused_at_start_up():
-    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none")
+    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none", tool_timeout=0.5)
     with pytest.raises(UserError, match=r"`Plain.reward\(\)` returns float 0.0, not `\(reward, correct\)`.*--grpo.filter_metric=reward"):
         tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"), settings, {})
     tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Ordered"), settings, {})  # it gives one
     tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"),
                                       SimpleNamespace(dynamic_sampling=True, filter_metric="reward", reward="none"), {})
+
+    class Stuck(tool_fixtures.Counter):
+        def reset(self, row):
+            time.sleep(60)
+
+    loaded = toolset(environment="tests.tool_fixtures:Counter")
+    loaded.environment = Stuck
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"Stuck\(\) or its reset\(row\) raised TimeoutError: it did not return within 0.5 s"):
+        tools.check_filter_reads_accuracy(loaded, settings, {})  # the probe hung the start-up
+    assert time.monotonic() - started < 5
 
 
 def test_a_template_that_escapes_results_still_tokenizes_them_as_text(tokenizer):

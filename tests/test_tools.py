@@ -472,6 +472,30 @@ def test_a_worker_slower_to_start_than_its_limit_answers_its_first_call_with_the
     assert [(outcome.kind, outcome.text) for outcome in outcomes] == [("ok", "3"), ("ok", "12")]
 
 
+def test_a_worker_on_a_gpu_rank_sees_only_that_ranks_gpu(monkeypatch):
+    """User code in a worker that touches CUDA lands on its rank's GPU (before, every rank's workers on the first)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    spec = "tests.tool_fixtures:visible_gpus"
+    seen = {}
+    for visible in ("4,6,7", None):
+        if visible:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        else:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        runner = tool_runner.ToolRunner(timeout=30.0, workers=1, preload=[spec])
+        try:
+            (outcome,), = runner.run([tool_runner.Job([("visible_gpus", tool_fixtures.visible_gpus, spec, {"number": "1"})],
+                                                      False, ["visible_gpus"])])
+        finally:
+            runner.close()
+        seen[visible] = outcome.text
+    assert seen == {"4,6,7": "6", None: "1"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a trainer on CPUs: the environment as it is
+    assert tool_runner.worker_environment().get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def test_tool_results_and_reset_text_are_text_never_control_tokens(tokenizer):
     end = tokenizer.convert_tokens_to_ids(END)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")

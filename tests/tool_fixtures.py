@@ -233,3 +233,12 @@ class SeededHidden(Hidden):
 
         self.number = random.Random(seed).randrange(10**9)
         return f"The hidden number is {self.number}."
+
+
+def visible_gpus(number: str) -> str:
+    """The GPUs the process running it may use.
+
+    Args:
+        number: ignored
+    """
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "(all)")

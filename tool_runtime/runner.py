@@ -292,7 +292,8 @@ class Worker:
 
     def __init__(self, preload: list[str]):
         self.process = subprocess.Popen([sys.executable, "-m", "tool_runtime.runner"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True, cwd=os.getcwd())
+                                        stdout=subprocess.PIPE, start_new_session=True, cwd=os.getcwd(),
+                                        env=worker_environment())
         self.ready = False  # whether its "ready" was read: a start past WORKER_START_SECONDS leaves it to the first call
         self.broken = False  # a call found its pipes closed
         try:  # the trainer's import path, so the user's tool modules import alike, and the modules to import now
@@ -343,6 +344,18 @@ class Worker:
         except OSError:
             pass
         self.process.wait()
+
+
+def worker_environment() -> dict[str, str]:
+    """The trainer's environment, with only its own GPU visible when it uses one: user code in a worker that touches
+    CUDA (a model moved to "cuda" at import) then lands on the rank's GPU, not every rank's workers on the node's first."""
+    environment = dict(os.environ)
+    torch = sys.modules.get("torch")  # never imported here: a trainer without it has no GPU to share
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+        visible = [device for device in environment.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+        environment["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+    return environment
 
 
 def sendable(outcome: Outcome) -> tuple:

@@ -213,7 +213,7 @@ def test_sentencepiece_templates_learn_on_the_whole_renderings_ids(legacy, chat_
     assert tokenize_conversations([messages, shorter], tokenizer) == [
         (input_ids, loss_mask), tokenize_conversations([shorter], sentencepiece_tokenizer(legacy, chat_template))[0]]
     assert tokenizer.backend_tokenizer.padding["pad_id"] == 0 and tokenizer.backend_tokenizer.truncation["max_length"] == 8
-    from data.tools import encode_plain  # a tool result's ids, as GRPO appends them
+    from data.tool_text import encode_plain  # a tool result's ids, as GRPO appends them
 
     text = "It is 5. What is 4 + 4? It is 8."
     assert encode_plain(tokenizer, text) == encode_plain(sentencepiece_tokenizer(legacy, chat_template), text)

@@ -76,7 +76,7 @@ import os
 from ckpt import checkpoint
 from config import cli, process
 from config.loops import GRPOConfig
-from data import prompts as prompt_data, rewards, tools as tool_data
+from data import prompts as prompt_data, rewards, tool_text, tools as tool_data
 from model import build, generate, parallel
 from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
@@ -123,7 +123,7 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     tokenizer = build.load_tokenizer(model_path)
     end_ids = generate.end_token_ids(model_path, tokenizer)
     if toolset is not None:
-        tool_data.check_template(tokenizer, toolset.schemas, tool_data.end_texts(tokenizer, end_ids))
+        tool_text.check_template(tokenizer, toolset.schemas, tool_text.end_texts(tokenizer, end_ids))
     episode_sampler = rollout.Rollout.from_config(config, tokenizer, toolset, end_ids)
     load = functools.partial(prompt_data.load_prompts, config.data, tokenizer, max_new_tokens=config.grpo.max_new_tokens,
                              tools=episode_sampler.schemas or None,

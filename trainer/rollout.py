@@ -3,10 +3,10 @@
 Without tools an episode is one completion. With tools (`grpo.tools`, `grpo.environment`) it is a trajectory of
 turns, kept as token ids from the first to the last:
 - a turn ends at an end id; its text (special tokens kept: a call marker may be one) is parsed for tool calls
-  (`data.tools.parse_turn`). No call: the episode ends, and that turn is its answer (what the reward function
+  (`data.tool_text.parse_turn`). No call: the episode ends, and that turn is its answer (what the reward function
   scores). Calls: an episode's run one after another in the order written, different episodes' side by side, each
   within `grpo.tool_timeout` of its own start (`tool_runtime.runner`); their results become the template's tool
-  messages, and the ids of those messages and of the next assistant header (`data.tools.appended_ids`: the
+  messages, and the ids of those messages and of the next assistant header (`data.tool_text.appended_ids`: the
   results tokenized as plain text, so they cannot forge a turn) are appended into the same KV cache while
   generation goes on (`model.generate`'s `continue_rows`); the policy's own ids are never re-tokenized;
 - a call that does not parse becomes an error message the policy sees next (as a raising tool does) and the
@@ -34,7 +34,7 @@ import logging
 import time
 
 from config.errors import UserError
-from data import prompts as prompt_data, rewards, tools as tool_data
+from data import prompts as prompt_data, rewards, tool_text
 from tool_runtime import runner as tool_runner
 from model import generate, replica
 
@@ -70,7 +70,7 @@ class _Trajectory:
     """An episode's state while it is generated (on the rank that runs the tools)."""
 
     messages: list[dict]
-    tools: object  # data.tools.Episode
+    tools: object  # data.tools.EpisodeTools
     consumed: int = 0  # ids of the completion already turned into messages
     ended: bool = False  # ended by continue_rows (its last turn is counted there)
     turns: int = 0  # assistant turns the episode has produced (the prompt's own are not counted)
@@ -95,7 +95,7 @@ class Rollout:
         self.said_skipped = False  # the first skipped prompt is said once
         self.runner = tool_runner.ToolRunner(tool_timeout, tool_workers, tool_isolation,
                                              preload=list(toolset.specs.values()) if toolset is not None else [])
-        self.ends = tool_data.end_texts(tokenizer, self.end_ids)
+        self.ends = tool_text.end_texts(tokenizer, self.end_ids)
         self.schemas = toolset.schemas if toolset is not None else []
 
     @classmethod
@@ -168,7 +168,7 @@ class Rollout:
                     last = dict(messages[-1], content=f"{messages[-1]['content']}\n\n{texts[0]}")
                     return self.tokenizer.apply_chat_template(messages[:-1] + [last], tools=self.schemas, tokenize=False,
                                                               add_generation_prompt=True)
-                reshaped = tool_data.render_ids(self.tokenizer, render, [extra])
+                reshaped = tool_text.render_ids(self.tokenizer, render, [extra])
                 if reshaped is None or (self.max_prompt_tokens is not None and len(reshaped) > self.max_prompt_tokens):
                     skipped = True
                     skipped_prompts.append(number)
@@ -228,8 +228,8 @@ class Rollout:
             trajectory.ended = True  # unless continued below
             if trajectory.skipped:
                 continue
-            text = tool_data.turn_text(self.tokenizer, completion[trajectory.consumed :], self.end_ids)
-            content, calls, error = tool_data.parse_turn(self.tokenizer, text)
+            text = tool_text.turn_text(self.tokenizer, completion[trajectory.consumed :], self.end_ids)
+            content, calls, error = tool_text.parse_turn(self.tokenizer, text)
             if not calls and error is None:
                 continue  # an answer: the episode ends
             if trajectory.turns >= self.max_turns:
@@ -263,7 +263,7 @@ class Rollout:
                     trajectory.tools.abandoned = True
                     counts["timeout_ends"] += 1
                     continue
-            ids = tool_data.appended_ids(self.tokenizer, trajectory.messages + [assistant], new, self.schemas, self.ends)
+            ids = tool_text.appended_ids(self.tokenizer, trajectory.messages + [assistant], new, self.schemas, self.ends)
             if ids is None:
                 log.warning("the chat template rewrote an episode's earlier turns; the episode ends there")
                 continue
@@ -279,7 +279,7 @@ class Rollout:
         """A tool result cut to `grpo.max_tool_response_tokens`, saying so; error and timeout texts are never cut."""
         if result.kind != "ok":
             return result.text
-        text, cut = tool_data.cut_result(self.tokenizer, result.text, self.max_tool_response_tokens)
+        text, cut = tool_text.cut_result(self.tokenizer, result.text, self.max_tool_response_tokens)
         if cut:
             counts["truncated_tool_responses"] += 1
         return text

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tool_runtime import runner as tool_runner  # noqa: E402
+from tool_runtime import runner as tool_runner, worker as tool_worker  # noqa: E402
 
 TIMEOUT = 10.0  # grpo.tool_timeout's default
 SPEC = "bench_tool_calls:busy"  # this script's directory is on the import path a worker process is given
@@ -123,7 +123,7 @@ def main() -> None:
         print(f"one call of a tool that does nothing, tool_isolation={name}: {statistics.median(latencies) * 1e3:.2f} ms "
               "(median of 50)")
     start = time.perf_counter()
-    worker = tool_runner.Worker([SPEC])
+    worker = tool_worker.Worker([SPEC])
     worker.wait_ready()  # started: the interpreter and the tool module's imports
     worker.kill()
     print(f"starting a worker process (once per worker, and after a timeout kills one): {time.perf_counter() - start:.2f} s")

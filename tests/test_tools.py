@@ -105,7 +105,9 @@ def test_calls_run_within_the_timeout_and_failures_become_the_tools_answer():
              tool_text.Call("digits", {"bad": 1}), tool_text.Call("sleeps", {"number": "1"}), tool_text.Call("sleeps", {"number": "2"})]
     started = time.monotonic()
     outcomes, = tool_runner.ToolRunner(timeout=0.3, workers=2, isolation="thread").run([episode.job(calls)])
-    assert time.monotonic() - started < 0.9  # each sleeper waited on for its own 0.3 s, not for its whole second
+    # Each sleeper waited on for its own 0.3 s (0.6 s in all), not for its whole second (1.3 s or more); 1.03 s seen
+    # with the machine loaded.
+    assert time.monotonic() - started < 1.25
     assert [outcome.kind for outcome in outcomes] == ["ok", "error", "unknown_tool", "error", "timeout", "timeout"]
     assert outcomes[0].text == "6"
     assert outcomes[1].text == "Error: RuntimeError: no luck with 9"

@@ -74,6 +74,14 @@ class Policy:
         on first use); a dense policy's report nothing."""
         return moe.RoutingFigures(self.chunks, self.provider)
 
+    def next_lr(self) -> float:
+        """Move the learning-rate schedule on by one step, after the step's optimizer steps; the rate the step used
+        (what its metrics row reports: the optimizer's rate now is the next step's). As in megatron-core and
+        transformers, warmup starts at 0: the first step's rate is 0 when `optim.warmup_steps` > 0."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_schedule.step(increment=1)
+        return lr
+
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""
         provider = self.provider

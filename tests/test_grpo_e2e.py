@@ -257,6 +257,9 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
     # Evaluation and the save after the last step (the export included) are timed outside the step, in its row.
     assert evaluations[-1]["eval_time_s"] > 0 and steps[-1]["checkpoint_time_s"] > steps[0]["checkpoint_time_s"]
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40
+    # The rate each step used: warmup from 0 over 5 steps, then constant (step 1 runs at 0, as in megatron-core and
+    # transformers, and its row says so: it showed step 2's rate).
+    assert [row["lr"] for row in steps[:6]] == pytest.approx([0.0, 2e-5, 4e-5, 6e-5, 8e-5, 1e-4])
     # Measured on 2 CPU processes from the default SFT, at this test's seed 1234 / seeds 1 / 2 / 3 (SFT and GRPO):
     # reward +0.546 / +0.579 / +0.425 / +0.538 (at learning rate 0: +0.002 / +0.015), `#### N` form +0.61 / +0.61 /
     # +0.50 / +0.58, held-out greedy accuracy 0.000 -> 0.988 / 0.995 / 0.964 / 0.988, held-out answer accuracy

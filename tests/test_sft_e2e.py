@@ -24,6 +24,10 @@ def test_default_run_learns(default_sft):
           f"{baseline['eval_answer_accuracy']:.2f} -> {final['eval_answer_accuracy']:.2f}, `#### N` form "
           f"{final['eval_format_rate']:.2f}, reward's full marks {final['eval_accuracy']:.2f}")
     assert len(losses) == 600
+    # Each row's rate is the one its step used: warmup from 0 over 10 steps, then the peak (before, a row showed the
+    # next step's, and step 1's row a rate its step never used).
+    rates = [row["lr"] for row in rows if "loss" in row]
+    assert rates[0] == 0.0 and rates[1] == pytest.approx(max(rates) / 10) and rates[10] == max(rates)
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
     # The step's phases (rank 0's) are the step, but for the clock's own calls; evaluation and saves are timed apart.
     for row in rows[1:]:

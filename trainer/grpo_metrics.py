@@ -14,12 +14,12 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     fraction). Collective."""
     totals = {**rollout_totals(step_batch), **timer.phases}
     global_totals = dict(zip(totals, collectives.data_parallel_sum(list(totals.values()))))
-    row = {"step": step, "loss": update["loss"], "lr": policy.optimizer.param_groups[0]["lr"],
+    row = {"step": step, "loss": update["loss"], "lr": update["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
            "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),
            **phase_figures(global_totals, runtime, samplers(config, runtime)),
            **(async_figures(step, global_totals, timer, runtime) if step_batch.version is not None else {})}
-    return {**row, **{key: value for key, value in update.items() if key not in ("loss", "grad_norm")}}
+    return {**row, **{key: value for key, value in update.items() if key not in ("loss", "lr", "grad_norm")}}
 
 
 def samplers(config, runtime) -> int:

@@ -290,11 +290,11 @@ def build_microbatches(step_batch: StepBatch, policy, frozen: FrozenModels, conf
 
 def update_policy(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings, timer) -> dict:
     """The step's update, timed as its `update` phase (`timer`, a `trainer.metrics.StepTimer`): the optimizer steps
-    (`optimizer_steps`), then the learning-rate schedule's one step per GRPO step; the update's figures."""
+    (`optimizer_steps`), then the learning-rate schedule's one step per GRPO step; the update's figures, with the rate
+    its optimizer steps used (`lr`)."""
     with timer.phase("update"):
         update = optimizer_steps(policy, microbatches, seq_len, config, settings)
-    policy.lr_schedule.step(increment=1)
-    return update
+    return {**update, "lr": policy.next_lr()}
 
 
 def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings) -> dict:

@@ -106,9 +106,9 @@ def figures(sums: dict, prefix: str = "") -> dict:
     return {f"{prefix}{name}": sums[name] / pairs for name in SUMS if name != "pairs"}
 
 
-def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[dict, float]:
+def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[dict, float, float]:
     """One optimizer step over a global batch's micro-batches, timed as the step's `forward_backward` and `optimizer`
-    phases; the step's sums and grad norm."""
+    phases; the step's sums, grad norm and the rate it used."""
     with timer.phase("forward_backward"):
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
@@ -116,8 +116,8 @@ def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[d
         sums = run_microbatches(policy.chunks, microbatches, seq_len, policy.tokenizer.pad_token_id, forward_only=False)
     with timer.phase("optimizer"):
         _, grad_norm, _ = policy.optimizer.step()
-        policy.lr_schedule.step(increment=1)
-    return sums, float(grad_norm or 0.0)
+        lr = policy.next_lr()
+    return sums, float(grad_norm or 0.0), lr
 
 
 def evaluate(policy, data: RMData, config, runtime) -> dict:
@@ -134,11 +134,12 @@ def evaluate(policy, data: RMData, config, runtime) -> dict:
     return figures(sums, "eval_")
 
 
-def step_row(step: int, policy, sums: dict, grad_norm: float, microbatches: list[dict], timer, epoch: int) -> dict:
+def step_row(step: int, policy, sums: dict, grad_norm: float, lr: float, microbatches: list[dict], timer,
+             epoch: int) -> dict:
     """One metrics.jsonl row: the pairs' loss, accuracy, margin and scores, lr, grad norm, throughput (padding
     included; its share is `padding_share`), the step's phases. Collective."""
     padded, input_tokens = (policy.global_tokens(count) for count in batches.padding_counts(microbatches))
-    return {"step": step, **figures(sums), "lr": policy.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+    return {"step": step, **figures(sums), "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds, "epoch": epoch,
             "padding_share": padded / max(input_tokens, 1), **timer.phases, **metrics.peak_memory_gib()}
 
@@ -210,8 +211,8 @@ def main(argv: list[str]):
                 with timer.phase("data"):
                     microbatches, seq_len = collate_microbatches(data.train, schedule.next_global_batch(), config,
                                                                  tokenizer.pad_token_id, runtime.device)
-                sums, grad_norm = train_step(policy, microbatches, seq_len, timer)
-            row = step_row(step, policy, sums, grad_norm, microbatches, timer, schedule.epoch)
+                sums, grad_norm, lr = train_step(policy, microbatches, seq_len, timer)
+            row = step_row(step, policy, sums, grad_norm, lr, microbatches, timer, schedule.epoch)
             if config.train.evaluates_at(step) and data.eval:
                 row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)

@@ -128,9 +128,9 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
     return collectives.reduce_loss_over_data_parallel(losses)
 
 
-def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float]:
+def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float, float]:
     """One optimizer step over a global batch's microbatches, timed as the step's `forward_backward` and `optimizer`
-    phases (`timer`, a `trainer.metrics.StepTimer`); returns (loss sum, response tokens, grad norm)."""
+    phases (`timer`, a `trainer.metrics.StepTimer`); returns (loss sum, response tokens, grad norm, the rate used)."""
     with timer.phase("forward_backward"):
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
@@ -139,8 +139,8 @@ def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[f
         loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
     with timer.phase("optimizer"):
         _, grad_norm, _ = policy.optimizer.step()
-        policy.lr_schedule.step(increment=1)
-    return loss_sum, tokens, float(grad_norm or 0.0)
+        lr = policy.next_lr()
+    return loss_sum, tokens, float(grad_norm or 0.0), lr
 
 
 # ---------------------------------------------------------------- evaluation
@@ -176,14 +176,14 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     return {**({"eval_loss": loss_sum / max(tokens, 1)} if starts else {}), **accuracy}
 
 
-def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, microbatches: list[dict],
-             seq_len: int, timer, epoch: int) -> dict:
+def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, lr: float,
+             microbatches: list[dict], seq_len: int, timer, epoch: int) -> dict:
     """One metrics.jsonl row: loss over the global batch's response tokens, throughput (padding included; the padded
     share of the positions fed is `padding_share`), the step's phases (rank 0's
     `data_time_s`, `forward_backward_time_s`, `optimizer_time_s`), MoE routing (`model.moe`), and MFU/memory on GPUs.
     Collective."""
     padded, input_tokens = (policy.global_tokens(count) for count in batches.padding_counts(microbatches))
-    row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": policy.optimizer.param_groups[0]["lr"],
+    row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": lr,
            "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds,
            "epoch": epoch, "padding_share": padded / max(input_tokens, 1), **timer.phases,
            **policy.routing_figures.step_figures()}
@@ -241,8 +241,9 @@ def main(argv: list[str]):
                     indices = token_budget_indices(data.train, schedule.next_global_batch(), config)
                     microbatches, seq_len = collate_microbatches(data.train, indices, config, tokenizer.pad_token_id,
                                                                  runtime.device)
-                loss_sum, tokens, grad_norm = train_step(policy, microbatches, seq_len, timer)
-            row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, microbatches, seq_len, timer, schedule.epoch)
+                loss_sum, tokens, grad_norm, lr = train_step(policy, microbatches, seq_len, timer)
+            row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, lr, microbatches, seq_len, timer,
+                           schedule.epoch)
             if config.train.evaluates_at(step) and data.eval:
                 row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)

@@ -26,6 +26,26 @@ def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
     return loaded
 
 
+# Files a tokenizer is read from (any one of them); without any, transformers makes an empty tokenizer that writes
+# every text as nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+CAUSAL, CLASSIFIER = "ForCausalLM", "ForSequenceClassification"  # the ends of the architectures' names
+
+
+def check_tokenizer_files(path: Path, key: str) -> None:
+    """Refuse a checkpoint directory that holds no tokenizer, naming `key`."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        raise UserError(f"`{key}={path}` holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): transformers would "
+                        "make an empty one, and every text would become no tokens. Save the model's tokenizer beside "
+                        f"it (`tokenizer.save_pretrained(DIR)`), or point `--{key}` at a directory that has one.")
+
+
+def is_classifier(hf: dict) -> bool:
+    """Whether an HF config.json is a sequence classifier's (a reward model: a score head, no language-model head)."""
+    return ((hf.get("architectures") or [""])[0] or "").endswith(CLASSIFIER)
+
+
 def hf_expert_count(hf: dict) -> int:
     """Routed experts per MoE layer of an HF config.json (0: a dense model)."""
     return next((int(hf[key]) for key in HF_EXPERT_KEYS if hf.get(key)), 0)

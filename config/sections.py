@@ -154,7 +154,7 @@ class PreferenceDataConfig(DataConfig):
     """`trainer.rm`'s data: preference pairs (the embedded set, `outputs/preferences`, is built on first use)."""
 
     path: str = field(default="outputs/preferences", metadata={"help": "preference pairs: a json/jsonl/parquet file or dir, or a hub dataset name (`outputs/preferences`: the embedded set, sampled from the default SFT and judged by the arithmetic rule, built on first use)"})
-    prompt_field: str = field(default="prompt", metadata={"help": "row field holding the prompt (text or chat messages); without that column each side is a whole conversation"})
+    prompt_field: str = field(default="prompt", metadata={"help": "row field holding the prompt (text or chat messages); without a `prompt` column (this default) each side is a whole conversation, and a name set here must be a column"})
     chosen_field: str = field(default="chosen", metadata={"help": "row field holding the preferred response (text or chat messages)"})
     rejected_field: str = field(default="rejected", metadata={"help": "row field holding the other response (text or chat messages)"})
     response_field: str = field(default="answer", metadata={"help": "not read by trainer.rm (refused when set): a pair's sides are data.chosen_field and data.rejected_field"})
@@ -224,7 +224,7 @@ class LogConfig:
 class GRPOSection:
     n_samples: int = field(default=8, metadata={"help": "completions sampled per prompt (one advantage group)"})
     reward: str = field(default=DEFAULT_REWARD, metadata={"help": "reward function: arithmetic | gsm8k | gsm8k_flexible | none (0: an environment's reward() alone), or your own as module:function returning a number (full marks, 1.0, are the accuracy) or (reward, correct)"})
-    format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer"})
+    format_bonus: float = field(default=0.0, metadata={"help": "added to the reward of a completion that ends with a `#### N` answer (shaping: not scaled by grpo.reward_weight)"})
     overlong_buffer: int = field(default=0, metadata={"help": "DAPO's soft overlong penalty: completions longer than max_new_tokens - overlong_buffer tokens lose reward linearly, up to overlong_penalty at the budget (0: off)"})
     overlong_penalty: float = field(default=1.0, metadata={"help": "the reward lost by a completion that reaches max_new_tokens, with overlong_buffer > 0"})
     baseline: str = field(default="mean", metadata={"help": f"advantage baseline within a group: {' | '.join(BASELINES)} (the group mean, GRPO; the mean of the others, RLOO)"})

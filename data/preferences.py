@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from config.errors import UserError
+from config.sections import PreferenceDataConfig
 from data import conversations as conversation_data, encode
 from data.conversations import DropReport
 
@@ -56,6 +57,10 @@ def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], Drop
             raise UserError(f"`{key}` is {name!r}, but `{path}` ({split}) has no such column; its columns are "
                             f"{columns}. Set `--{key}` to the column holding that side of each pair.")
     has_prompt = data.prompt_field in columns
+    if not has_prompt and data.prompt_field != PreferenceDataConfig.prompt_field:  # set by the user: a typo, not a form
+        raise UserError(f"`data.prompt_field` is {data.prompt_field!r}, but `{path}` ({split}) has no such column; its "
+                        f"columns are {columns}. Set `--data.prompt_field` to the column holding each pair's prompt, or "
+                        "leave it unset when each side is a whole conversation.")
     report, pairs = DropReport(rows_read=len(rows)), []
     for index, row in enumerate(rows):
         prompt = row.get(data.prompt_field) if has_prompt else None

@@ -24,13 +24,12 @@ import torch
 
 from config import outputs
 from config.errors import UserError
-from config.hf import read_hf_config
+from config.hf import CAUSAL, CLASSIFIER, is_classifier as hf_is_classifier, read_hf_config
 from model.policy import Policy
 from model.providers import export_hf
 
 log = logging.getLogger(__name__)
 
-CAUSAL, CLASSIFIER = "ForCausalLM", "ForSequenceClassification"
 INDEX = "model.safetensors.index.json"
 
 
@@ -149,8 +148,7 @@ def heads_detached(chunks: list):
 
 def is_classifier(path: Path) -> bool:
     """Whether an HF checkpoint directory is a sequence classifier (a reward model)."""
-    architectures = read_hf_config(path, "model.path").get("architectures") or [""]
-    return architectures[0].endswith(CLASSIFIER)
+    return hf_is_classifier(read_hf_config(path, "model.path"))
 
 
 def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:

@@ -519,6 +519,11 @@ def test_a_reward_model_beside_the_reward_resumes_exactly_and_is_logged_apart(sh
     assert rule_alone[0]["reward_mean"] == steps[0]["reward_mean"]  # the same samples at step 1
     assert rule_alone[0]["loss"] != steps[0]["loss"]  # scored otherwise
     assert "reward_model_score" not in rule_alone[0]
+    # samples.jsonl shows each completion's score by the reward model beside the rule's, and the advantage it trained with.
+    samples = [json.loads(line) for line in (shared_runs["root"] / "reward_model" / "straight" / "samples.jsonl").open()]
+    assert samples and all(isinstance(row["reward_model_score"], float) and isinstance(row["advantage"], float)
+                           for row in samples)
+    assert len({row["reward_model_score"] for row in samples}) > 1
 
 
 @pytest.mark.distributed

@@ -215,6 +215,27 @@ def test_overlong_penalty_at_the_boundary_tokens():
     assert close(grpo_math.overlong_penalty(torch.tensor([0, 4, 8]), budget=8, buffer=8, penalty=1.0), [0.0, -0.5, -1.0])
 
 
+def test_the_format_bonus_and_overlong_penalty_are_shaping_no_weight_scales():
+    """`grpo.reward_weight` weighs the reward function's score (and an environment's) only: at 0, with a reward model
+    alone, the format bonus still pays (it was multiplied by the weight, and paid nothing)."""
+    from types import SimpleNamespace
+
+    from data import rewards
+    from trainer.grpo_sampling import shaped_rewards
+
+    scores = rewards.score(rewards.gsm8k, ["#### 8", "#### 7", "8", "#### 8"], ["#### 8"] * 4, format_bonus=0.25)
+    assert scores.rewards == [1.25, 0.25, 0.0, 1.25]
+    episodes = [SimpleNamespace(skipped=False, ids=[0] * length) for length in (4, 4, 4, 8)]
+    model_scores = torch.tensor([0.5, -0.5, 0.0, 0.0])
+    settings = dict(format_bonus=0.25, reward_model_weight=2.0, overlong_buffer=4, max_new_tokens=8, overlong_penalty=1.0)
+    for weight, expected in ((1.0, [2.25, -0.75, 0.0, 0.25]), (0.0, [1.25, -0.75, 0.0, -0.75]),
+                             (0.5, [1.75, -0.75, 0.0, -0.25])):
+        shaped, penalty = shaped_rewards(scores, model_scores, episodes, SimpleNamespace(reward_weight=weight, **settings))
+        assert shaped.tolist() == pytest.approx(expected) and penalty == -1.0
+    plain = SimpleNamespace(reward_weight=1.0, **{**settings, "overlong_buffer": 0})
+    assert shaped_rewards(scores, None, episodes, plain)[0].tolist() == scores.rewards  # bit for bit, as before
+
+
 def test_sequence_ratio_is_the_length_normalised_mean_and_clips_whole_completions():
     """GSPO: s_i = exp(mean over the completion's tokens of log pi - log pi_old), the same value on each of its tokens."""
     logprobs = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.5, 0.0, 0.0]], requires_grad=True)

@@ -159,7 +159,8 @@ def test_wandb_switched_on_but_missing_is_a_clean_error_before_any_work(tmp_path
 def test_grpo_writes_sampled_completions(grpo_run):
     rows = [json.loads(line) for line in (grpo_run / "samples.jsonl").read_text().splitlines()]
     assert sorted({row["step"] for row in rows}) == [1, 2, 3]  # the first step, every log_interval, the last
-    assert all({"step", "prompt", "completion", "reward", "reference"} <= set(row) for row in rows)
+    assert all({"step", "prompt", "completion", "reward", "advantage", "reference"} <= set(row) for row in rows)
+    assert all(isinstance(row["advantage"], float) and "reward_model_score" not in row for row in rows)
     assert all(isinstance(row["reward"], float) and row["prompt"] and "####" in row["reference"] for row in rows)
     assert "samples/text_summary" in tensorboard_events(grpo_run).Tags()["tensors"]
 

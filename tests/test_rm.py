@@ -65,6 +65,11 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
         preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, chosen_field="better"),
                                tokenizer)
+    # A prompt column the user named and the data lacks is a mistake, not the whole-conversation form (it trained on
+    # the sides without their prompts, saying nothing).
+    with pytest.raises(UserError, match="`data.prompt_field` is 'question', but .* has no such column"):
+        preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, prompt_field="question"),
+                               tokenizer)
 
 
 def test_the_scored_position_is_the_last_token_that_is_not_padding_as_transformers_pools():
@@ -188,9 +193,10 @@ def test_a_tokenizer_without_a_padding_token_pads_with_its_end_token(tmp_path):
 
 
 def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
-    """Beside rollout processes (they hold no reward model), and a causal LM given as one; a Mixture-of-Experts one and
-    the weights without the models they weigh are refused in test_grpo_e2e."""
-    from trainer.reward_model import RewardModel, template_tail
+    """Beside rollout processes (they hold no reward model), a causal LM given as one, a reward model given as the
+    teacher or the policy, and a directory without a tokenizer; a Mixture-of-Experts one and the weights without the
+    models they weigh are refused in test_grpo_e2e."""
+    from trainer.reward_model import template_tail
 
     path = tiny_reward_model(tmp_path / "rm")
     config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={path}", "--grpo.reward_weight=0"], "trainer.grpo")
@@ -198,10 +204,35 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={path}", "--grpo.rollout_processes=1"], "trainer.grpo")
     with pytest.raises(UserError, match="does not run with `grpo.reward_model`"):
         config.validate(world_size=2)
-    config, _ = parse_args(GRPOConfig, [f"--grpo.reward_model={ensure_tiny_checkpoint()}"], "trainer.grpo")
-    with pytest.raises(UserError, match="is a causal language model, not a reward model"):
-        RewardModel(config, policy=None)
+    import shutil
+
     import transformers
+
+    from config.loops import SFTConfig
+
+    def refusal(config_class, argv: list[str], module: str = "trainer.grpo") -> str:
+        config, _ = parse_args(config_class, argv, module)
+        with pytest.raises(UserError) as raised:
+            config.validate(world_size=2)
+        return str(raised.value)
+
+    # Checked from the config.json alone, before any model is built (a causal LM as the reward model was found once
+    # the policy was built; a reward model as the teacher or the policy reached the user as Bridge's traceback).
+    assert "is not a reward model" in refusal(GRPOConfig, [f"--grpo.reward_model={ensure_tiny_checkpoint()}"])
+    assert refusal(GRPOConfig, [f"--grpo.teacher={path}"]).startswith(
+        f"`grpo.teacher={path}` is a reward model (Qwen2ForSequenceClassification: a score head")
+    for config_class, module in ((GRPOConfig, "trainer.grpo"), (SFTConfig, "trainer.sft")):
+        assert refusal(config_class, [f"--model.path={path}"], module).startswith(f"`model.path={path}` is a reward model")
+    parse_args(RMConfig, [f"--model.path={path}"], "trainer.rm")[0].validate(world_size=2)  # trained on
+    # A directory without a tokenizer (transformers made an empty one, and every episode became no tokens).
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(path / name, bare / name)
+    assert "holds no tokenizer (none of tokenizer.json" in refusal(GRPOConfig, [f"--grpo.reward_model={bare}"])
+    (bare / "config.json").write_text((ensure_tiny_checkpoint() / "config.json").read_text())
+    assert refusal(GRPOConfig, [f"--grpo.teacher={bare}"]).startswith(f"`grpo.teacher={bare}` holds no tokenizer")
+    assert refusal(SFTConfig, [f"--model.path={bare}"], "trainer.sft").startswith(f"`model.path={bare}` holds no tokenizer")
 
     assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
 

@@ -121,7 +121,9 @@ def tool_metrics(total: dict, count: float, sampling: int) -> dict:
 
 def sample_rows(step_batch: StepBatch, tokenizer, n_samples: int, toolset) -> list[dict]:
     """A few of this rank's first-round episodes for samples.jsonl: the first of each prompt, then the second, ...;
-    with a toolset each also as its trajectory, in runs of what the policy sampled and what was appended."""
+    each with its reward (the reward function's, with an environment's and the format bonus), a reward model's score
+    where one scores, and the advantage it trained with; with a toolset each also as its trajectory, in runs of what
+    the policy sampled and what was appended."""
     first_round = step_batch.rounds[0]
     order = sorted(range(len(first_round.episodes)), key=lambda index: (index % n_samples, index // n_samples))
     shown = []
@@ -129,7 +131,9 @@ def sample_rows(step_batch: StepBatch, tokenizer, n_samples: int, toolset) -> li
         episode = first_round.episodes[index]
         shown.append({"prompt": tokenizer.decode(episode.prompt_ids, skip_special_tokens=True).strip(),
                       "completion": episode.answer, "reward": first_round.scores.rewards[index],
-                      "reference": episode.prompt.reference})
+                      **({} if first_round.model_scores is None else
+                         {"reward_model_score": float(first_round.model_scores[index])}),
+                      "advantage": float(first_round.advantages.view(-1)[index]), "reference": episode.prompt.reference})
         if toolset is not None:
             shown[-1].update(turns=episode.counts["turns"], tool_calls=episode.counts["tool_calls"],
                              trajectory=rollout.trajectory(tokenizer, episode))

@@ -110,8 +110,9 @@ class StepBatch:
 
 def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], config, step: int, round_index: int,
                  runtime, reward, reward_model=None) -> Round:
-    """Sample `grpo.n_samples` episodes of each prompt, score them (`grpo.reward_weight` x the reward function's score,
-    plus `grpo.reward_model_weight` x a reward model's, plus the overlong penalty) and compute group advantages."""
+    """Sample `grpo.n_samples` episodes of each prompt, score them (`grpo.reward_weight` x the reward function's score
+    and the environment's reward, plus `grpo.reward_model_weight` x a reward model's, plus the format bonus and the
+    overlong penalty, which are shaping and never weighed) and compute group advantages."""
     grpo = config.grpo
     sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
@@ -121,21 +122,34 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
                                                  record_routes=bool(policy.routes))
     seconds = time.perf_counter() - start
     scores = rollout.score(reward, episodes, grpo.format_bonus)
-    shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float32)  # [episodes]
     model_scores = None if reward_model is None else reward_model.score(episodes)  # [episodes]
     if model_scores is not None:  # a skipped prompt's episodes score 0 here too, as `rollout.score` gives them
         model_scores = model_scores.masked_fill(torch.tensor([episode.skipped for episode in episodes]), 0.0)
+    shaped, penalty = shaped_rewards(scores, model_scores, episodes, grpo)
+    advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
+    kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
+    truncated = [policy.engine.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
+    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
+                 time.perf_counter() - start - seconds, model_scores)
+
+
+def shaped_rewards(scores: rewards.Scores, model_scores: torch.Tensor | None, episodes: list[rollout.Episode],
+                   grpo) -> tuple[torch.Tensor, float]:
+    """Each episode's reward as trained on ([episodes]) and the overlong penalties' sum: `grpo.reward_weight` x the
+    reward function's score with the environment's, plus `grpo.reward_model_weight` x the reward model's, plus the
+    format bonus and the overlong penalty, shaping that no weight scales (a bonus under `reward_weight=0` still pays)."""
+    shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float32)
+    if grpo.format_bonus and grpo.reward_weight != 1:  # the scores hold the bonus: take it back out of the weight
+        formatted = [in_format and not episode.skipped for in_format, episode in zip(scores.in_format, episodes)]
+        shaped = shaped + (1 - grpo.reward_weight) * grpo.format_bonus * torch.tensor(formatted, dtype=torch.float32)
+    if model_scores is not None:
         shaped = shaped + grpo.reward_model_weight * model_scores
     penalty = 0.0
     if grpo.overlong_buffer:  # the budget bounds the whole episode, so its length counts every token after the prompt
         penalties = grpo_math.overlong_penalty(torch.tensor([len(episode.ids) for episode in episodes]),
                                                grpo.max_new_tokens, grpo.overlong_buffer, grpo.overlong_penalty)
         shaped, penalty = shaped + penalties, float(penalties.sum())
-    advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
-    kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
-    truncated = [policy.engine.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
-    return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
-                 time.perf_counter() - start - seconds, model_scores)
+    return shaped, penalty
 
 
 def kept_groups(shaped: torch.Tensor, correct: list[bool], equal: torch.Tensor, metric: str) -> torch.Tensor:

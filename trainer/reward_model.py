@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from config.errors import UserError
 from config.hf import turn_end
 from data import batches, preferences
 from model import build, collectives, parallel, score_head
@@ -35,11 +34,7 @@ class RewardModel:
     def __init__(self, config, policy):
         path = Path(config.grpo.reward_model)
         build.check_weight_files(path)
-        view, weight = score_head.causal_view(path, "grpo.reward_model")
-        if weight is None:
-            raise UserError(f"`grpo.reward_model={path}` is a causal language model, not a reward model (a "
-                            "`...ForSequenceClassification` with one label). Train one with `torchrun -m trainer.rm` "
-                            "and point `--grpo.reward_model` at its `hf/` output.")
+        view, weight = score_head.causal_view(path, "grpo.reward_model")  # a classifier: `GRPOConfig` checked it
         self.tokenizer = build.load_tokenizer(path)
         self.same_tokenizer = self.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
         if not self.same_tokenizer:

@@ -237,11 +237,12 @@ class GRPOConfig(TrainerConfig):
                      f"`grpo.{key}={value}` weighs the {owner.replace('_', ' ')}'s part, and no `grpo.{owner}` is set. "
                      f"Set `--grpo.{owner} DIR`, or leave `grpo.{key}` at 1.")
         # Under the group's std scaling a common factor of the reward's parts cancels: a weight on its only part
-        # would change nothing (a teacher's term is weighed against the reward by teacher_coef).
+        # would change nothing (a teacher's term is weighed against the reward by teacher_coef; the format bonus and
+        # the overlong penalty are parts no weight scales).
         parts = {key: value for key, value in (("reward_weight", grpo.reward_weight),
                                                ("reward_model_weight", grpo.reward_model_weight if grpo.reward_model else 0))
                  if value}
-        if grpo.scale_rewards and not grpo.overlong_buffer and len(parts) == 1:
+        if grpo.scale_rewards and not grpo.overlong_buffer and not grpo.format_bonus and len(parts) == 1:
             (key, value), = parts.items()
             require(value == 1.0,
                      f"`grpo.{key}={value}` would change nothing: it weighs the only part of each rollout's reward, and "

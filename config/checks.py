@@ -8,7 +8,7 @@ from pathlib import Path
 
 from config import sections
 from config.errors import UserError
-from config.hf import check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
+from config.hf import architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
     ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, LORA_TARGET_MODULES, MOE_AUX_LOSS_TYPES,
     MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
@@ -98,13 +98,12 @@ class ModelChecks:
         return layers // (parallel.pp * parallel.vpp)
 
     def validate_model_shape(self, model_path: Path) -> None:
-        """The parallel layout against the checkpoint's shape (heads and layers), before the model is built; its
-        tokenizer there, and a language model where the loop generates or learns text (`STARTS_FROM_A_CLASSIFIER`)."""
+        """The parallel layout against the checkpoint's shape (heads and layers), before the model is built, and a
+        language model where the loop generates or learns text (`STARTS_FROM_A_CLASSIFIER`)."""
         hf = read_hf_config(model_path, "model.path")
         read_hf_config(model_path, "model.path", "generation_config.json")  # its end ids are read later
-        check_tokenizer_files(model_path, "model.path")
         require(self.STARTS_FROM_A_CLASSIFIER or not is_classifier(hf),
-                 f"`model.path={model_path}` is a reward model ({hf['architectures'][0]}: a score head, no "
+                 f"`model.path={model_path}` is a reward model ({architecture(hf)}: a score head, no "
                  "language-model head), which neither generates nor learns text. Point `--model.path` at a causal "
                  "language model; a reward model scores GRPO's rollouts through `--grpo.reward_model`, and "
                  "`trainer.rm` trains one on.")

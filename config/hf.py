@@ -41,9 +41,14 @@ def check_tokenizer_files(path: Path, key: str) -> None:
                         f"it (`tokenizer.save_pretrained(DIR)`), or point `--{key}` at a directory that has one.")
 
 
+def architecture(hf: dict) -> str:
+    """The architecture an HF config.json names first ("" when none)."""
+    return (hf.get("architectures") or [""])[0] or ""
+
+
 def is_classifier(hf: dict) -> bool:
     """Whether an HF config.json is a sequence classifier's (a reward model: a score head, no language-model head)."""
-    return ((hf.get("architectures") or [""])[0] or "").endswith(CLASSIFIER)
+    return architecture(hf).endswith(CLASSIFIER)
 
 
 def hf_expert_count(hf: dict) -> int:

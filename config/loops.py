@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.checks import ModelChecks, TrainingChecks, require
-from config.hf import check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
+from config.hf import architecture, check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
@@ -258,22 +258,22 @@ class GRPOConfig(TrainerConfig):
                      f"`--grpo.{key}` at a directory saved with `save_pretrained` (a run's `<train.out_dir>/hf`, for "
                      "one), or leave it empty.")
             hf = read_hf_config(Path(path), f"grpo.{key}")
-            check_tokenizer_files(Path(path), f"grpo.{key}")
-            if key == "teacher":
-                require(not is_classifier(hf),
-                         f"`grpo.teacher={path}` is a reward model ({hf['architectures'][0]}: a score head, no "
-                         "language-model head), and a teacher gives log-probs of the sampled tokens. Point "
-                         "`--grpo.teacher` at a causal language model, or score with it through `--grpo.reward_model`.")
-            else:
-                require(is_classifier(hf),
-                         f"`grpo.reward_model={path}` is not a reward model (a `...ForSequenceClassification` with one "
-                         f"label), its config.json names {(hf.get('architectures') or ['no architecture'])[0]}. Train "
-                         "one with `torchrun -m trainer.rm` and point `--grpo.reward_model` at its `hf/` output.")
             self.check_layout_divides(hf, key.replace("_", " "))
             require(not hf_expert_count(hf),
                      f"`grpo.{key}={path}` is a Mixture-of-Experts model; it is built at the policy's parallel layout, "
                      f"which expert parallelism would have to match, and that is not supported: {role}, or leave "
                      f"`--grpo.{key}` empty.")
+            if key == "teacher":
+                require(not is_classifier(hf),
+                         f"`grpo.teacher={path}` is a reward model ({architecture(hf)}: a score head, no "
+                         "language-model head), and a teacher gives log-probs of the sampled tokens. Point "
+                         "`--grpo.teacher` at a causal language model, or score with it through `--grpo.reward_model`.")
+            else:
+                require(is_classifier(hf),
+                         f"`grpo.reward_model={path}` is not a reward model (a `...ForSequenceClassification` with one "
+                         f"label), its config.json names {architecture(hf) or 'no architecture'}. Train "
+                         "one with `torchrun -m trainer.rm` and point `--grpo.reward_model` at its `hf/` output.")
+            check_tokenizer_files(Path(path), f"grpo.{key}")
 
     def _validate_batch(self, world_size: int) -> None:
         train, grpo = self.train, self.grpo

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from config.errors import UserError
+from config.hf import check_tokenizer_files
 from config.sections import EMBEDDED_MODELS
 from model import lora, moe, parallel, rules, score_head as score_heads
 from model.policy import Policy
@@ -69,12 +70,14 @@ def eval_mode(model):
 # ---------------------------------------------------------------- the policy a loop trains
 
 
-def load_tokenizer(model_path: Path):
-    """The checkpoint's tokenizer (loaded before the model, so data errors come first). One without a padding token
-    (Llama 3's, Mistral's) pads with its end token, as TRL does: padding is masked out of every loss, and a reward
-    model scores each row's last token that is not padding, as transformers does with that `pad_token_id`."""
+def load_tokenizer(model_path: Path, key: str = "model.path"):
+    """The checkpoint's tokenizer (loaded before the model, so data errors come first); a directory without one is
+    refused naming `key`. One without a padding token (Llama 3's, Mistral's) pads with its end token, as TRL does:
+    padding is masked out of every loss, and a reward model scores each row's last token that is not padding, as
+    transformers does with that `pad_token_id`."""
     import transformers
 
+    check_tokenizer_files(model_path, key)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from config.errors import UserError
-from config.hf import read_hf_config
+from config.hf import architecture, read_hf_config
 from config.sections import have_transformer_engine
 from model import lora, rules
 
@@ -42,8 +42,7 @@ def auto_bridge(hf_path: str | Path):
     # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
     # and forces its own level and handler at import; disabling the logger is the only switch.
     logging.getLogger("megatron.bridge.utils.import_utils").disabled = True
-    architectures = read_hf_config(Path(hf_path), "model.path").get("architectures") or [None]
-    family = FAMILY_BRIDGES.get(architectures[0])
+    family = FAMILY_BRIDGES.get(architecture(read_hf_config(Path(hf_path), "model.path")))
     if family is None:  # every bridge, as `import megatron.bridge` gives (and a lazy package of an earlier call runs)
         for name in EAGER_BRIDGE_PACKAGES:
             getattr(importlib.import_module(name), "AutoBridge")
@@ -199,9 +198,9 @@ def _refuse_family_specific_layer_spec(bridge, provider) -> None:
     if spec is gpt_provider.default_layer_spec:
         return
     path = bridge.hf_pretrained.model_name_or_path
-    architecture = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
+    named = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
     raise UserError(
-        f"`model.path={path}` is a {architecture} checkpoint, a family Megatron-Bridge builds from its own layer "
+        f"`model.path={path}` is a {named} checkpoint, a family Megatron-Bridge builds from its own layer "
         f"specification (`{getattr(spec, '__name__', type(spec).__name__)}`). This trainer builds every model from "
         "megatron-core's standard GPT layers (Transformer Engine's, or the local/SDPA ones without it), which lack that "
         "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "

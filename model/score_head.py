@@ -24,7 +24,7 @@ import torch
 
 from config import outputs
 from config.errors import UserError
-from config.hf import CAUSAL, CLASSIFIER, is_classifier as hf_is_classifier, read_hf_config
+from config.hf import CAUSAL, CLASSIFIER, architecture as hf_architecture, is_classifier as hf_is_classifier, read_hf_config
 from model.policy import Policy
 from model.providers import export_hf
 
@@ -156,7 +156,7 @@ def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:
     config names the causal architecture with tied embeddings (so no `lm_head` is looked for), and its
     `score.weight` [1, hidden]. A causal LM is returned as it is, with no head. `key` names the setting in errors."""
     config = read_hf_config(path, key)
-    architecture = (config.get("architectures") or [""])[0]
+    architecture = hf_architecture(config)
     if not architecture.endswith(CLASSIFIER):
         return path, None
     # The head's rows are the labels: transformers writes no id2label for its default of two.

@@ -209,6 +209,7 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     import transformers
 
     from config.loops import SFTConfig
+    from model import build
 
     def refusal(config_class, argv: list[str], module: str = "trainer.grpo") -> str:
         config, _ = parse_args(config_class, argv, module)
@@ -232,7 +233,8 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     assert "holds no tokenizer (none of tokenizer.json" in refusal(GRPOConfig, [f"--grpo.reward_model={bare}"])
     (bare / "config.json").write_text((ensure_tiny_checkpoint() / "config.json").read_text())
     assert refusal(GRPOConfig, [f"--grpo.teacher={bare}"]).startswith(f"`grpo.teacher={bare}` holds no tokenizer")
-    assert refusal(SFTConfig, [f"--model.path={bare}"], "trainer.sft").startswith(f"`model.path={bare}` holds no tokenizer")
+    with pytest.raises(UserError, match=f"`model.path={bare}` holds no tokenizer"):  # before the model is built
+        build.load_tokenizer(bare)
 
     assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
 

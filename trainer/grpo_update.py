@@ -214,7 +214,7 @@ class Teacher:
     def __init__(self, config, policy):
         path = Path(config.grpo.teacher)
         build.check_weight_files(path)
-        if build.load_tokenizer(path).get_vocab() != policy.tokenizer.get_vocab():
+        if build.load_tokenizer(path, "grpo.teacher").get_vocab() != policy.tokenizer.get_vocab():
             raise UserError(f"`grpo.teacher={path}` has another tokenizer than the policy (`model.path`): its log-probs "
                             "would score other tokens than the ones sampled. Distil from a teacher that shares the "
                             "policy's tokenizer (the same family), or leave `--grpo.teacher` empty.")

@@ -35,7 +35,7 @@ class RewardModel:
         path = Path(config.grpo.reward_model)
         build.check_weight_files(path)
         view, weight = score_head.causal_view(path, "grpo.reward_model")  # a classifier: `GRPOConfig` checked it
-        self.tokenizer = build.load_tokenizer(path)
+        self.tokenizer = build.load_tokenizer(path, "grpo.reward_model")
         self.same_tokenizer = self.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
         if not self.same_tokenizer:
             log.warning("grpo.reward_model=%s has another tokenizer than the policy: each episode is decoded to text "

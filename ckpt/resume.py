@@ -48,6 +48,13 @@ CONTINUED = {
 }
 
 
+# Settings the data position is counted in, without the checkpoint holding them: another value on resume would skip
+# or repeat data.
+POSITIONAL = {
+    "grpo.n_samples": "GRPO's data position is counted in prompts, train.global_batch_size / grpo.n_samples a step",
+}
+
+
 def changed_settings(saved: dict, current: dict) -> dict[str, tuple]:
     """{dotted key: (saved value, this run's)} of the settings two nested configs (`config.cli.to_dict`) differ in
     (compared as JSON: a tuple and a list of the same values are the same setting)."""
@@ -66,11 +73,13 @@ def check_continued_settings(path: Path, saved_config: dict | None, current: dic
         return
     changed = changed_settings(saved_config, current)
     for key, (was, now) in changed.items():
-        if key in CONTINUED:
+        if key in CONTINUED or key in POSITIONAL:
+            why = (f"{CONTINUED[key]}: a resumed run would go on with `{was}` without a word" if key in CONTINUED else
+                   f"{POSITIONAL[key]}: a resumed run would skip or repeat data without a word")
             raise UserError(f"Checkpoint `{path}` was saved with `{key}={was}` and this run has `{key}={now}`, but "
-                            f"{CONTINUED[key]}: a resumed run would go on with `{was}` without a word. Resume with "
-                            f"`--{key}={was}`; to train on with other settings, start a new run from the model it "
-                            "exports (`--model.path <train.out_dir>/hf`) or from a copy of the checkpoint's weights.")
+                            f"{why}. Resume with `--{key}={was}`; to train on with other settings, start a new run "
+                            "from the model it exports (`--model.path <train.out_dir>/hf`) or from a copy of the "
+                            "checkpoint's weights.")
     if changed:
         log.info("resuming with settings changed from the checkpoint's (in effect from the next step): %s",
                  ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changed.items()))

@@ -269,10 +269,17 @@ class BatchSchedule:
 
     def state_dict(self) -> dict:
         """Return the position in the order, for a checkpoint."""
-        return {"epoch": self.epoch, "batches_consumed_in_epoch": self.batches_consumed_in_epoch, "seed": self.seed}
+        return {"epoch": self.epoch, "batches_consumed_in_epoch": self.batches_consumed_in_epoch, "seed": self.seed,
+                "examples": self.num_examples}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the order from a checkpoint's position, with the checkpoint's seed."""
+        """Continue the order from a checkpoint's position, with the checkpoint's seed; said when the data now holds
+        another number of examples (the order of the epoch's rest is then another)."""
+        if state.get("examples", self.num_examples) != self.num_examples:
+            log.info("the data holds %d examples and the checkpoint's held %d (data.path, data.max_seq_len or "
+                     "data.pack changed): the rest of this epoch follows another order, so some of its examples may "
+                     "repeat and others be left out; the epochs after it are whole", self.num_examples,
+                     state["examples"])
         if state["batches_consumed_in_epoch"] > self.batches_per_epoch:
             raise UserError(f"The checkpoint's data position ({state['batches_consumed_in_epoch']} batches into the "
                             f"epoch) is past this data's {self.batches_per_epoch} batches per epoch; resume with the "

@@ -52,6 +52,15 @@ def test_a_resume_that_changes_what_the_checkpoint_holds_is_refused(tmp_path, ca
         with pytest.raises(UserError, match=f"was saved with `{key}=.*` and this run has `{key}=.*: a resumed run would "
                                             f"go on with"):
             checkpoint.resolve_resume("latest", tmp_path, FINGERPRINT, current)
+    # GRPO's data position counts prompts: train.global_batch_size / grpo.n_samples a step.
+    from config.loops import GRPOConfig
+
+    saved_grpo = to_dict(parse_args(GRPOConfig, [], "trainer.grpo")[0])
+    torch.save({"step": 20, "fingerprint": FINGERPRINT, "config": saved_grpo}, path / checkpoint.STATE_FILE)
+    with pytest.raises(UserError, match="was saved with `grpo.n_samples=8` and this run has `grpo.n_samples=4`, but GRPO.s data position .* would skip or repeat data"):
+        checkpoint.resolve_resume("latest", tmp_path, FINGERPRINT,
+                                  to_dict(parse_args(GRPOConfig, ["--grpo.n_samples=4"], "trainer.grpo")[0]))
+    torch.save({"step": 20, "fingerprint": FINGERPRINT, "config": saved}, path / checkpoint.STATE_FILE)
     current = to_dict(parse_args(SFTConfig, ["--train.steps=100", "--train.log_interval=1", "--optim.betas=[0.9, 0.95]"],
                                  "trainer.sft")[0])
     with caplog.at_level("INFO"):

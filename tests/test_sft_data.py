@@ -684,11 +684,27 @@ def test_resume_from_state_dict_reproduces_the_next_batches(consumed, epoch, con
     for _ in range(consumed):
         original.next_global_batch()
     state = original.state_dict()
-    assert state == {"epoch": epoch, "batches_consumed_in_epoch": consumed_in_epoch, "seed": 7}
+    assert state == {"epoch": epoch, "batches_consumed_in_epoch": consumed_in_epoch, "seed": 7, "examples": 20}
     resumed = schedule(seed=999)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [resumed.next_global_batch() for _ in range(4)] == [original.next_global_batch() for _ in range(4)]
     assert resumed.state_dict() == original.state_dict()
+
+
+def test_a_resume_onto_data_of_another_size_says_the_epochs_rest_is_reordered(caplog):
+    """data.max_seq_len or data.pack changed on resume change how many examples there are: the rest of the epoch's
+    order is then another (some repeat, some are left out), which used to pass without a word."""
+    original = schedule()
+    original.next_global_batch()
+    resumed = BatchSchedule(24, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, seed=7)
+    with caplog.at_level("INFO", logger="data.sft"):
+        resumed.load_state_dict(original.state_dict())
+    assert "the data holds 24 examples and the checkpoint's held 20" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="data.sft"):
+        schedule().load_state_dict({**original.state_dict(), "examples": 20})
+        schedule().load_state_dict({key: value for key, value in original.state_dict().items() if key != "examples"})
+    assert "examples" not in caplog.text  # the same data, and a checkpoint from before the count was kept
 
 
 def test_a_chat_template_that_refuses_a_conversation_is_a_paragraph_naming_its_roles():

@@ -112,7 +112,7 @@ class OptimConfig:
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
     min_lr: float | None = field(default=None, metadata={"help": "learning rate at the end of the cosine decay (unset: optim.lr x optim.min_lr_ratio)"})
     min_lr_ratio: float = field(default=0.05, metadata={"help": "with optim.min_lr unset, the decay ends at optim.lr x this (GRPO's default 1: a constant rate after warmup)"})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps before the cosine decay, from 0 (the first step runs at rate 0; 0 here: at optim.lr from the first step)"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps before the cosine decay, from 0 (the first step runs at rate 0; 0 here: at optim.lr from the first step), at most train.steps - 1"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay (AdamW)"})
     clip_grad: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "Adam betas [beta1, beta2]"})

@@ -154,6 +154,9 @@ def warmup_cosine_schedule(optimizer, config):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
+    if warmup < config.optim.warmup_steps:
+        log.info("optim.warmup_steps=%d is cut to %d: the run has %d steps (the rate reaches optim.lr at the last)",
+                 config.optim.warmup_steps, warmup, config.train.steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

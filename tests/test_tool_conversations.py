@@ -219,3 +219,20 @@ def test_prompts_offer_the_given_tools_or_else_the_rows_own(tokenizer):
     assert [prompt.tools for prompt in own] == [None, [WEATHER_SCHEMA]]
     assert [prompt.reference for prompt in own] == ["#### 7", "12 * 7 = 84 and 3 + 4 = 7."]
     assert own[0].messages == plain[:1] and own[1].messages == conversations[1][:4]
+
+
+def test_grpo_refuses_prompts_offering_tools_it_cannot_run(tokenizer):
+    """Rows whose `tools` column offers tools, in a GRPO run with no `grpo.tools` or environment: the policy was shown
+    tools it could not call, and a call it wrote was scored as its answer, without a word."""
+    from config.errors import UserError
+    from data import tools
+
+    conversations, _ = to_conversations([TOOL_ROW, {"messages": TOOL_ROW["messages"]}], messages_field="messages")
+    prompts = prompts_from_conversations(conversations, tokenizer)
+    assert [bool(prompt.tools) for prompt in prompts] == [True, False]
+    with pytest.raises(UserError, match=r"1 of the 2 prompts of `rows.jsonl` offer tools of their own .* neither "
+                                        r"`grpo.tools` nor `grpo.environment` is set"):
+        tools.check_offered_tools_run(None, prompts, "rows.jsonl")
+    tools.check_offered_tools_run(None, prompts[1:], "rows.jsonl")  # no tools offered
+    toolset = tools.Toolset.from_config(type("Settings", (), {"tools": ["tests.tool_fixtures:digits"], "environment": ""})())
+    tools.check_offered_tools_run(toolset, prompts, "rows.jsonl")  # the run's own tools are offered instead

@@ -193,8 +193,9 @@ class DropReport:
 
 
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
-                     messages_field: str | None = None) -> tuple[list[Conversation], DropReport]:
-    """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`.
+                     messages_field: str | None = None, source: str = "data.path") -> tuple[list[Conversation], DropReport]:
+    """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`; errors name the rows'
+    `source` (the file and split: a held-out file's are not the training file's).
 
     A messages row's `tools` field becomes its conversation's `tools`; other rows offer none. A row with a broken tool
     call (arguments that are not JSON, or not a JSON object; no function name) or a tool result without a call
@@ -202,14 +203,14 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
     reason, like every malformed row, so none of it is trained on; the callers log `report.summary()`, which names
     the first rows skipped and why. Only when no row is left is it a UserError."""
     if not rows:
-        raise UserError("data.path holds no rows; point data.path at a non-empty data set.")
+        raise UserError(f"{source} holds no rows; point data.path (or data.eval_path) at a non-empty data set.")
     columns = sorted({key for row in rows for key in row})
     wanted = {"data.messages_field": messages_field} if messages_field else {
         "data.prompt_field": prompt_field, "data.response_field": response_field}
     for key, field in wanted.items():
         if field not in columns:
-            raise UserError(f"{key} is {field!r}, but the data has no such column; its columns are {columns}. "
-                            f"Set {key} to one of them.")
+            raise UserError(f"{key} is {field!r}, but {source} has no such column; its columns are {columns}. "
+                            f"Set {key} to one of them (it names the column of the training and held-out data alike).")
     report = DropReport(rows_read=len(rows))
     conversations = []
     for index, row in enumerate(rows):
@@ -227,7 +228,7 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
         conversations.append(Conversation([copied_message(message) for message in messages], tools))
         report.kept_rows.append(index)
     if not conversations:
-        raise UserError(f"data.path gave no usable rows: {report.summary()}. Point data.path at data with "
+        raise UserError(f"{source} gave no usable rows: {report.summary()}. Point data.path (or data.eval_path) at data with "
                         "non-empty prompts and responses, or fix the field settings.")
     return conversations, report
 

@@ -81,7 +81,8 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
     max_tokens = data.max_seq_len - max_new_tokens
     rows = conversation_data.load_split(data, path, split)
     conversations, report = conversation_data.to_conversations(
-        rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
+        rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None,
+        source=f"`{path}` ({split})")
     every = prompts_from_conversations(conversations, tokenizer, tools, cache_dir)
     for prompt, index in zip(every, report.kept_rows, strict=True):
         prompt.row = rows[index]

@@ -722,3 +722,14 @@ def test_a_chat_template_that_refuses_a_conversation_is_a_paragraph_naming_its_r
         chat_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                    {"role": "assistant", "content": "a"}], tokenizer, None)
     assert chat_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], tokenizer, None) == "ua"
+
+
+def test_a_missing_column_or_empty_data_names_the_file_it_is_in():
+    """A held-out file (`data.eval_path`) whose rows lack the field was reported as if the training data did."""
+    with pytest.raises(UserError, match=r"^data.prompt_field is 'question', but `held.jsonl` \(train\) has no such column; "
+                                        r"its columns are \['messages'\]"):
+        to_conversations([{"messages": []}], source="`held.jsonl` (train)")
+    with pytest.raises(UserError, match=r"^`held.jsonl` \(train\) holds no rows"):
+        to_conversations([], source="`held.jsonl` (train)")
+    with pytest.raises(UserError, match=r"^`held.jsonl` \(train\) gave no usable rows: 0 of 1 rows used"):
+        to_conversations([{"question": "q", "answer": 3}], source="`held.jsonl` (train)")

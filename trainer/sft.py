@@ -40,7 +40,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     def examples(path: str, split: str):
         rows = conversation_data.load_split(data, path, split, sft_targets=True)
         conversations, report = conversation_data.to_conversations(
-            rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None)
+            rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None,
+        source=f"`{path}` ({split})")
         built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
                                          process.cache_dir() if data.cache else None)
         log.info("data %s (%s): %d samples used; %s", path, split, len(built), report.summary())

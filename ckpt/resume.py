@@ -67,7 +67,8 @@ def changed_settings(saved: dict, current: dict) -> dict[str, tuple]:
 
 
 def check_continued_settings(path: Path, saved_config: dict | None, current: dict | None) -> None:
-    """Refuse a resume that changes a setting the checkpoint's state holds (`CONTINUED`); say the others it changes
+    """Refuse a resume that changes a setting the checkpoint's state holds (`CONTINUED`) or counts its data position in
+    (`POSITIONAL`); say the others it changes
     (they take effect from the next step)."""
     if not saved_config or current is None:
         return

@@ -28,14 +28,14 @@ def read_hf_config(path: Path, key: str, name: str = "config.json") -> dict:
 
 # Files a tokenizer is read from (any one of them); without any, transformers makes an empty tokenizer that writes
 # every text as nothing.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tekken.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
 CAUSAL, CLASSIFIER = "ForCausalLM", "ForSequenceClassification"  # the ends of the architectures' names
 
 
 def check_tokenizer_files(path: Path, key: str) -> None:
     """Refuse a checkpoint directory that holds no tokenizer, naming `key`."""
     path = Path(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+    if not any(found.is_file() for pattern in TOKENIZER_FILES for found in path.glob(pattern)):
         raise UserError(f"`{key}={path}` holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): transformers would "
                         "make an empty one, and every text would become no tokens. Save the model's tokenizer beside "
                         f"it (`tokenizer.save_pretrained(DIR)`), or point `--{key}` at a directory that has one.")

@@ -175,7 +175,7 @@ class GRPOConfig(TrainerConfig):
         for never, why in ((grpo.filter_metric == "accuracy" and no_verdict,
                             "accuracy comes from the reward function or an environment's `(reward, correct)`, and "
                             "`grpo.reward=none` with no `grpo.environment` marks no completion correct"),
-                           (grpo.filter_metric == "reward" and constant and not grpo.overlong_buffer,
+                           (grpo.filter_metric == "reward" and constant and not (grpo.overlong_buffer or grpo.format_bonus),
                             "the reward has no part that varies (a teacher's term is per token, not in the reward)")):
             require(not (grpo.dynamic_sampling and never),
                      f"`grpo.dynamic_sampling=true` keeps groups whose {grpo.filter_metric} varies, but {why}: every "
@@ -226,7 +226,8 @@ class GRPOConfig(TrainerConfig):
         require(min(grpo.teacher_coef, grpo.reward_weight, grpo.reward_model_weight) >= 0,
                  f"`grpo.teacher_coef`, `grpo.reward_weight` and `grpo.reward_model_weight` must be 0 or more, got "
                  f"{grpo.teacher_coef}, {grpo.reward_weight} and {grpo.reward_model_weight}. Change them.")
-        require(grpo.teacher or grpo.reward_model or grpo.reward_weight == 1.0,
+        # (Beside the format bonus or the overlong penalty, which no weight scales, a weight sets their ratio.)
+        require(grpo.teacher or grpo.reward_model or grpo.reward_weight == 1.0 or grpo.format_bonus or grpo.overlong_buffer,
                  f"`grpo.reward_weight={grpo.reward_weight}` weighs the reward function's score against a reward "
                  "model's (or, at 0, leaves a teacher's term alone), and neither `grpo.reward_model` nor `grpo.teacher` "
                  "is set (alone it would only scale the learning rate). Set one of them, or leave "

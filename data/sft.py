@@ -276,8 +276,8 @@ class BatchSchedule:
         """Continue the order from a checkpoint's position, with the checkpoint's seed; said when the data now holds
         another number of examples (the order of the epoch's rest is then another)."""
         if state.get("examples", self.num_examples) != self.num_examples:
-            log.info("the data holds %d examples and the checkpoint's held %d (data.path, data.max_seq_len or "
-                     "data.pack changed): the rest of this epoch follows another order, so some of its examples may "
+            log.info("the data holds %d examples and the checkpoint's held %d (its path, max_seq_len or packing "
+                     "changed): the rest of this epoch follows another order, so some of its examples may "
                      "repeat and others be left out; the epochs after it are whole", self.num_examples,
                      state["examples"])
         if state["batches_consumed_in_epoch"] > self.batches_per_epoch:

@@ -95,6 +95,15 @@ def test_start_up_errors_name_the_key(argv, expected):
     assert expected in str(error.value)
 
 
+def test_a_format_bonus_is_a_part_of_the_reward_no_weight_scales():
+    """With the bonus beside it (no weight scales it), a weight on the reward function alone sets their ratio, and a
+    teacher's run at `reward_weight=0` still has a reward that varies for DAPO's filter: neither is refused."""
+    for argv in (["--grpo.reward_weight=0.5", "--grpo.format_bonus=0.2"],
+                 [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.reward_weight=0", "--grpo.format_bonus=0.5",
+                  "--grpo.dynamic_sampling=true", "--grpo.filter_metric=reward"]):
+        parse_args(GRPOConfig, argv, "trainer.grpo")[0].validate(world_size=2)
+
+
 def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(tmp_path):
     """A Mixture-of-Experts teacher (or reward model) is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
     built. A teacher with the policy's tokenizer turns each trained token's advantage into the group's (of rewards

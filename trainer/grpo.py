@@ -26,13 +26,14 @@ The variant, exactly (defaults in brackets):
   still short is filled with dropped groups). Extra rounds draw their prompts and seeds from (train.seed, step,
   round, DP rank), prompts the step has not used first, wrapping around a small set; every rank runs every round.
 - Reward: `grpo.reward_weight` [1] x the reward function's score (+ an environment's reward), plus with a reward
-  model (`grpo.reward_model`) `grpo.reward_model_weight` [1] x its score of the conversation (`trainer.reward_model`).
+  model (`grpo.reward_model`) `grpo.reward_model_weight` [1] x its score of the conversation (`trainer.reward_model`),
+  plus the format bonus and the overlong penalty, which no weight scales (`grpo_sampling.shaped_rewards`).
 - Advantage, one per completion, shared by its tokens: A = (r - b) / (std + 1e-4) within the prompt's
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
   With a teacher (`grpo.teacher`, on-policy distillation) each trained token's advantage is A plus
   `grpo.teacher_coef` [1] x (log pi_teacher - log pi_sampler) of that token (`trainer.grpo_update.Teacher`);
-  `grpo.reward_weight=0` makes the teacher's term the whole signal.
+  `grpo.reward_weight=0` makes the teacher's term the whole signal (with a format bonus or overlong penalty beside it).
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as
   exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by

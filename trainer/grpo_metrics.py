@@ -122,7 +122,8 @@ def tool_metrics(total: dict, count: float, sampling: int) -> dict:
 def sample_rows(step_batch: StepBatch, tokenizer, n_samples: int, toolset) -> list[dict]:
     """A few of this rank's first-round episodes for samples.jsonl: the first of each prompt, then the second, ...;
     each with its reward (the reward function's, with an environment's and the format bonus), a reward model's score
-    where one scores, and the advantage it trained with; with a toolset each also as its trajectory, in runs of what
+    where one scores, and its group advantage (before dynamic sampling's selection and a teacher's per-token term);
+    with a toolset each also as its trajectory, in runs of what
     the policy sampled and what was appended."""
     first_round = step_batch.rounds[0]
     order = sorted(range(len(first_round.episodes)), key=lambda index: (index % n_samples, index // n_samples))

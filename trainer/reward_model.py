@@ -5,7 +5,7 @@ the prompt's rendering, every turn after it (tool calls and tool messages includ
 with an end token, the template's text after it (Qwen's newline): the form preference sets and `trainer.rm` train
 on. With the policy's tokenizer it reads the episode's own ids; one of another family works too, reading the text
 tokenized with its own tokenizer (with a warning: it then reads the policy's chat template). The step's reward is `grpo.reward_weight` x the reward function's score
-+ `grpo.reward_model_weight` x this score (`trainer.grpo_sampling.sample_round`).
++ `grpo.reward_model_weight` x this score, + the unweighted shaping (`trainer.grpo_sampling.shaped_rewards`).
 """
 
 import math
@@ -34,7 +34,8 @@ class RewardModel:
     def __init__(self, config, policy):
         path = Path(config.grpo.reward_model)
         build.check_weight_files(path)
-        view, weight = score_head.causal_view(path, "grpo.reward_model")  # a classifier: `GRPOConfig` checked it
+        view, weight = score_head.causal_view(path, "grpo.reward_model")
+        assert weight is not None, "GRPOConfig.validate refuses a reward model that is not a classifier"
         self.tokenizer = build.load_tokenizer(path, "grpo.reward_model")
         self.same_tokenizer = self.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
         if not self.same_tokenizer:

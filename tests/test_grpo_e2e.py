@@ -257,13 +257,18 @@ def test_default_run_raises_reward_and_keeps_held_out_accuracy(sft_checkpoint, t
     # The step's phases: each that runs took time, and together they are the step (the rest: collating the
     # micro-batches). They are means over the data-parallel ranks and the step is rank 0's; the wait for the slowest
     # rank's rollouts makes up the difference (a rank that generated longer waits less). One update a step: pi_old is
-    # the policy itself, no forward of its own.
+    # the policy itself, no forward of its own. No step's phases add up to more than the step; over the run they are
+    # nearly all of it (one step alone can lose a fifth of a second to the scheduler on a loaded machine: 0.84 of a
+    # 1.17 s step was seen in CI while other runs shared its two cores).
+    timed = 0.0
     for row in steps:
         phases = [row[key] for key in ("rollout_time_s", "reward_time_s", "reference_time_s", "update_time_s")]
         waits = row["pi_old_time_s"] + row["rank_wait_time_s"]
-        # 0.88 of the step seen once on a machine loaded by other runs, 0.9 and more when quiet.
-        assert min(phases) > 0 and 0.85 * row["step_time_s"] < sum(phases) + waits < 1.02 * row["step_time_s"]
+        assert min(phases) > 0 and 0.6 * row["step_time_s"] < sum(phases) + waits < 1.02 * row["step_time_s"]
         assert row["pi_old_time_s"] < 0.01 * row["step_time_s"]
+        timed += sum(phases) + waits
+    print(f"the phases are {timed / sum(row['step_time_s'] for row in steps):.3f} of the steps' time")
+    assert timed > 0.88 * sum(row["step_time_s"] for row in steps)
     # Evaluation and the save after the last step (the export included) are timed outside the step, in its row.
     assert evaluations[-1]["eval_time_s"] > 0 and steps[-1]["checkpoint_time_s"] > steps[0]["checkpoint_time_s"]
     assert len(steps) == 40 and evaluations[0]["step"] == 0 and evaluations[-1]["step"] == 40

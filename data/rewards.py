@@ -273,6 +273,14 @@ class Scores:
     in_format: list[bool]
     right_answer: list[bool]
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # the first failure of each kind, described
+    failed: list[bool] = dataclasses.field(default_factory=list)  # which completions it failed on (`errors` of them)
+
+    def fail(self, index: int, kind: str, described: str) -> None:
+        """Count the completion at `index` as failed (once, however many of its parts failed), its reward part that
+        failed scored 0 by the caller; the first failure of each kind kept, described."""
+        if not self.failed[index]:
+            self.failed[index], self.errors = True, self.errors + 1
+        self.failures.setdefault(kind, described)
 
     def totals(self) -> dict[str, float]:
         """Sums that add up over data-parallel ranks (rates are these over the number of completions)."""
@@ -280,7 +288,7 @@ class Scores:
                 "in_format": sum(self.in_format), "right_answer": sum(self.right_answer)}
 
 
-def _as_reward(value) -> float:
+def as_reward(value) -> float:
     """A reward function's return value as a finite float; TypeError or ValueError saying what it returned instead."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"it returned {type(value).__name__} {repr(value)[:40]}, not a number")
@@ -303,27 +311,28 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
     """Score each completion: a number, correct at full marks (1.0 or more), or `(reward, correct)` from a graded
     reward that says which completions are correct itself; one the reward function raises on (or returns no finite number for) scores 0 and is
     counted, and the first failure of each exception type is kept, described (the loop decides what to say)."""
-    rewards, correct, errors, failures = [], [], 0, {}
+    rewards, correct, failed, failures = [], [], [], {}
     in_format = [has_answer_format(completion) for completion in completions]
     if isinstance(reward, IsolatedReward):
         returned = reward.call_all(completions, references)
     else:
         returned = [call(reward, completion, reference) for completion, reference in zip(completions, references)]
     for completion, value, formatted in zip(completions, returned, in_format, strict=True):
-        verdict = None  # a graded reward may say which completions are correct: (reward, correct)
+        verdict, failure = None, False  # a graded reward may say which completions are correct: (reward, correct)
         try:
             if isinstance(value, Exception):
                 raise value
             if isinstance(value, tuple) and len(value) == 2:
                 value, verdict = value[0], bool(value[1])
-            value = _as_reward(value)
+            value = as_reward(value)
         except Exception as error:  # a user's reward function may fail in any way on odd model output
-            value, verdict, errors = 0.0, None, errors + 1
+            value, verdict, failure = 0.0, None, True
             failures.setdefault(type(error).__name__, describe_failure(reward, error, completion))
+        failed.append(failure)
         correct.append(value >= 1.0 if verdict is None else verdict)
         rewards.append(value + (format_bonus if formatted else 0.0))
     right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
-    return Scores(rewards, correct, errors, in_format, right_answer, failures)
+    return Scores(rewards, correct, sum(failed), in_format, right_answer, failures, failed)
 
 
 def call(reward: RewardFunction, completion: str, reference: str):

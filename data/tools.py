@@ -20,6 +20,7 @@ from collections.abc import Callable
 from config.errors import UserError
 from config import user_code
 from tool_runtime import runner as tool_runner
+from data import rewards
 from data.tool_text import Call
 
 log = logging.getLogger(__name__)
@@ -145,12 +146,14 @@ def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> N
     plain number, not `(reward, correct)`), probed on a throwaway episode of the first training row. Every group
     would be dropped: each step would run all `grpo.max_sampling_rounds` and train on fill-ins. The episode starts as
     the run's do (within `grpo.tool_timeout`; one that fails is the run's error, said now) and `reward()` runs on this
-    thread, as in the run."""
+    thread within `grpo.reward_timeout`, as in the run."""
     if toolset is None or not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy" and grpo.reward == "none"):
         return
     instance = toolset.episode(row, seed=0, timeout=grpo.tool_timeout)[0].environment
     try:
-        value = instance.reward() if hasattr(instance, "reward") else None
+        value = tool_runner.call_on_main_thread_within(
+            grpo.reward_timeout, instance.reward, f"it did not return within {grpo.reward_timeout:g} s (grpo.reward_timeout)"
+        ) if hasattr(instance, "reward") else None
     except Exception as error:  # a fresh episode's reward may not be defined yet: the run says it at its first step
         log.info("could not probe %s.reward() on a fresh episode (%s: %s)", toolset.environment.__name__,
                  type(error).__name__, error)
@@ -196,23 +199,29 @@ class EpisodeTools:
         return tool_runner.Job([(call.name, self.tools.get(call.name), self.specs.get(call.name), call.arguments)
                                 for call in calls], self.environment is not None, list(self.tools))
 
-    def reward(self) -> tuple[float, bool | None]:
-        """The environment's own reward for the episode and, when `reward()` returns `(reward, correct)`, whether the
-        episode is correct (DAPO's filter reads it); (0, None) without an environment or a `reward` method, and for
-        an episode whose environment was abandoned at a timeout (its reward is never read while a call may run).
-        Called on the trainer's main thread, with no time limit: graders that time themselves with signals (as
-        math_verify does) only work there, and one that failed on a thread would score every episode 0."""
-        if self.environment is None or not hasattr(self.environment, "reward") or self.abandoned:
-            return 0.0, None
+    @property
+    def has_reward(self) -> bool:
+        """Whether `reward()` will call its environment's: it has one, and the episode was not abandoned."""
+        return self.environment is not None and hasattr(self.environment, "reward") and not self.abandoned
+
+    def reward(self, seconds: float = 0.0) -> tuple[float, bool | None, tuple[str, str] | None]:
+        """The environment's own reward for the episode; when `reward()` returns `(reward, correct)`, whether the
+        episode is correct (DAPO's filter reads it); and what went wrong (the exception's name, and a line naming the
+        method and the exception), when it raised, returned no finite
+        number or ran past `seconds` (`grpo.reward_timeout`; 0: no limit): the reward is then 0, and the loop counts it
+        in `reward_errors` as a reward function's failure. (0, None, None) without an environment or a `reward`
+        method, and for an episode whose environment was abandoned at a timeout (its reward is never read while a call
+        may run). Called on the trainer's main thread, stopped there by a SIGALRM timer: graders that time themselves
+        with signals (as math_verify does) only work there, and one that failed on a thread would score every episode 0."""
+        if not self.has_reward:
+            return 0.0, None, None
+        name = f"`{type(self.environment).__name__}.reward()`"
         try:
-            value, correct = self.environment.reward(), None
+            value, correct = tool_runner.call_on_main_thread_within(
+                seconds, self.environment.reward, f"it did not return within {seconds:g} s (grpo.reward_timeout)"), None
             if isinstance(value, tuple) and len(value) == 2:
                 value, correct = value[0], bool(value[1])
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"reward {value}")
-            return value, correct
-        except Exception as error:  # as a failing reward function: scores 0, is said, and the run goes on
-            log.warning("the environment's reward() raised %s: %s; the episode's environment reward is 0",
-                        type(error).__name__, error)
-            return 0.0, None
+            return rewards.as_reward(value), correct, None
+        except Exception as error:  # as a failing reward function: scores 0, is counted and said, and the run goes on
+            return 0.0, None, (type(error).__name__, f"{name} raised {type(error).__name__}: "
+                                                     f"{' '.join(str(error).split())[:200]}")

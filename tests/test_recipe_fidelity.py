@@ -42,7 +42,16 @@ REWARDS = (
     "    return random.random()  # another value at every call, as a model judge's may be\n"
     "def hang(completion, reference):\n"
     "    import time\n"
-    "    time.sleep(3600)  # a reward stuck on some input: the run waited for it forever\n")
+    "    time.sleep(3600)  # a reward stuck on some input: the run waited for it forever\n"
+    "class Stuck:\n"
+    "    def reset(self, row):\n"
+    "        pass\n"
+    "    def look(self, what: str) -> str:\n"
+    "        \"\"\"Looks.\n\n        Args:\n            what: anything\n        \"\"\"\n"
+    "        return what\n"
+    "    def reward(self):\n"
+    "        import time\n"
+    "        time.sleep(3600)  # an environment's grader stuck on some episode: the run waited for it forever\n")
 
 
 def metrics(out_dir) -> list[dict]:
@@ -211,6 +220,8 @@ def launches(default_sft, tmp_path_factory):
         grpo_command("gspo2", "--config", "gspo", *ten, "--train.steps=1"),
         grpo_command("text", *brief, "--grpo.reward=fidelity_rewards:text", expect_error=True),
         grpo_command("hang", *brief, "--grpo.reward=fidelity_rewards:hang", "--grpo.reward_timeout=1", expect_error=True),
+        grpo_command("stuck", *brief, "--grpo.environment=fidelity_rewards:Stuck", "--grpo.reward=none",
+                     "--grpo.reward_timeout=1", expect_error=True),
         grpo_command("third", *brief, "--grpo.reward=fidelity_rewards:third"),
         grpo_command("tp2", *brief, "--grpo.reward=fidelity_rewards:noisy", "--parallel.tp=2",
                      "--parallel.sequence_parallel=false", checksums=True),
@@ -297,6 +308,12 @@ def test_a_reward_that_fails_everywhere_stops_at_step_1_and_one_failing_sometime
     assert hang["error"].startswith("The reward function `grpo.reward=fidelity_rewards:hang` failed on every one of "
                                     "the 32 completions of step 1")
     assert "raised TimeoutError: the reward function did not answer within 1 s (grpo.reward_timeout)" in hang["error"]
+    # An environment's reward() that never returns: the same, within its `grpo.reward_timeout` (it held the run).
+    stuck = result(runs, "stuck")
+    assert stuck["error"].startswith("The reward (`grpo.reward=none` plus the environment's `reward()`) failed on every "
+                                     "one of the 32 completions of step 1")
+    assert "`Stuck.reward()` raised TimeoutError: it did not return within 1 s (grpo.reward_timeout). An " \
+           "environment's `reward()` returns a number or `(reward, correct)` within `grpo.reward_timeout` (1 s" in stuck["error"]
     third = result(runs, "third")
     rows = [row for row in metrics(runs["root"] / "third") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["reward_errors"] > 0 for row in rows)

@@ -46,7 +46,7 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     assert loaded.schemas[0]["function"]["parameters"]["properties"]["number"] == {"type": "string", "description": "a whole number, as text"}
     episode, extra = loaded.episode({"question": "q"})
     assert extra == "Count with the tool." and sorted(episode.tools) == ["add", "digits"]
-    assert episode.tools["add"]("1") == "1" and episode.reward() == (0.5, None)  # the episode's own instance
+    assert episode.tools["add"]("1") == "1" and episode.reward() == (0.5, None, None)  # the episode's own instance
 
 
 @pytest.mark.parametrize("key, spec, expected", [
@@ -272,7 +272,8 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
     loaded.environment = Broken
     with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
         loaded.episode({"question": "q"})
-    assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None)
+    assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None, ("ZeroDivisionError",
+                                                                     "`Broken.reward()` raised ZeroDivisionError: no calls"))
 
     class Stuck(tool_fixtures.Counter):
         def reset(self, row):
@@ -307,10 +308,51 @@ def test_an_environments_reward_runs_on_the_main_thread_and_gets_its_own_row(tok
     fixtures.Graded = Graded
     try:
         episodes, _ = run_rollout(tokenizer, [["#### 17"], ["#### 17"]], specs=(), environment="tests.tool_fixtures:Graded",
-                                  row={"question": "What is 12 + 5?", "answer": "17"})
+                                  row={"question": "What is 12 + 5?", "answer": "17"}, reward_timeout=5)
     finally:
         del fixtures.Graded
     assert [episode.environment_reward for episode in episodes] == [0.25, 0.25]
+
+def test_an_environments_reward_that_fails_or_hangs_scores_0_and_counts_as_a_reward_failure(tokenizer):
+    """A `reward()` that raises, returns no number, or never returns (it held the run forever) scores 0 and counts in
+    `reward_errors` like a failing reward function, once per episode however many of its parts failed; past
+    `grpo.reward_timeout` a SIGALRM stops it, and once a batch's first 4 calls all ran past it the rest are not made."""
+    class Hung(tool_fixtures.Counter):
+        def reward(self):
+            self.called = True
+            time.sleep(60)
+
+    class Worded(tool_fixtures.Counter):
+        def reward(self):
+            return "half"
+
+    started = time.monotonic()
+    assert tools.EpisodeTools({}, Hung()).reward(0.2) == (0.0, None, (
+        "TimeoutError", "`Hung.reward()` raised TimeoutError: it did not return within 0.2 s (grpo.reward_timeout)"))
+    assert time.monotonic() - started < 1.0
+    assert tools.EpisodeTools({}, Worded()).reward(0.2)[2] == ("TypeError", "`Worded.reward()` raised TypeError: it "
+                                                               "returned str 'half', not a number")
+    counter = tool_fixtures.Counter()
+    counter.reset({})
+    assert tools.EpisodeTools({}, counter).reward(0.2) == (0.0, None, None)  # a reward() in time: no failure
+    import tests.tool_fixtures as fixtures
+
+    fixtures.Hung = Hung
+    try:
+        started = time.monotonic()
+        episodes, _ = run_rollout(tokenizer, [["#### 17"]] * 6, specs=(), environment="tests.tool_fixtures:Hung",
+                                  reward_timeout=0.2)
+        seconds = time.monotonic() - started
+    finally:
+        del fixtures.Hung
+    assert 0.8 <= seconds < 2.5  # 4 calls of 0.2 s each, not 6 (and not forever)
+    assert [episode.environment_failure[0] for episode in episodes] == ["TimeoutError"] * 6
+    # The rule reward failing on them as well: still one failure each, 6 in all.
+    scores = rollout_data.score(lambda completion, reference: 1 / 0, episodes)
+    assert scores.errors == 6 and scores.rewards == [0.0] * 6 and scores.failed == [True] * 6
+    assert set(scores.failures) == {"ZeroDivisionError", "reward() TimeoutError"}
+    assert scores.failures["reward() TimeoutError"].startswith("`Hung.reward()` raised TimeoutError")
+
 
 def test_an_environment_shapes_the_prompt_and_adds_its_reward(tokenizer):
     episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "add") % "1", "#### 17"], ["#### 17"]], specs=(),
@@ -565,7 +607,8 @@ def test_dapos_filter_reads_an_environments_or_a_graded_rewards_verdict(tokenize
 
 
 def test_dapos_accuracy_filter_with_an_environment_that_gives_no_verdict_is_refused_at_start_up():
-    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none", tool_timeout=0.5)
+    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none", tool_timeout=0.5,
+                               reward_timeout=0.5)
     with pytest.raises(UserError, match=r"`Plain.reward\(\)` returns float 0.0, not `\(reward, correct\)`.*--grpo.filter_metric=reward"):
         tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"), settings, {})
     tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Ordered"), settings, {})  # it gives one
@@ -581,6 +624,14 @@ def test_dapos_accuracy_filter_with_an_environment_that_gives_no_verdict_is_refu
     started = time.monotonic()
     with pytest.raises(UserError, match=r"Stuck\(\) or its reset\(row\) raised TimeoutError: it did not return within 0.5 s"):
         tools.check_filter_reads_accuracy(loaded, settings, {})  # the probe hung the start-up
+    assert time.monotonic() - started < 5
+
+    class Slow(tool_fixtures.Counter):
+        def reward(self):
+            time.sleep(60)
+
+    loaded.environment, started = Slow, time.monotonic()
+    tools.check_filter_reads_accuracy(loaded, settings, {})  # not known at start-up: the run says it at step 1
     assert time.monotonic() - started < 5
 
 

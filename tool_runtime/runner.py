@@ -12,7 +12,9 @@ Where a call runs (`grpo.tool_isolation`):
   (a daemon: it never holds the process at exit), counted in `leaked_tool_threads`.
 An environment's methods always run in threads: the instance lives in the trainer. A call of one past its timeout
 ends the episode's use of that instance: the rest of its calls are not run, the episode ends, and its `reward()` is
-never called while the call may still be running against the state it reads.
+never called while the call may still be running against the state it reads. Its `reward()` runs on the trainer's
+main thread (graders that time themselves with signals work only there), within `grpo.reward_timeout` by a SIGALRM
+timer (`call_on_main_thread_within`).
 
 A scheduler on the calling thread hands out calls, each on a thread of its own, which first waits for its worker process
 when one was started for it: a call's clock starts once its worker is ready, so a slow start (the tool module's imports)
@@ -23,6 +25,7 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +75,28 @@ def call_within(seconds: float | None, function: Callable, *arguments):
     if "error" in answer:
         raise answer["error"]
     return answer["value"]
+
+
+def call_on_main_thread_within(seconds: float, function: Callable, late: str):
+    """`function()` on this thread, stopped by a TimeoutError(`late`) raised in it after `seconds` (a SIGALRM timer);
+    off the main thread, or at 0, with no limit. A function that sets an alarm of its own (math_verify's graders do)
+    replaces this one while it runs: its own limit holds. An environment's `reward()`."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        return function()
+    armed = True
+
+    def expire(signum, frame):
+        if armed:
+            raise TimeoutError(late)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return function()
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclasses.dataclass

@@ -271,8 +271,8 @@ def refuse_a_batch_of_skipped_prompts(step_batch: StepBatch, config, step: int) 
 
 
 class RewardFailures:
-    """What the reward function failed on, said: the first failure of each kind (exception type) once, with the
-    function, the exception and the completion; and a step on which it failed on every completion stops the run with
+    """What the reward function (and an environment's `reward()`) failed on, said: the first failure of each kind
+    (exception type) once, with the function, the exception and the completion; and a step on which it failed on every completion stops the run with
     a paragraph (every reward would be 0: a flat curve, nothing learned), unless `grpo.tolerate_reward_errors`."""
 
     def __init__(self, config, runtime):
@@ -294,15 +294,23 @@ class RewardFailures:
         for rank_failures in collectives.data_parallel_gather(local_failures):
             for kind, text in rank_failures.items():
                 failures.setdefault(kind, text)
-        if errors == count and not self.config.grpo.tolerate_reward_errors:
+        grpo = self.config.grpo
+        environment = any(kind.startswith("reward() ") for kind in failures)  # `rollout.score` names them so
+        what = (f"The reward (`grpo.reward={grpo.reward}` plus the environment's `reward()`)" if environment
+                else f"The reward function `grpo.reward={grpo.reward}`")
+        if errors == count and not grpo.tolerate_reward_errors:
+            rules = [*(["A reward function takes (completion, reference) strings and returns a number (1.0: full "
+                        "marks)"] if not all(kind.startswith("reward() ") for kind in failures) else []),
+                     *([f"an environment's `reward()` returns a number or `(reward, correct)` within "
+                        f"`grpo.reward_timeout` ({grpo.reward_timeout:g} s; 0: no limit)"] if environment else [])]
+            rules[0] = rules[0][0].upper() + rules[0][1:]
             raise UserError(
-                f"The reward function `grpo.reward={self.config.grpo.reward}` failed on every one of the {int(count)} "
-                f"completions of step {step}, so every reward would be 0 and the run would learn nothing: "
-                f"{'; '.join(failures.values())}. A reward function takes (completion, reference) strings and returns "
-                "a number (1.0: full marks); fix it, or set `--grpo.tolerate_reward_errors=true` to train on anyway.")
+                f"{what} failed on every one of the {int(count)} completions of step {step}, so every reward would be 0 "
+                f"and the run would learn nothing: {'; '.join(failures.values())}. {'; '.join(rules)}; fix it, or set "
+                "`--grpo.tolerate_reward_errors=true` to train on anyway.")
         for kind in sorted(set(failures) - self.reported):
             if self.runtime.is_main:
-                log.warning("step %d: the reward function failed on %d of %d completions, each scored 0; the first "
+                log.warning("step %d: %s failed on %d of %d completions, each scored 0; the first "
                             "%s failure: %s (said once per kind of failure; `reward_errors` counts them every step)",
-                            step, int(errors), int(count), kind, failures[kind])
+                            step, what[0].lower() + what[1:], int(errors), int(count), kind, failures[kind])
             self.reported.add(kind)

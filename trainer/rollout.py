@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 # A tool call's outcome (`tool_runtime.runner.Outcome.kind`) -> the counter it adds to.
 FAILURES = {"error": "tool_errors", "timeout": "tool_timeouts", "unknown_tool": "unknown_tools"}
 
+# An environment's reward() calls of a batch that all run past `grpo.reward_timeout` before the rest are not made.
+GIVE_UP_AFTER = 4
+
 # Per-episode counters of tool use, summed over a step's episodes for metrics.jsonl.
 COUNTERS = ("turns", "tool_calls", "tool_errors", "parse_errors", "tool_timeouts", "timeout_ends", "unknown_tools",
             "max_turns_reached", "out_of_room", "truncated_tool_responses", "prompts_too_long")
@@ -63,6 +66,7 @@ class Episode:
     skipped: bool = False  # its prompt no longer fit after the environment's reset text: scores 0, trains nothing
     logprobs: list[float] = dataclasses.field(default_factory=list)  # the sampler's log-prob of each of `ids` (0: appended)
     routes: object = None  # Mixture-of-Experts: [prompt + ids, layers, top-k] experts each id took (model.generate)
+    environment_failure: tuple[str, str] | None = None  # its reward() failed (raised, no number, past its time): how, why
 
 
 @dataclasses.dataclass
@@ -88,10 +92,11 @@ class Rollout:
 
     def __init__(self, tokenizer, toolset, end_ids, *, max_turns: int = 1, max_tool_response_tokens: int = 0,
                  tool_timeout: float = 0.0, tool_workers: int = 0, tool_isolation: str = "process",
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, reward_timeout: float = 0.0):
         self.tokenizer, self.toolset, self.end_ids = tokenizer, toolset, tuple(end_ids)
         self.max_turns, self.max_tool_response_tokens = max_turns, max_tool_response_tokens
         self.max_prompt_tokens = max_prompt_tokens  # data.max_seq_len - grpo.max_new_tokens (None: unchecked)
+        self.reward_timeout = reward_timeout  # each environment reward() call's limit (0: none)
         self.said_skipped = False  # the first skipped prompt is said once
         self.runner = tool_runner.ToolRunner(tool_timeout, tool_workers, tool_isolation,
                                              preload=list(toolset.specs.values()) if toolset is not None else [])
@@ -105,7 +110,7 @@ class Rollout:
         return cls(tokenizer, toolset if tools_on else None, end_ids, max_turns=grpo.max_turns,
                    max_tool_response_tokens=grpo.max_tool_response_tokens, tool_timeout=grpo.tool_timeout,
                    tool_workers=grpo.tool_workers, tool_isolation=grpo.tool_isolation,
-                   max_prompt_tokens=config.data.max_seq_len - grpo.max_new_tokens)
+                   max_prompt_tokens=config.data.max_seq_len - grpo.max_new_tokens, reward_timeout=grpo.reward_timeout)
 
     def close(self) -> None:
         """Stop the tool worker processes."""
@@ -143,13 +148,13 @@ class Rollout:
             sampled = [1] * len(ids)
             for start, length in self.spans[row]:
                 sampled[start : start + length] = [0] * length
-            answer, (environment_reward, correct), last_turn, skipped = finals[row]
+            answer, (environment_reward, correct, failure), last_turn, skipped = finals[row]
             self.counts[row]["turns"] += last_turn
             if skipped:  # nothing of it is trained, and it scores 0 (`score`)
                 sampled = [0] * len(ids)
             episodes.append(Episode(prompts[prompt_index], prompt_ids[prompt_index], ids, sampled, answer,
                                     self.counts[row], environment_reward, correct, skipped, completions.logprobs[row],
-                                    routes[row]))
+                                    routes[row], failure))
         return episodes, self.tool_seconds
 
     def _start(self, prompts: list, samples: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -285,16 +290,33 @@ class Rollout:
         return text
 
     def _finish(self, completions: list[list[int]]) -> list[tuple]:
-        """Per episode: its answer (the last turn's text), the environment's (reward, correct), whether its last turn
-        still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped."""
-        return [(self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), trajectory.tools.reward(),
-                 int(not trajectory.ended), trajectory.skipped) for trajectory, ids in zip(self.trajectories, completions)]
+        """Per episode: its answer (the last turn's text), the environment's (reward, correct, failure), whether its
+        last turn still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped.
+        When the batch's first `GIVE_UP_AFTER` reward() calls all ran past `grpo.reward_timeout`, the rest are not
+        made (each would wait as long): they fail as those did."""
+        finals, calls, timeouts, not_made = [], 0, 0, 0
+        for trajectory, ids in zip(self.trajectories, completions):
+            if not trajectory.tools.has_reward:
+                environment = (0.0, None, None)
+            elif calls >= GIVE_UP_AFTER and timeouts == calls:
+                environment, not_made = (0.0, None, failure), not_made + 1
+            else:
+                environment = trajectory.tools.reward(self.reward_timeout)
+                failure = environment[2]
+                calls, timeouts = calls + 1, timeouts + (failure is not None and failure[0] == "TimeoutError")
+            finals.append((self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), environment,
+                           int(not trajectory.ended), trajectory.skipped))
+        if not_made:
+            log.warning("the environment's first %d reward() calls of a batch each ran past `grpo.reward_timeout` "
+                        "(%g s): its other %d were not made, and score 0 as failures", calls, self.reward_timeout, not_made)
+        return finals
 
 
 def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards.Scores:
     """The reward function's scores of each episode's answer, plus its environment's reward (added); an episode is
     correct by the environment's verdict where its reward() gives one, else by the reward function's full marks; a
-    skipped episode scores 0. Computed on the first model-parallel rank and shared, so a reward that varies between
+    skipped episode scores 0. An episode whose environment's reward() failed counts as one the reward failed on
+    (`reward_errors`), once however many of its parts failed. Computed on the first model-parallel rank and shared, so a reward that varies between
     calls cannot split the peers."""
     def compute():
         scores = rewards.score(reward, [episode.answer for episode in episodes],
@@ -303,6 +325,10 @@ def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards
                           for value, episode in zip(scores.rewards, episodes)]
         scores.correct = [not episode.skipped and (correct if episode.environment_correct is None else episode.environment_correct)
                           for correct, episode in zip(scores.correct, episodes)]
+        for index, episode in enumerate(episodes):
+            if episode.environment_failure is not None and not episode.skipped:
+                kind, described = episode.environment_failure
+                scores.fail(index, f"reward() {kind}", described)
         return scores
     return replica.run_once_per_replica(compute)
 

@@ -4,6 +4,7 @@ nor data (`config.checks`) and raises a `UserError` naming the key to change; de
 whether the precision-aware optimizer is in use) are defined on the sections and here, once."""
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from config.sections import (
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
     TOOL_ISOLATIONS, TrainConfig, have_transformer_engine
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -162,6 +165,11 @@ class GRPOConfig(TrainerConfig):
                  "a reward model or a teacher whose log-probs are the whole signal, but none of `grpo.environment`, "
                  "`grpo.reward_model`, `grpo.teacher` is set: every reward would be 0 and nothing would be learned. Set "
                  "one of them, or choose a reward function with `--grpo.reward`.")
+        if grpo.kl_coef > 0 and grpo.kl_estimator == "k1":
+            log.warning("`grpo.kl_estimator=k1` (log pi - log pi_ref) has zero gradient on average over tokens the "
+                        "policy sampled: `grpo.kl_coef` penalises nothing, it only adds noise (the logged `kl` is still "
+                        "an unbiased estimate). `--grpo.kl_estimator=k3` (the default) or `k2` pull the policy toward "
+                        "the reference.")
         self._validate_dynamic_sampling()
         self._validate_frozen_models()
         self._validate_rollout_processes(world_size)

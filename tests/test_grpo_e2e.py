@@ -3,6 +3,7 @@ accuracy, and bad inputs (unknown reward, over-long prompts, a raising reward) e
 Also the fast checks of the entry point's pure parts: its key set, start-up validation, prompt order and seeds."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_key_set_is_frozen():
 @pytest.mark.parametrize("argv, expected", [
     (["--grpo.n_samples=1"], "`grpo.n_samples` must be at least 2"),
     (["--grpo.baseline=median"], "`grpo.baseline=median` is not one of mean, leave_one_out"),
-    (["--grpo.kl_estimator=k2"], "`grpo.kl_estimator=k2` is not one of k1, k3"),
+    (["--grpo.kl_estimator=k4"], "`grpo.kl_estimator=k4` is not one of k1, k2, k3"),
     (["--grpo.loss_aggregation=sum"],
      "`grpo.loss_aggregation=sum` is not one of token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
     (["--grpo.importance_ratio=segment"], "`grpo.importance_ratio=segment` is not one of token, sequence"),
@@ -93,6 +94,17 @@ def test_start_up_errors_name_the_key(argv, expected):
     with pytest.raises(UserError) as error:
         config.validate(world_size=2)
     assert expected in str(error.value)
+
+
+def test_a_kl_penalty_of_k1_is_said_to_penalise_nothing(caplog):
+    """k1's gradient is zero on average over sampled tokens: with `grpo.kl_coef` > 0 a warning says so; k2 and k3
+    (the default) pull toward the reference and say nothing, nor does k1 with no penalty."""
+    for argv, warned in ((["--grpo.kl_estimator=k1"], True), (["--grpo.kl_estimator=k2"], False), ([], False),
+                         (["--grpo.kl_estimator=k1", "--grpo.kl_coef=0"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            parse_args(GRPOConfig, argv, "trainer.grpo")[0].validate(world_size=2)
+        assert ("`grpo.kl_estimator=k1` (log pi - log pi_ref) has zero gradient on average" in caplog.text) == warned
 
 
 def test_a_format_bonus_is_a_part_of_the_reward_no_weight_scales():

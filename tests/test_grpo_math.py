@@ -105,13 +105,46 @@ def test_kl_estimators_by_hand():
 
 
 def test_kl_estimators_are_unbiased_for_the_true_kl():
-    """Sampled from pi, both estimators average to KL(pi || pi_ref) of two categorical distributions."""
+    """Sampled from pi, k1 and k3 average to KL(pi || pi_ref) of two categorical distributions (k2 does not)."""
     policy, reference = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])
     true_kl = (policy * (policy / reference).log()).sum()
     samples = torch.multinomial(policy, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     logprobs, ref_logprobs = policy.log()[samples], reference.log()[samples]
-    for estimator in grpo_math.KL_ESTIMATORS.values():
-        assert estimator(logprobs, ref_logprobs).mean() == pytest.approx(true_kl.item(), abs=5e-3)
+    for name in ("k1", "k3"):
+        assert grpo_math.KL_ESTIMATORS[name](logprobs, ref_logprobs).mean() == pytest.approx(true_kl.item(), abs=5e-3)
+    assert grpo_math.kl_k2(torch.tensor([[-1.0]]), torch.tensor([[-3.0]])).item() == 2.0  # (-1 + 3)^2 / 2
+
+
+def test_each_kl_penalty_pulls_as_its_documented_gradient():
+    """As a loss on tokens sampled from pi, the expected gradient (exact, over a 6-token vocabulary) of k1 is 0 (it
+    penalises nothing), of k2 that of KL(pi || pi_ref), of k3 that of KL(pi_ref || pi); and a token's k3 is capped at
+    10, with no gradient past it (one token far less likely than under the reference set the step's direction)."""
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.3, -1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    reference = torch.tensor([0.1, 0.3, 0.2, 0.1, 0.2, 0.1], dtype=torch.float64)
+
+    def expected_gradient(term) -> torch.Tensor:
+        """sum_a pi(a) grad term(a), pi(a) held fixed: the expectation over sampled tokens of the loss's gradient."""
+        logprobs = logits.log_softmax(-1)
+        weights = logprobs.exp().detach()
+        return torch.autograd.grad((weights * term(logprobs[None], reference.log()[None])[0]).sum(), logits)[0]
+
+    def true_gradient(kl) -> torch.Tensor:
+        return torch.autograd.grad(kl(logits.softmax(-1)), logits)[0]
+
+    forward = true_gradient(lambda pi: (pi * (pi / reference).log()).sum())  # KL(pi || pi_ref)
+    reverse = true_gradient(lambda pi: (reference * (reference / pi).log()).sum())  # KL(pi_ref || pi)
+    assert expected_gradient(grpo_math.KL_ESTIMATORS["k1"]).abs().max() < 1e-15
+    assert torch.allclose(expected_gradient(grpo_math.KL_ESTIMATORS["k2"]), forward, atol=1e-12)
+    assert torch.allclose(expected_gradient(grpo_math.KL_ESTIMATORS["k3"]), reverse, atol=1e-12)
+    assert forward.abs().max() > 0.1 and (forward - reverse).abs().max() > 0.05  # the three differ
+    # A token the policy gives e^-15 of what the reference does: uncapped its k3 is 3.3e6; capped, 10 and no gradient.
+    logprob = torch.tensor([[-16.0]], requires_grad=True)
+    capped = grpo_math.KL_ESTIMATORS["k3"](logprob, torch.tensor([[-1.0]]))
+    assert capped.item() == 10.0 and grpo_math.kl_k3(logprob, torch.tensor([[-1.0]])).item() == pytest.approx(math.exp(15) - 16)
+    capped.sum().backward()
+    assert logprob.grad.item() == 0.0
+    below = grpo_math.KL_ESTIMATORS["k3"](torch.tensor([[-2.0]]), torch.tensor([[-1.0]]))
+    assert below.item() == pytest.approx(math.e - 2)  # under the cap: k3 itself
 
 
 # ---------------------------------------------------------------- aggregation

@@ -19,6 +19,7 @@ from config.errors import UserError
 from config.loops import GRPOConfig, SFTConfig
 from data import prompts as prompt_data
 from data.arithmetic import generate_problems
+from model import build
 from model.tiny import ensure_tiny_checkpoint
 from tests.conftest import tiny_reward_model, REPO, launch, torchrun, worker_output
 from trainer import grpo_sampling as grpo
@@ -120,7 +121,7 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     """A Mixture-of-Experts teacher (or reward model) is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
     built. A teacher with the policy's tokenizer turns each trained token's advantage into the group's (of rewards
     reward_weight weighs) plus teacher_coef x (log pi_teacher - log pi_sampler)."""
-    from trainer.grpo_update import LossSettings, Teacher, distilled_advantages
+    from trainer.grpo_update import LossSettings, check_teacher_tokenizer, distilled_advantages
 
     moe = tmp_path / "moe"
     moe.mkdir()
@@ -132,9 +133,9 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
             config.validate(world_size=2)
     config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}"], "trainer.grpo")
     config.validate(world_size=2)
-    other = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))
     with pytest.raises(UserError, match="has another tokenizer than the policy"):
-        Teacher(config, other)
+        check_teacher_tokenizer(config, types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))
+    check_teacher_tokenizer(config, build.load_tokenizer(ensure_tiny_checkpoint()))  # the same: said nothing
     config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.teacher_coef=2"],
                            "trainer.grpo")
     settings = LossSettings.from_config(config.grpo)

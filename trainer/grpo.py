@@ -82,7 +82,7 @@ from model import build, generate, parallel
 from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
 from trainer.grpo_sampling import LocalRollouts, RewardFailures
-from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, update_policy
+from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, check_teacher_tokenizer, update_policy
 
 
 def validated_world_size(config) -> int:
@@ -122,6 +122,7 @@ def default_sft_before_the_split(config, startup) -> bool:
 def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> tuple:
     """(tokenizer, episode sampler, train prompts, held-out prompts), the chat template checked against the tools."""
     tokenizer = build.load_tokenizer(model_path)
+    check_teacher_tokenizer(config, tokenizer)
     end_ids = generate.end_token_ids(model_path, tokenizer)
     if toolset is not None:
         tool_text.check_template(tokenizer, toolset.schemas, tool_text.end_texts(tokenizer, end_ids))

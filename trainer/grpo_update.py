@@ -203,6 +203,15 @@ class KLReference:
                 self.routes.clear()
 
 
+def check_teacher_tokenizer(config, tokenizer) -> None:
+    """Refuse, before any model is built, a `grpo.teacher` whose tokenizer is not the policy's (`tokenizer`)."""
+    path = config.grpo.teacher
+    if path and build.load_tokenizer(Path(path), "grpo.teacher").get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"`grpo.teacher={path}` has another tokenizer than the policy (`model.path`): its log-probs "
+                        "would score other tokens than the ones sampled. Distil from a teacher that shares the "
+                        "policy's tokenizer (the same family), or leave `--grpo.teacher` empty.")
+
+
 class Teacher:
     """On-policy distillation's teacher (`grpo.teacher`): a frozen dense model with the policy's tokenizer, built at the
     policy's parallel layout (any size), forward only. Its log-prob of each sampled token enters that token's advantage
@@ -214,10 +223,6 @@ class Teacher:
     def __init__(self, config, policy):
         path = Path(config.grpo.teacher)
         build.check_weight_files(path)
-        if build.load_tokenizer(path, "grpo.teacher").get_vocab() != policy.tokenizer.get_vocab():
-            raise UserError(f"`grpo.teacher={path}` has another tokenizer than the policy (`model.path`): its log-probs "
-                            "would score other tokens than the ones sampled. Distil from a teacher that shares the "
-                            "policy's tokenizer (the same family), or leave `--grpo.teacher` empty.")
         self.model = build.build_frozen_dense(config, path, policy.tokenizer)
         log.info("teacher: %s (%d layers, hidden %d), at the policy's parallel layout", path,
                  self.model.hf_config.get("num_hidden_layers", 0), self.model.hf_config.get("hidden_size", 0))

@@ -294,7 +294,7 @@ class Rollout:
         last turn still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped.
         When the batch's first `GIVE_UP_AFTER` reward() calls all ran past `grpo.reward_timeout`, the rest are not
         made (each would wait as long): they fail as those did."""
-        finals, calls, timeouts, not_made = [], 0, 0, 0
+        finals, calls, timeouts, not_made, failure = [], 0, 0, 0, None
         for trajectory, ids in zip(self.trajectories, completions):
             if not trajectory.tools.has_reward:
                 environment = (0.0, None, None)

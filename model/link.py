@@ -24,6 +24,11 @@ import torch.distributed as dist
 from config.errors import UserError
 
 BUCKET_BYTES = 256 * 2**20  # a bucket's payload; one broadcast each
+# How long one side waits for the other on the link. Each waits through work of the other's that has no bound of its
+# own, so not `parallel.timeout_minutes`: a rollout process through the trainers' evaluation, checkpoint saves and final
+# export (a blocking send until they take its batch), the trainers through a rollout process's sampling of a step. A
+# process that exits ends the run at once all the same: gloo sees its socket close, and torchrun stops the rest.
+WAIT = datetime.timedelta(hours=24)
 
 
 # Each run in a process (tests run several in one launch) keys its groups apart in the launch's store.
@@ -38,8 +43,8 @@ def store_prefix() -> str:
 class Link:
     """The two process groups joining trainers (global ranks 0..trainers-1) and rollout processes (the rest)."""
 
-    def __init__(self, store, rank: int, world_size: int, trainers: int, timeout: datetime.timedelta):
-        self.rank, self.trainers, self.rollouts = rank, trainers, world_size - trainers
+    def __init__(self, store, rank: int, world_size: int, trainers: int, timeout: datetime.timedelta = WAIT):
+        self.rank, self.trainers, self.rollouts, self.timeout = rank, trainers, world_size - trainers, timeout
         self.pairs = dist.ProcessGroupGloo(dist.PrefixStore("pairs/", store), rank, world_size, timeout)
         members = [0, *range(trainers, world_size)]
         self.weights = (dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), members.index(rank),
@@ -75,12 +80,20 @@ class Link:
 
     @contextlib.contextmanager
     def _peer(self, rank: int):
-        """A peer that exited (it failed, or was killed) ends this process with a paragraph, not gloo's traceback."""
+        """A peer that exited (it failed, or was killed), or one that did not answer within the link's wait, ends this
+        process with a paragraph, not gloo's traceback."""
         try:
             yield
         except RuntimeError as error:
             side = "rollout process" if rank >= self.trainers else "trainer"
-            raise UserError(f"Asynchronous GRPO lost its {side} (global rank {rank}): {' '.join(str(error).split())}. "
+            text = " ".join(str(error).split())
+            if "timed out" in text.lower():
+                seconds = self.timeout.total_seconds()
+                waited = f"{seconds / 3600:g} hours" if seconds >= 3600 else f"{seconds:g} s"
+                raise UserError(f"Asynchronous GRPO's {side} (global rank {rank}) did not answer within {waited} "
+                                f"({text}): it is alive but stuck. Its log, and a stack dump of it (py-spy dump --pid), "
+                                "say where.") from None
+            raise UserError(f"Asynchronous GRPO lost its {side} (global rank {rank}): {text}. "
                             "That process ended first; its log, and torchrun's summary of failed ranks, say why.") from None
 
     def broadcast_object(self, value=None):

@@ -107,7 +107,7 @@ def _join_side(backend: str, rank: int, world_size: int, rollout_processes: int,
     dist.init_process_group(backend, store=dist.PrefixStore("rollout/" if rollout else "trainers/", store),
                             rank=rank - trainers if rollout else rank, world_size=rollout_processes if rollout else trainers,
                             timeout=timeout)
-    return link.Link(store, rank, world_size, trainers, timeout)
+    return link.Link(store, rank, world_size, trainers)
 
 
 def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime:

@@ -79,3 +79,74 @@ def test_rejection_masks_by_hand():
     # means over the trained tokens: -0.4, 0.6, 0.001
     assert sequence.tolist() == [[1] * 4, [1] * 4, [1] * 4]
     assert grpo_math.rejection_keep(log_ratio, mask, 1.5, "sequence_reject")[:, 0].tolist() == [1, 0, 1]  # ln 1.5 = 0.405
+
+
+def test_the_link_waits_through_the_other_sides_unbounded_work_and_names_a_stuck_peer():
+    """A rollout process blocks in its send while the trainers evaluate, save or export: the link's wait is its own
+    (a day), not `parallel.timeout_minutes` (a 77 s evaluation at timeout_minutes=1 ended the run, each side blaming
+    the other); a peer that does not answer within it is named as stuck, not as lost. Two ranks of one link in threads."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from model import link
+
+    def exchange(timeout, delay: float) -> dict:
+        store, results = dist.HashStore(), {}
+
+        def side(rank: int) -> None:
+            try:
+                joined = link.Link(store, rank, 2, 1, **({"timeout": timeout} if timeout else {}))
+                results["timeout"] = joined.timeout
+                if rank == 1:
+                    joined.send({"step": 3}, 0)
+                else:
+                    time.sleep(delay)  # the trainer busy before it takes the batch
+                    results[rank] = joined.receive(1)
+            except UserError as error:
+                results[rank] = str(error)
+
+        threads = [threading.Thread(target=side, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        return results
+
+    taken = exchange(None, 1.5)
+    assert taken[0] == {"step": 3} and taken["timeout"] == link.WAIT == datetime.timedelta(hours=24)
+    stuck = exchange(datetime.timedelta(seconds=0.5), 2.0)
+    assert stuck[1].startswith("Asynchronous GRPO's trainer (global rank 0) did not answer within 0.5 s (")
+    assert "it is alive but stuck" in stuck[1]
+
+
+def test_batches_sampled_ahead_are_dropped_on_a_resume_that_changes_how_they_are_sampled(caplog):
+    """A checkpoint's batches received ahead were sampled and scored under its settings: a resume at another
+    `grpo.max_staleness` (or temperature, reward, ...) drops them, and the checkpoint's policy samples those steps again
+    (a batch one step stale trained at max_staleness 0 with no correction); the same settings keep them, as do
+    settings outside `grpo` and `data`."""
+    import logging
+    from types import SimpleNamespace
+
+    from trainer.grpo_async import RemoteRollouts, sampling_settings
+
+    def rollouts(*argv):
+        config, _ = parse_args(GRPOConfig, ["--grpo.rollout_processes=1", *argv], "trainer.grpo")
+        runtime = SimpleNamespace(link=SimpleNamespace(trainers=1, rollouts=1), dp_rank=0, dp_size=1, is_main=True)
+        return RemoteRollouts(config, runtime, policy=None)
+
+    saved = {"batches": [{5: "step 5's batch"}], "sampled_with": sampling_settings(rollouts().config)}
+    for argv, kept in ((["--optim.lr=1e-5"], True), ([], True), (["--grpo.max_staleness=0"], False),
+                       (["--grpo.temperature=0.7"], False)):
+        resumed = rollouts(*argv)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            resumed.load_state_dict(saved)
+        assert resumed.pending == ({5: "step 5's batch"} if kept else {})
+        assert ("they are dropped, and the checkpoint's policy samples those steps again" in caplog.text) == (not kept)
+        assert ("grpo.max_staleness 1 -> 0" in caplog.text) == (argv == ["--grpo.max_staleness=0"])
+    old = rollouts("--grpo.temperature=0.7")
+    old.load_state_dict({"batches": [{5: "step 5's batch"}]})  # a checkpoint from before the settings were saved
+    assert old.pending == {5: "step 5's batch"}

@@ -21,6 +21,8 @@ import dataclasses
 import logging
 import time
 
+from ckpt.resume import changed_settings
+from config import cli
 from config.errors import UserError
 from model import collectives, link as links, parallel
 from trainer.grpo_sampling import StepBatch, collect_rollouts, refuse_a_batch_of_skipped_prompts
@@ -31,6 +33,13 @@ log = logging.getLogger(__name__)
 def sampled_by(step: int, start: int, staleness: int) -> int:
     """The policy version (steps trained) that samples step `step`'s batch."""
     return max(start, step - 1 - staleness)
+
+
+def sampling_settings(config) -> dict:
+    """What a batch sampled ahead was sampled and scored under: the `grpo` and `data` sections (some of whose keys
+    only shape the loss: a change of them drops the batches too, which costs a resample, never a wrong step)."""
+    settings = cli.to_dict(config)
+    return {"grpo": settings["grpo"], "data": settings["data"]}
 
 
 class RemoteRollouts:
@@ -54,11 +63,23 @@ class RemoteRollouts:
         return {"rollouts": self}  # the batches received ahead
 
     def state_dict(self) -> dict:
-        """Every data-parallel rank's batches received ahead (collective over the data-parallel group)."""
-        return {"batches": collectives.data_parallel_gather(self.pending)}
+        """Every data-parallel rank's batches received ahead (collective over the data-parallel group), and the
+        settings they were sampled and scored under."""
+        return {"batches": collectives.data_parallel_gather(self.pending), "sampled_with": sampling_settings(self.config)}
 
     def load_state_dict(self, state: dict | None) -> None:
-        batches = (state or {}).get("batches")
+        """The checkpoint's batches sampled ahead, kept where this run would have sampled them alike: the same
+        data-parallel ranks and sampling settings. Otherwise they are dropped and the checkpoint's policy samples those
+        steps again (`sampled_by` from the resumed step), under this run's settings: a batch sampled at another
+        `grpo.max_staleness` or temperature, or scored by another reward, would train as if it were this run's."""
+        batches, sampled_with = (state or {}).get("batches"), (state or {}).get("sampled_with")
+        changed = changed_settings(sampled_with, sampling_settings(self.config)) if batches and sampled_with else {}
+        if any(batches or []) and changed:
+            if self.runtime.is_main:
+                log.warning("the checkpoint's batches sampled ahead were sampled and scored with settings this run "
+                            "changes (%s): they are dropped, and the checkpoint's policy samples those steps again",
+                            ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changed.items()))
+            return
         if batches and len(batches) == self.runtime.dp_size:
             self.pending = batches[self.runtime.dp_rank]
         elif batches is not None:

@@ -152,23 +152,27 @@ def serve(config, runtime, replica, episode_sampler, prompts, reward) -> None:
     served = range(runtime.dp_rank, trainer_dp, link.rollouts)
     log.info("rollout process %d samples for data-parallel ranks %s, from step %d", runtime.dp_rank, list(served),
              header["first"])
+    blocked = 0.0  # the last step's sends, blocked until the trainers took the batches: idle, told with the next
     for step in range(header["first"], config.train.steps + 1):
-        waited = time.perf_counter()
+        idle, waited = blocked, time.perf_counter()
         while version < sampled_by(step, start, staleness):
             header = links.receive_header(link)
+            idle += time.perf_counter() - waited  # waiting for the trainers' update; loading its weights is work
             if header.get("stop"):
                 return
             links.receive_weights(replica, link)
-            version = header["version"]
-        idle = time.perf_counter() - waited
+            version, waited = header["version"], time.perf_counter()
+        idle, blocked = idle + time.perf_counter() - waited, 0.0
         for dp_rank in served:
             trainers = [rank for rank, rank_dp in enumerate(dp_ranks) if rank_dp == dp_rank]
             batch = _sample(config, dataclasses.replace(runtime, dp_rank=dp_rank, dp_size=trainer_dp), replica,
                             episode_sampler, prompts, reward, step, trainers)
             # The wait is this process's, once: the rows' sum over batches is then every rollout process's.
             batch.version, batch.sampler_idle_s = version, idle if dp_rank == served[0] else 0.0
+            sending = time.perf_counter()
             for rank in trainers:
                 link.send(batch, rank)
+            blocked += time.perf_counter() - sending
     while not links.receive_header(link).get("stop"):  # the trainers push nothing more; their end message
         links.receive_weights(replica, link)
 

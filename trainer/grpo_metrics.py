@@ -48,8 +48,9 @@ def async_figures(step: int, total: dict, timer: metrics.StepTimer, runtime) -> 
     """Asynchronous GRPO's figures (`trainer.grpo_async`): how many updates behind the sampling policy was
     (`staleness`: every token of a step's batch, on every rank, comes from one policy version, `sampled_by(step)`, so
     its mean and its maximum are this one number), the trainers' wait for batches (`rollout_wait_time_s`) and their share of the step
-    (`trainer_idle_share`), the weights' push (`weight_sync_time_s`), and the rollout processes' wait for weights as a
-    share of their period (`rollout_idle_share`, verl's `rollouter/idle_ratio`)."""
+    (`trainer_idle_share`), the weights' push (`weight_sync_time_s`), and the rollout processes' waits (for the trainers
+    to take the last step's batches, and for the update that samples this one) as a share of their period
+    (`rollout_idle_share`, verl's `rollouter/idle_ratio`)."""
     dp = runtime.dp_size
     waiting, busy = total["sampler_idle_s"], total["seconds"] + total["reward_seconds"]
     return {"staleness": step - 1 - total["version"] / dp,

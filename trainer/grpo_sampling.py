@@ -95,7 +95,7 @@ class StepBatch:
     routes: list | None  # Mixture-of-Experts: per example, [input ids, layers, top-k] experts of its rollout
     skipped_groups: int = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
     version: int | None = None  # asynchronous GRPO: the policy that sampled it, the one after this many steps
-    sampler_idle_s: float = 0.0  # asynchronous GRPO: the rollout process's wait before sampling it
+    sampler_idle_s: float = 0.0  # asynchronous GRPO: the rollout process's waits before sampling it (`serve`)
 
     @property
     def seconds(self) -> float:

@@ -120,7 +120,8 @@ def test_a_format_bonus_is_a_part_of_the_reward_no_weight_scales():
 def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(tmp_path):
     """A Mixture-of-Experts teacher (or reward model) is refused at start-up; a teacher whose tokenizer is not the policy's, before it is
     built. A teacher with the policy's tokenizer turns each trained token's advantage into the group's (of rewards
-    reward_weight weighs) plus teacher_coef x (log pi_teacher - log pi_sampler)."""
+    reward_weight weighs) plus teacher_coef x (log pi_teacher - log pi_old): the policy's own, not the sampler's (with
+    stale rollouts the sampler is a policy the update has left)."""
     from trainer.grpo_update import LossSettings, check_teacher_tokenizer, distilled_advantages
 
     moe = tmp_path / "moe"
@@ -139,10 +140,10 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.teacher_coef=2"],
                            "trainer.grpo")
     settings = LossSettings.from_config(config.grpo)
-    batch = {"sampler_logprobs": torch.tensor([[-1.0, -2.0, 0.0]]), "loss_mask": torch.tensor([[1.0, 1.0, 0.0]])}
-    advantages = distilled_advantages(torch.tensor([[0.4]]), batch, torch.tensor([[-1.5, -1.0, -3.0]]), settings)
+    old, mask = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    advantages = distilled_advantages(torch.tensor([[0.4]]), mask, torch.tensor([[-1.5, -1.0, -3.0]]), old, settings)
     assert advantages[0].tolist() == pytest.approx([0.4 + 2 * -0.5, 0.4 + 2 * 1.0, 0.4], abs=1e-6)
-    assert distilled_advantages(torch.tensor([[0.4]]), batch, None, settings).item() == pytest.approx(0.4)
+    assert distilled_advantages(torch.tensor([[0.4]]), mask, None, old, settings).item() == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("recipe", sorted(path.stem for path in (REPO / "recipes").glob("*.yaml")

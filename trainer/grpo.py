@@ -32,7 +32,7 @@ The variant, exactly (defaults in brackets):
   group, b the group mean [GRPO] or the mean of the other completions (`grpo.baseline=leave_one_out`,
   RLOO); `grpo.scale_rewards=false` drops the std division (Dr. GRPO). All-equal groups get A = 0 exactly.
   With a teacher (`grpo.teacher`, on-policy distillation) each trained token's advantage is A plus
-  `grpo.teacher_coef` [1] x (log pi_teacher - log pi_sampler) of that token (`trainer.grpo_update.Teacher`);
+  `grpo.teacher_coef` [1] x (log pi_teacher - log pi_old) of that token (`trainer.grpo_update.Teacher`);
   `grpo.reward_weight=0` makes the teacher's term the whole signal (with a format bonus or overlong penalty beside it).
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as

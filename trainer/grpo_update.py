@@ -135,7 +135,9 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     # separate forward-only pass gives, without the pass).
     old_logprobs = batch["old_logprobs"] if batch["pi_old_recomputed"] else logprobs.detach()  # [batch, seq]
     log_ratio = settings.importance_ratio(logprobs, old_logprobs, mask)  # [batch, seq]
-    per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, batch["advantages"], settings.clip_low,
+    teacher = batch.get("teacher_logprobs")
+    advantages = distilled_advantages(batch["advantages"], mask, teacher, old_logprobs, settings)
+    per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, advantages, settings.clip_low,
                                                        settings.clip_high, settings.dual_clip)
     # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
     gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
@@ -151,10 +153,9 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     loss_sum, count = settings.aggregation(per_token, trained, settings.budget)
     # KL(sampler || pi_old) from the sampler's samples, in fp64: a gap of 1e-7 has a k3 of 1e-14, which fp32 rounds to 0.
     rollout_kl = grpo_math.kl_k3(batch["sampler_logprobs"].double(), old_logprobs.double())
-    # With a teacher: the reverse KL log pi_sampler - log pi_teacher and the teacher's log-prob, over the trained tokens.
-    teacher = batch.get("teacher_logprobs")
+    # With a teacher: the reverse KL log pi_old - log pi_teacher and the teacher's log-prob, over the trained tokens.
     teacher_sums = ([torch.zeros((), device=mask.device)] * 2 if teacher is None
-                    else [((batch["sampler_logprobs"] - teacher) * mask).sum(), (teacher * mask).sum()])
+                    else [((old_logprobs - teacher) * mask).sum(), (teacher * mask).sum()])
     ratio = torch.where(mask > 0, gap.detach().clamp(max=grpo_math.LOG_RATIO_CLAMP).exp(), 0.0)  # pi_old / pi_sampler
     stats = torch.stack([(kl * mask).sum(), (entropy * mask).sum(), (clipped * mask).sum(), mask.sum(),
                          gap.abs().sum(), (rollout_kl * mask).sum().float(), *teacher_sums, ratio.sum(),
@@ -215,8 +216,8 @@ def check_teacher_tokenizer(config, tokenizer) -> None:
 class Teacher:
     """On-policy distillation's teacher (`grpo.teacher`): a frozen dense model with the policy's tokenizer, built at the
     policy's parallel layout (any size), forward only. Its log-prob of each sampled token enters that token's advantage
-    as `grpo.teacher_coef` x (log pi_teacher - log pi_sampler) (`distilled_advantages`): the per-token reverse KL of the
-    sampler to the teacher, negated, on the sampler's own samples. At one update per step its policy gradient is the
+    as `grpo.teacher_coef` x (log pi_teacher - log pi_old) (`distilled_advantages`): the per-token reverse KL of the
+    policy to the teacher, negated, on the sampler's samples. At one update per step its policy gradient is the
     gradient of that reverse KL (each token credited with its own term, as the Thinking Machines recipe), so it is not
     also offered as a loss term. A Mixture-of-Experts policy's routes are not replayed into it (another model)."""
 
@@ -248,13 +249,16 @@ class FrozenModels:
                    RewardModel(config, policy) if config.grpo.reward_model else None)
 
 
-def distilled_advantages(advantages: torch.Tensor, batch: dict, teacher_logprobs: torch.Tensor | None,
-                         settings: LossSettings) -> torch.Tensor:
+def distilled_advantages(advantages: torch.Tensor, mask: torch.Tensor, teacher_logprobs: torch.Tensor | None,
+                         old_logprobs: torch.Tensor, settings: LossSettings) -> torch.Tensor:
     """The group advantages [micro, 1] (of rewards `grpo.reward_weight` weighs); with a teacher's log-probs, them plus
-    `grpo.teacher_coef` x (log pi_teacher - log pi_sampler) on each trained token: [micro, seq] (`Teacher`)."""
+    `grpo.teacher_coef` x (log pi_teacher - log pi_old) on each trained token: [micro, seq] (`Teacher`). pi_old, the
+    policy before the step's update, not the sampler: the reverse KL of the policy being trained. They differ by the
+    rollout/training gap when synchronous; with stale rollouts (`grpo.max_staleness`) by the updates since, and the
+    sampler's term measured the distance of a policy already left (0 at steps sampled by the teacher's own weights)."""
     if teacher_logprobs is None:
         return advantages
-    return advantages + settings.teacher_coef * (teacher_logprobs - batch["sampler_logprobs"]) * batch["loss_mask"]
+    return advantages + settings.teacher_coef * (teacher_logprobs - old_logprobs) * mask
 
 
 def build_microbatches(step_batch: StepBatch, policy, frozen: FrozenModels, config, settings: LossSettings, device,
@@ -288,7 +292,7 @@ def build_microbatches(step_batch: StepBatch, policy, frozen: FrozenModels, conf
         if frozen.teacher is not None:
             with timer.phase("teacher"):
                 batch["teacher_logprobs"] = frozen.teacher.logprobs(batch, temperature)  # [micro, seq]; None: not last stage
-        batch["advantages"] = distilled_advantages(advantages, batch, batch.get("teacher_logprobs"), settings)
+        batch["advantages"] = advantages  # a teacher's term is added per token in the loss (`distilled_advantages`)
         microbatches.append(batch)
     return microbatches, step_len
 

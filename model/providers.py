@@ -3,6 +3,7 @@ imported objects frozen out of the collector's sight), the layer spec chosen (`m
 sizes, Mixture-of-Experts routing and the fusions a machine without Transformer Engine cannot run.
 """
 
+import collections
 import functools
 import gc
 import importlib
@@ -239,6 +240,42 @@ def disable_fusions_needing_transformer_engine(provider) -> None:
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
     bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def saved_dtype(out_dir: Path) -> str | None:
+    """The floating-point dtype most of a Hugging Face checkpoint's tensors are saved in, from its first safetensors
+    file's header (None when it has none)."""
+    files = sorted(out_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    with files[0].open("rb") as stream:
+        header = json.loads(stream.read(int.from_bytes(stream.read(8), "little")))
+    counts = collections.Counter(SAFETENSORS_DTYPES[entry["dtype"]] for name, entry in header.items()
+                                 if name != "__metadata__" and entry["dtype"] in SAFETENSORS_DTYPES)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def declare_saved_dtype(out_dir: str | Path) -> None:
+    """Make the export's config.json name the dtype its tensors are saved in: Bridge keeps the source's, so a bf16
+    run's export said float32, and `dtype="auto"` loaders took twice the memory."""
+    config_path, dtype = Path(out_dir) / "config.json", saved_dtype(Path(out_dir))
+    config = json.loads(config_path.read_text())
+    if dtype is not None and config.get("dtype", config.get("torch_dtype")) != dtype:
+        config.update({key: dtype for key in ("dtype", "torch_dtype") if key in config or key == "dtype"})
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def keep_source_padding(out_dir: str | Path, source_dir: str | Path) -> None:
+    """No padding token in the export's tokenizer where its source had none: `build.load_tokenizer` pads with the end
+    token for the run, and saved, a collator that masks labels equal to `pad_token_id` would mask every end of turn."""
+    source, saved = Path(source_dir) / "tokenizer_config.json", Path(out_dir) / "tokenizer_config.json"
+    if source.is_file() and saved.is_file() and json.loads(source.read_text()).get("pad_token") is None:
+        settings = json.loads(saved.read_text())
+        if settings.pop("pad_token", None) is not None:
+            saved.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def declare_end_ids(out_dir: str | Path, end_ids: tuple[int, ...]) -> None:

@@ -26,7 +26,7 @@ from config import outputs
 from config.errors import UserError
 from config.hf import CAUSAL, CLASSIFIER, architecture as hf_architecture, is_classifier as hf_is_classifier, read_hf_config
 from model.policy import Policy
-from model.providers import export_hf
+from model.providers import declare_saved_dtype, export_hf
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ class Classifier(Policy):
         if is_main:
             self.tokenizer.save_pretrained(directories[outputs.HF])
             write_classifier(Path(directories[outputs.HF]), weight, self.tokenizer.pad_token_id)
+            declare_saved_dtype(directories[outputs.HF])
 
     def exports(self) -> tuple[str, ...]:
         return (outputs.HF,)

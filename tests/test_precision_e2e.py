@@ -141,6 +141,12 @@ def test_bf16_with_distributed_optimizer_tracks_fp32(runs):
     assert len(run.losses) == 10
     assert worst_relative_difference(run.losses, runs["ddp_fp32"].losses) < BF16_RELATIVE_TOLERANCE
     completed(run)
+    # The export's config.json names the dtype its tensors are saved in (it kept the source's float32).
+    from model.providers import saved_dtype
+
+    for name, dtype in (("ddp_bf16_distributed_optimizer", "bfloat16"), ("ddp_fp32", "float32")):
+        exported = runs[name].out_dir / "hf"
+        assert saved_dtype(exported) == json.loads((exported / "config.json").read_text())["dtype"] == dtype
 
 
 def test_precision_aware_optimizer_trains_with_bf16_state(runs):

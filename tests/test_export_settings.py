@@ -1,0 +1,49 @@
+"""What the Hugging Face export says about itself: the dtype its tensors are saved in, and its tokenizer's padding as
+the source had it (`model.providers.declare_saved_dtype`, `keep_source_padding`; the runs' exports:
+tests/test_precision_e2e.py)."""
+
+import json
+
+import torch
+import transformers
+
+from model import build
+from model.providers import declare_saved_dtype, keep_source_padding, saved_dtype
+from model.tiny import ensure_tiny_checkpoint
+
+
+def test_the_exports_config_names_the_dtype_its_tensors_are_saved_in(tmp_path):
+    """Bridge keeps the source's config.json: a bf16 run's export said float32, and `dtype="auto"` loaded it at twice
+    the memory."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(ensure_tiny_checkpoint())
+    model.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dtype"] = "float32"  # as the source's said
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert saved_dtype(tmp_path) == "bfloat16"
+    declare_saved_dtype(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+
+
+def test_the_export_pads_only_where_its_source_did(tmp_path):
+    """A tokenizer without a padding token pads with its end token for the run; its export must not keep that (a
+    collator masking labels equal to pad_token_id would mask every end of turn). One with its own keeps it."""
+    source, export = tmp_path / "source", tmp_path / "export"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    assert tokenizer.pad_token is not None
+    tokenizer.save_pretrained(source)
+    settings = json.loads((source / "tokenizer_config.json").read_text())
+    kept = settings.pop("pad_token")
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"  # as Llama 3's (a Qwen2Tokenizer defaults its padding)
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+    loaded = build.load_tokenizer(source)
+    assert loaded.pad_token == loaded.eos_token  # the run's padding
+    loaded.save_pretrained(export)
+    keep_source_padding(export, source)
+    assert transformers.AutoTokenizer.from_pretrained(export).pad_token is None
+    with_padding = tmp_path / "with_padding"
+    tokenizer.save_pretrained(with_padding)
+    keep_source_padding(with_padding, ensure_tiny_checkpoint())
+    assert transformers.AutoTokenizer.from_pretrained(with_padding).pad_token == kept

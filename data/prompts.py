@@ -111,8 +111,7 @@ def held_out_split(data, load):
     except UserError as error:
         if data.eval_path:  # the loaders name data.path; here the file is data.eval_path's
             raise UserError(str(error).replace("data.path", "data.eval_path")) from None
-        log.warning("no held-out split found for %s: evaluation is skipped (set data.eval_path, or add test* files)",
-                    data.path)
+        log.warning("no held-out split found, so evaluation is skipped: %s", error)
         return None
 
 

@@ -481,6 +481,44 @@ def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
     assert load_rows(str(tmp_path), split="test") == test
 
 
+def test_split_folders_and_dev_files_keep_held_out_rows_out_of_training(tmp_path, caplog):
+    """Splits named by a folder (`train/part-0.jsonl`, `test/part-0.jsonl`) or by the hub's layout
+    (`data/train-00000-of-00001.parquet`) are read apart, and `dev`/`validation` files are held out: a split folder's
+    training split once read every file, test included, and a `dev.jsonl` beside `data.jsonl` was trained on."""
+    from data.prompts import held_out_split
+
+    def write(file: Path, rows: list[dict]) -> None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        if file.suffix == ".parquet":
+            datasets.Dataset.from_list(rows).to_parquet(str(file))
+        else:
+            file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    train, test = [{"question": "q", "answer": "a"}] * 2, [{"question": "held", "answer": "out"}]
+    write(tmp_path / "nested" / "train" / "part-0.jsonl", train)
+    write(tmp_path / "nested" / "test" / "part-0.jsonl", test)
+    write(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet", train)
+    write(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet", test)
+    for folder in ("nested", "hub"):
+        assert load_rows(str(tmp_path / folder)) == train
+        assert load_rows(str(tmp_path / folder), split="test") == test
+    # Without train* names the training split is every file not named after a held-out split, nor in such a folder.
+    write(tmp_path / "dev" / "data.jsonl", train)
+    write(tmp_path / "dev" / "dev.jsonl", test)
+    write(tmp_path / "dev" / "validation" / "part-0.jsonl", test)
+    write(tmp_path / "dev" / "devices.jsonl", train)  # "dev" only as a whole word
+    assert load_rows(str(tmp_path / "dev")) == train * 2
+    (tmp_path / "dev" / "devices.jsonl").unlink()  # a split's own name is a prefix: data.eval_split=dev reads it too
+    assert load_rows(str(tmp_path / "dev"), split="dev") == test
+    with pytest.raises(UserError, match=r"has no test split: none of its files, nor a folder they are in, is named "
+                                        r"test\*; dev.jsonl is named after a held-out split: data.eval_split=dev"):
+        load_rows(str(tmp_path / "dev"), split="test")
+    data = types.SimpleNamespace(path=str(tmp_path / "dev"), eval_path="", eval_split="test")
+    with caplog.at_level("WARNING"):
+        assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
+    assert "evaluation is skipped: data.path" in caplog.text and "data.eval_split=dev" in caplog.text
+
+
 def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     """A single file, or a folder without test* files, has no held-out split: evaluation is skipped with a warning
     (their rows were once read back as the "held-out" ones); `data.eval_path` names held-out rows in any file."""
@@ -491,7 +529,7 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     folder.mkdir()
     for file in (tmp_path / "rows.jsonl", folder / "part-0.jsonl"):
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with pytest.raises(UserError, match="has no test split: none of its files is named test"):
+    with pytest.raises(UserError, match="has no test split: none of its files, nor a folder they are in, is named test"):
         load_rows(str(folder), split="test")
     assert load_rows(str(folder)) == rows
     # Without train* files the training split is every file but the held-out ones, and never a hidden copy.

@@ -463,6 +463,29 @@ def test_data_smaller_than_one_global_batch_names_the_key():
         BatchSchedule(7, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
 
 
+def test_the_start_up_data_line_says_how_many_rows_each_epoch_leaves_out(tokenizer, tmp_path, caplog):
+    """100 examples at train.global_batch_size=64 train on 64 an epoch: the data line says 36 are left out (it said
+    nothing); a global batch that divides the examples adds nothing. The schedule itself is unchanged."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"}) + "\n"
+                            for index in range(100)))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(rows), False, 64
+    with caplog.at_level("INFO"):
+        assert len(load_data(config, tokenizer, data_parallel_size=1).train) == 100
+    assert ("100 samples used; 100 of 100 rows used, 0 dropped (none), 0 truncated; 36 rows an epoch are left out "
+            "(reshuffled each epoch): an epoch trains on 64, whole batches of train.global_batch_size=64") in caplog.text
+    caplog.clear()
+    config.train.global_batch_size = 50
+    with caplog.at_level("INFO"):
+        load_data(config, tokenizer, data_parallel_size=1)
+    assert "100 samples used" in caplog.text and "left out" not in caplog.text
+    assert BatchSchedule(100, 64, 32, 0, 1, seed=0).batches_per_epoch == 1
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 

@@ -486,6 +486,43 @@ def test_the_start_up_data_line_says_how_many_rows_each_epoch_leaves_out(tokeniz
     assert BatchSchedule(100, 64, 32, 0, 1, seed=0).batches_per_epoch == 1
 
 
+def test_a_held_out_set_smaller_than_the_data_parallel_size_is_a_warning_naming_the_file(tokenizer, tmp_path, caplog):
+    """Trimming the held-out rows to a multiple of the data-parallel size once emptied them without a word, and
+    SFT's and GRPO's evaluation did nothing; now one warning names the file, train.eval_samples and the DP size,
+    and a trim that keeps some rows says how many it dropped."""
+    from config.loops import SFTConfig
+    from data.prompts import trim_for_data_parallel
+    from trainer.sft import load_data
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                + "\n" for index in range(64)))
+    (folder / "test.jsonl").write_text(json.dumps({"question": "1 + 1", "answer": "#### 2"}) + "\n")
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(folder), False, 64
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=2)
+    assert data.eval == [] and data.eval_prompts == []
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warnings == [f"nothing is evaluated: `{folder}` (test) gives held-out rows: 1 (train.eval_samples=100), fewer "
+                        f"than the data-parallel size 2, and every rank scores an equal share; give `{folder}` (test) at "
+                        "least 2 rows, or use fewer data-parallel ranks"]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert trim_for_data_parallel(list(range(10)), 5, 4, "`held.jsonl` (test)") == [0, 1, 2, 3]
+        assert trim_for_data_parallel(list(range(10)), 1, 4, "`held.jsonl` (test)") == []
+        assert trim_for_data_parallel(list(range(10)), 8, 4, "`held.jsonl` (test)") == list(range(8))
+        assert trim_for_data_parallel(list(range(10)), 0, 4, "`held.jsonl` (test)") == []  # no evaluation asked for
+        assert trim_for_data_parallel(list(range(1)), 8, 4) == []  # a second trim of the same rows: silent
+    assert [record.getMessage() for record in caplog.records] == [
+        "held-out `held.jsonl` (test): 4 of its 5 rows are evaluated (train.eval_samples=5), a multiple of the "
+        "data-parallel size 4 so that every rank scores an equal share",
+        "nothing is evaluated: `held.jsonl` (test) gives held-out rows: 1 (train.eval_samples=1), fewer than the "
+        "data-parallel size 4, and every rank scores an equal share; raise train.eval_samples to at least 4, or use "
+        "fewer data-parallel ranks"]
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 

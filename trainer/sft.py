@@ -50,7 +50,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
 
     train, _ = examples(data.path, data.train_split, training=True)
     held_out = prompt_data.held_out_split(data, examples) or ([], [])
-    eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size)
+    eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size,
+                                                       prompt_data.held_out_source(data))
     eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)
     eval_prompts = prompt_data.prompts_from_conversations(eval_conversations, tokenizer)
     # The default reward grades GSM8K-style `#### N` answers; references without one leave nothing to grade.

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 
 from config.errors import UserError
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
@@ -86,21 +87,44 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
                         ) from error
 
 
-HELD_OUT_SPLITS = ("test", "eval", "valid")  # names of files a folder's training split never reads
+# A folder's training split never reads a file named after a held-out split, or one in a folder so named: names
+# starting with test, eval or valid, and dev or val as a whole word (`dev.jsonl`, `val-00000.parquet`, not
+# `devices.jsonl`), the hub's datasets library's names for test and validation files.
+HELD_OUT_NAME = re.compile(r"test|eval|valid|(dev|val)(?![a-zA-Z])")
+
+
+def split_names(file: pathlib.Path, folder: pathlib.Path) -> list[str]:
+    """The names that say which split a file of `folder` is in: the folders between them, and its own name less the
+    suffix (`train/part-0.jsonl`: train and part-0; the hub's `data/train-00000-of-00001.parquet`: data and train-...)."""
+    relative = file.relative_to(folder)
+    return [*relative.parts[:-1], relative.stem]
 
 
 def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
-    named after `split`; for the training split, when none is, every file not named after a held-out split. A folder
-    without files of a held-out split has no such split: a UserError."""
+    named after `split`, or in a folder so named; for the training split, when none is, every file not named after a
+    held-out split (`HELD_OUT_NAME`), nor in a folder so named. A folder without files of a held-out split has no
+    such split: a UserError."""
+    if not path.is_dir():
+        return read_files(path, [path])
     files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS
-                   and not any(part.startswith(".") for part in file.relative_to(path).parts)) if path.is_dir() else [path]
-    # A folder holding train.jsonl and test.jsonl must not mix the two splits, and a folder of training files alone
-    # must not pass them off as held-out ones.
-    named = [file for file in files if file.stem.startswith(split)]
-    if path.is_dir() and files and not named and held_out:
-        raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files is named {split}*.")
-    files = named or [file for file in files if not file.stem.startswith(HELD_OUT_SPLITS)] or files
+                   and not any(part.startswith(".") for part in file.relative_to(path).parts))
+    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
+    # folder of training files alone must not pass them off as held-out ones.
+    named = [file for file in files if any(name.startswith(split) for name in split_names(file, path))]
+    if files and not named and held_out:
+        others = {str(file.relative_to(path)): match.group(0) for file in files for name in split_names(file, path)
+                  if (match := HELD_OUT_NAME.match(name))}
+        hint = "".join(f"; {other} is named after a held-out split: data.eval_split={name} evaluates on it"
+                       for other, name in list(others.items())[:1])
+        raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
+                        f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
+    training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
+    return read_files(path, named or training or files)
+
+
+def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
+    """The rows of local data files of one format (`path`: the file or folder data.path names, for the errors)."""
     formats = {LOCAL_FORMATS.get(file.suffix) for file in files}
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "

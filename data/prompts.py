@@ -111,11 +111,31 @@ def held_out_split(data, load):
     except UserError as error:
         if data.eval_path:  # the loaders name data.path; here the file is data.eval_path's
             raise UserError(str(error).replace("data.path", "data.eval_path")) from None
-        log.warning("no held-out split found for %s: evaluation is skipped (set data.eval_path, or add test* files)",
-                    data.path)
+        log.warning("no held-out split found, so evaluation is skipped: %s", error)
         return None
 
 
-def trim_for_data_parallel(items: list, limit: int, data_parallel_size: int) -> list:
-    """At most `limit` items, a multiple of the data-parallel size, so every rank scores an equal share."""
-    return items[: min(limit, len(items)) // data_parallel_size * data_parallel_size]
+def held_out_source(data) -> str:
+    """The held-out rows' file and split, as warnings name them (`data.eval_path`, else `data.path`)."""
+    return f"`{data.eval_path or data.path}` ({data.eval_split})"
+
+
+def trim_for_data_parallel(items: list, limit: int, data_parallel_size: int, source: str | None = None) -> list:
+    """At most `limit` items, a multiple of the data-parallel size, so every rank scores an equal share.
+
+    When the rounding down drops rows it says so, naming the held-out rows' `source`, and a warning says that
+    nothing is evaluated when it drops them all (None: silent, for a second trim of the same rows)."""
+    wanted = min(limit, len(items))
+    kept = items[: wanted // data_parallel_size * data_parallel_size]
+    if source is None or len(kept) == wanted:
+        return kept
+    if not kept:
+        needs = ([f"give {source} at least {data_parallel_size} rows"] if len(items) < data_parallel_size else []) + (
+            [f"raise train.eval_samples to at least {data_parallel_size}"] if limit < data_parallel_size else [])
+        log.warning("nothing is evaluated: %s gives held-out rows: %d (train.eval_samples=%d), fewer than the "
+                    "data-parallel size %d, and every rank scores an equal share; %s, or use fewer data-parallel ranks",
+                    source, wanted, limit, data_parallel_size, " and ".join(needs))
+    else:
+        log.info("held-out %s: %d of its %d rows are evaluated (train.eval_samples=%d), a multiple of the data-parallel "
+                 "size %d so that every rank scores an equal share", source, len(kept), wanted, limit, data_parallel_size)
+    return kept

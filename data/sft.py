@@ -235,6 +235,16 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
 # --- order ------------------------------------------------------------------------------------
 
 
+def rows_left_out_note(num_examples: int, global_batch_size: int) -> str:
+    """The start-up data line's note on the rows each epoch leaves out (`BatchSchedule` takes whole global batches):
+    empty when the global batch size divides the examples."""
+    left_out = num_examples % global_batch_size
+    if num_examples < global_batch_size or not left_out:
+        return ""
+    return (f"; {left_out} rows an epoch are left out (reshuffled each epoch): an epoch trains on "
+            f"{num_examples - left_out}, whole batches of train.global_batch_size={global_batch_size}")
+
+
 class BatchSchedule:
     """Seeded, per-epoch reshuffled order of example indices, split into this data-parallel rank's microbatches.
 
@@ -248,7 +258,8 @@ class BatchSchedule:
         self.micro_batch_size, self.dp_rank, self.dp_size, self.seed = micro_batch_size, dp_rank, dp_size, seed
         self.num_examples, self.global_batch_size = num_examples, global_batch_size
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
-        # The incomplete tail of each epoch is dropped so that every global batch is full.
+        # The incomplete tail of each epoch is dropped so that every global batch is full (the start-up data line
+        # says how many rows: `rows_left_out_note`).
         self.batches_per_epoch = num_examples // global_batch_size
         self.epoch, self.batches_consumed_in_epoch = 0, 0
         self.order_epoch, self.order = -1, []

@@ -463,6 +463,66 @@ def test_data_smaller_than_one_global_batch_names_the_key():
         BatchSchedule(7, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2, seed=0)
 
 
+def test_the_start_up_data_line_says_how_many_rows_each_epoch_leaves_out(tokenizer, tmp_path, caplog):
+    """100 examples at train.global_batch_size=64 train on 64 an epoch: the data line says 36 are left out (it said
+    nothing); a global batch that divides the examples adds nothing. The schedule itself is unchanged."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"}) + "\n"
+                            for index in range(100)))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(rows), False, 64
+    with caplog.at_level("INFO"):
+        assert len(load_data(config, tokenizer, data_parallel_size=1).train) == 100
+    assert ("100 samples used; 100 of 100 rows used, 0 dropped (none), 0 truncated; 36 rows an epoch are left out "
+            "(reshuffled each epoch): an epoch trains on 64, whole batches of train.global_batch_size=64") in caplog.text
+    caplog.clear()
+    config.train.global_batch_size = 50
+    with caplog.at_level("INFO"):
+        load_data(config, tokenizer, data_parallel_size=1)
+    assert "100 samples used" in caplog.text and "left out" not in caplog.text
+    assert BatchSchedule(100, 64, 32, 0, 1, seed=0).batches_per_epoch == 1
+
+
+def test_a_held_out_set_smaller_than_the_data_parallel_size_is_a_warning_naming_the_file(tokenizer, tmp_path, caplog):
+    """Trimming the held-out rows to a multiple of the data-parallel size once emptied them without a word, and
+    SFT's and GRPO's evaluation did nothing; now one warning names the file, train.eval_samples and the DP size,
+    and a trim that keeps some rows says how many it dropped."""
+    from config.loops import SFTConfig
+    from data.prompts import trim_for_data_parallel
+    from trainer.sft import load_data
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                + "\n" for index in range(64)))
+    (folder / "test.jsonl").write_text(json.dumps({"question": "1 + 1", "answer": "#### 2"}) + "\n")
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(folder), False, 64
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=2)
+    assert data.eval == [] and data.eval_prompts == []
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warnings == [f"nothing is evaluated: `{folder}` (test) gives held-out rows: 1 (train.eval_samples=100), fewer "
+                        f"than the data-parallel size 2, and every rank scores an equal share; give `{folder}` (test) at "
+                        "least 2 rows, or use fewer data-parallel ranks"]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert trim_for_data_parallel(list(range(10)), 5, 4, "`held.jsonl` (test)") == [0, 1, 2, 3]
+        assert trim_for_data_parallel(list(range(10)), 1, 4, "`held.jsonl` (test)") == []
+        assert trim_for_data_parallel(list(range(10)), 8, 4, "`held.jsonl` (test)") == list(range(8))
+        assert trim_for_data_parallel(list(range(10)), 0, 4, "`held.jsonl` (test)") == []  # no evaluation asked for
+        assert trim_for_data_parallel(list(range(1)), 8, 4) == []  # a second trim of the same rows: silent
+    assert [record.getMessage() for record in caplog.records] == [
+        "held-out `held.jsonl` (test): 4 of its 5 rows are evaluated (train.eval_samples=5), a multiple of the "
+        "data-parallel size 4 so that every rank scores an equal share",
+        "nothing is evaluated: `held.jsonl` (test) gives held-out rows: 1 (train.eval_samples=1), fewer than the "
+        "data-parallel size 4, and every rank scores an equal share; raise train.eval_samples to at least 4, or use "
+        "fewer data-parallel ranks"]
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 
@@ -481,6 +541,44 @@ def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
     assert load_rows(str(tmp_path), split="test") == test
 
 
+def test_split_folders_and_dev_files_keep_held_out_rows_out_of_training(tmp_path, caplog):
+    """Splits named by a folder (`train/part-0.jsonl`, `test/part-0.jsonl`) or by the hub's layout
+    (`data/train-00000-of-00001.parquet`) are read apart, and `dev`/`validation` files are held out: a split folder's
+    training split once read every file, test included, and a `dev.jsonl` beside `data.jsonl` was trained on."""
+    from data.prompts import held_out_split
+
+    def write(file: Path, rows: list[dict]) -> None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        if file.suffix == ".parquet":
+            datasets.Dataset.from_list(rows).to_parquet(str(file))
+        else:
+            file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    train, test = [{"question": "q", "answer": "a"}] * 2, [{"question": "held", "answer": "out"}]
+    write(tmp_path / "nested" / "train" / "part-0.jsonl", train)
+    write(tmp_path / "nested" / "test" / "part-0.jsonl", test)
+    write(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet", train)
+    write(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet", test)
+    for folder in ("nested", "hub"):
+        assert load_rows(str(tmp_path / folder)) == train
+        assert load_rows(str(tmp_path / folder), split="test") == test
+    # Without train* names the training split is every file not named after a held-out split, nor in such a folder.
+    write(tmp_path / "dev" / "data.jsonl", train)
+    write(tmp_path / "dev" / "dev.jsonl", test)
+    write(tmp_path / "dev" / "validation" / "part-0.jsonl", test)
+    write(tmp_path / "dev" / "devices.jsonl", train)  # "dev" only as a whole word
+    assert load_rows(str(tmp_path / "dev")) == train * 2
+    (tmp_path / "dev" / "devices.jsonl").unlink()  # a split's own name is a prefix: data.eval_split=dev reads it too
+    assert load_rows(str(tmp_path / "dev"), split="dev") == test
+    with pytest.raises(UserError, match=r"has no test split: none of its files, nor a folder they are in, is named "
+                                        r"test\*; dev.jsonl is named after a held-out split: data.eval_split=dev"):
+        load_rows(str(tmp_path / "dev"), split="test")
+    data = types.SimpleNamespace(path=str(tmp_path / "dev"), eval_path="", eval_split="test")
+    with caplog.at_level("WARNING"):
+        assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
+    assert "evaluation is skipped: data.path" in caplog.text and "data.eval_split=dev" in caplog.text
+
+
 def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     """A single file, or a folder without test* files, has no held-out split: evaluation is skipped with a warning
     (their rows were once read back as the "held-out" ones); `data.eval_path` names held-out rows in any file."""
@@ -491,7 +589,7 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     folder.mkdir()
     for file in (tmp_path / "rows.jsonl", folder / "part-0.jsonl"):
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with pytest.raises(UserError, match="has no test split: none of its files is named test"):
+    with pytest.raises(UserError, match="has no test split: none of its files, nor a folder they are in, is named test"):
         load_rows(str(folder), split="test")
     assert load_rows(str(folder)) == rows
     # Without train* files the training split is every file but the held-out ones, and never a hidden copy.

@@ -40,7 +40,8 @@ def load_data(config, tokenizer, data_parallel_size: int) -> RMData:
     micro-batches on every data-parallel rank."""
     data = config.data
     train, report = preferences.load_pairs(data.path, data.train_split, data, tokenizer)
-    log.info("pairs %s (train): %d used; %s", data.path, len(train), report.summary())
+    log.info("pairs %s (train): %d used; %s%s", data.path, len(train), report.summary(),
+             sft_data.rows_left_out_note(len(train), config.train.global_batch_size))
     held_out = []
     if config.train.eval_samples:
         loaded = preferences.held_out_pairs(data, tokenizer)

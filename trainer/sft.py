@@ -37,19 +37,21 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     """Every user error in the data is raised here, before a model is built."""
     data = config.data
 
-    def examples(path: str, split: str):
+    def examples(path: str, split: str, training: bool = False):
         rows = conversation_data.load_split(data, path, split, sft_targets=True)
         conversations, report = conversation_data.to_conversations(
             rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None,
         source=f"`{path}` ({split})")
         built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
                                          process.cache_dir() if data.cache else None)
-        log.info("data %s (%s): %d samples used; %s", path, split, len(built), report.summary())
+        left_out = sft_data.rows_left_out_note(len(built), config.train.global_batch_size) if training else ""
+        log.info("data %s (%s): %d samples used; %s%s", path, split, len(built), report.summary(), left_out)
         return built, conversations
 
-    train, _ = examples(data.path, data.train_split)
+    train, _ = examples(data.path, data.train_split, training=True)
     held_out = prompt_data.held_out_split(data, examples) or ([], [])
-    eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size)
+    eval_examples = prompt_data.trim_for_data_parallel(held_out[0], config.train.eval_samples, data_parallel_size,
+                                                       prompt_data.held_out_source(data))
     eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)
     eval_prompts = prompt_data.prompts_from_conversations(eval_conversations, tokenizer)
     # The default reward grades GSM8K-style `#### N` answers; references without one leave nothing to grade.

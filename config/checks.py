@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from config import sections
+from config.checkpoint_shape import check_rope_scaling, check_shape_settings
 from config.errors import UserError
 from config.hf import architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
@@ -55,43 +56,32 @@ def value_of(config, dotted: str):
     return getattr(getattr(config, section), name)
 
 
-SHAPE_SETTINGS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "hidden_size", "intermediate_size",
-                  "vocab_size", "head_dim")
-
-
-def check_shape_settings(hf: dict, name: str) -> None:
-    """A checkpoint's config.json (`hf`, of the `name` model) names an architecture transformers knows, and gives its
-    shape as positive whole numbers (a damaged or hand-edited file raised deep in the build: a division by zero, or
-    transformers' retries "due to network issues")."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    model_type = hf.get("model_type")
-    require(model_type in CONFIG_MAPPING_NAMES,
-            f"The {name}'s config.json names `model_type` {model_type!r}, which this transformers does not know (it "
-            "knows llama, mistral, qwen2, qwen3, qwen3_moe, ...). Fix its config.json, or point at a checkpoint of a "
-            "family in docs/models.md.")
-    for setting in SHAPE_SETTINGS:
-        value = hf.get(setting)
-        require(value is None or (type(value) is int and value > 0),
-                f"The {name}'s config.json gives `{setting}` as {value!r}, not a positive whole number. Fix its "
-                "config.json (a damaged copy, or a hand edit), or point at another checkpoint.")
-
-
 class ModelChecks:
     """The parallel layout against the model and the machine, the model's settings, MoE routers, recomputation."""
 
     STARTS_FROM_A_CLASSIFIER = False  # `trainer.rm` takes a reward model's checkpoint as its start; the others do not
 
-    def check_layout_divides(self, hf: dict, name: str = "model") -> int:
-        """TP divides the heads of a checkpoint (its config.json `hf`; `name` says which), PP x VPP its layers; the
-        layers each model chunk holds."""
+    def check_layout_divides(self, hf: dict, name: str = "model", key: str = "model.path") -> int:
+        """TP divides the heads and the vocabulary of a checkpoint (its config.json `hf`; `name` says which, `key` where
+        it is set), PP x VPP its layers, and its rope settings are ones megatron-core reproduces; the layers each model
+        chunk holds."""
         parallel = self.parallel
         check_shape_settings(hf, name)
+        check_rope_scaling(hf, name, key)
         heads = hf.get("num_attention_heads", 1)
         kv_heads = hf.get("num_key_value_heads") or heads
         require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,
                  f"`parallel.tp={parallel.tp}` must divide the {name}'s {heads} attention heads and {kv_heads} key/value "
                  "heads. Change `--parallel.tp`.")
+        # Megatron-Bridge's providers leave `should_pad_vocab` off, so megatron-core splits config.json's vocab_size as
+        # it is over the tensor-parallel ranks (VocabParallelEmbedding and the output layer assert it divides).
+        vocab = hf.get("vocab_size")
+        require(not vocab or vocab % parallel.tp == 0,
+                 f"`parallel.tp={parallel.tp}` must divide the {name}'s vocabulary, {vocab} tokens (config.json's "
+                 "vocab_size): each tensor-parallel rank holds an equal slice of the embedding and the output layer, "
+                 "and the vocabulary is not padded. Change `--parallel.tp` to a divisor of "
+                 f"{vocab}, or point `--{key}` at a checkpoint whose embedding is resized to a multiple of it "
+                 f"(`model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of={parallel.tp})`, then `save_pretrained`).")
         layers = hf.get("num_hidden_layers", 1)
         require(layers % (parallel.pp * parallel.vpp) == 0,
                  f"`parallel.pp={parallel.pp}` x `parallel.vpp={parallel.vpp}` must divide the {name}'s {layers} layers.")

@@ -267,7 +267,7 @@ class GRPOConfig(TrainerConfig):
                      f"`--grpo.{key}` at a directory saved with `save_pretrained` (a run's `<train.out_dir>/hf`, for "
                      "one), or leave it empty.")
             hf = read_hf_config(Path(path), f"grpo.{key}")
-            self.check_layout_divides(hf, key.replace("_", " "))
+            self.check_layout_divides(hf, key.replace("_", " "), f"grpo.{key}")
             require(not hf_expert_count(hf),
                      f"`grpo.{key}={path}` is a Mixture-of-Experts model; it is built at the policy's parallel layout, "
                      f"which expert parallelism would have to match, and that is not supported: {role}, or leave "

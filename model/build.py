@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from config.errors import UserError
-from config.hf import check_tokenizer_files
+from config.checkpoint_shape import check_tokenizer_fits
+from config.hf import check_tokenizer_files, read_hf_config
 from config.sections import EMBEDDED_MODELS
 from model import lora, moe, parallel, rules, score_head as score_heads
 from model.policy import Policy
@@ -71,14 +72,16 @@ def eval_mode(model):
 
 
 def load_tokenizer(model_path: Path, key: str = "model.path"):
-    """The checkpoint's tokenizer (loaded before the model, so data errors come first); a directory without one is
-    refused naming `key`. One without a padding token (Llama 3's, Mistral's) pads with its end token, as TRL does:
+    """The checkpoint's tokenizer (loaded before the model, so data errors come first); a directory without one, or one
+    with ids past config.json's vocab_size (`check_tokenizer_fits`), is refused naming `key`. One without a padding token (Llama 3's, Mistral's) pads with its end token, as TRL does:
     padding is masked out of every loss, and a reward model scores each row's last token that is not padding, as
     transformers does with that `pad_token_id`."""
     import transformers
 
     check_tokenizer_files(model_path, key)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    if (Path(model_path) / "config.json").is_file():  # a tokenizer saved alone has no vocabulary size to fit
+        check_tokenizer_fits(tokenizer, read_hf_config(model_path, key), model_path, key)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"The tokenizer of `{model_path}` has neither a padding token nor an end token to pad "

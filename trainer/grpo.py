@@ -73,6 +73,7 @@ functions of (train.seed, step), so N steps + resume + N steps repeat 2N straigh
 import dataclasses
 import functools
 import os
+from pathlib import Path
 
 from ckpt import checkpoint
 from config import cli, process
@@ -123,6 +124,8 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     """(tokenizer, episode sampler, train prompts, held-out prompts), the chat template checked against the tools."""
     tokenizer = build.load_tokenizer(model_path)
     check_teacher_tokenizer(config, tokenizer)
+    if config.grpo.reward_model:  # its tokenizer's checks now, before any model is built (RewardModel loads it again)
+        build.load_tokenizer(Path(config.grpo.reward_model), "grpo.reward_model")
     end_ids = generate.end_token_ids(model_path, tokenizer)
     if toolset is not None:
         tool_text.check_template(tokenizer, toolset.schemas, tool_text.end_texts(tokenizer, end_ids))

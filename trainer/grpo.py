@@ -91,7 +91,9 @@ def validated_world_size(config) -> int:
     when that runs first) passed every check that needs no model."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
-    tool_data.check_turn_fits_collective_timeout(config, world_size)
+    # The trainers' turns (rollouts, or with rollout processes the held-out evaluation) wait on collectives; a rollout
+    # process's wait on the link is its own (`model.link.WAIT`).
+    tool_data.check_turn_fits_collective_timeout(config, world_size - config.grpo.rollout_processes)
     if config.starts_from_default_sft():
         default_start.validate(world_size, config.model.path, config.data)
     return world_size - config.grpo.rollout_processes

@@ -37,9 +37,6 @@ ROPE_TYPES_CARRIED = {"llama": ("default", "llama3", "linear", "yarn"), "qwen2":
 # LlamaBridge passes only a llama3 scaling's `factor`; megatron-core's RotaryEmbedding._apply_scaling hard-codes the rest
 # (Llama 3.1's and 3.2's own values).
 LLAMA3_FIXED = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
-# transformers' defaults for yarn settings a config may leave out; Bridge passes only those written, and megatron-core
-# then fails (no betas) or does not round the correction range as transformers does (no truncate).
-YARN_WRITTEN = {"beta_fast": 32, "beta_slow": 1, "truncate": True}
 
 
 def rope_settings(hf: dict) -> dict:
@@ -69,13 +66,8 @@ def rope_mismatch(hf: dict) -> str | None:
         if settings.get("attention_factor") is not None:
             return ("yarn scaling with `attention_factor`, which Megatron-Bridge does not pass: megatron-core "
                     "computes its own from `factor`, `mscale` and `mscale_all_dim`")
-        missing = [key for key in ("factor", *YARN_WRITTEN) if settings.get(key) is None]
-        if missing:
-            return (f"yarn scaling without {', '.join(f'`{key}`' for key in missing)}: Megatron-Bridge passes only "
-                    "the settings written, and megatron-core has no default for `factor` and the betas (its build "
-                    "fails) and does not round the correction range without `truncate`, as transformers does. Write "
-                    f"transformers' defaults ({', '.join(f'{key}={value}' for key, value in YARN_WRITTEN.items())}) "
-                    "where that is how the model was trained")
+        if settings.get("factor") is None:  # the betas and truncate take transformers' defaults (`fill_yarn_defaults`)
+            return "yarn scaling without `factor`, which transformers and megatron-core both need"
     return None
 
 
@@ -88,7 +80,7 @@ def check_rope_scaling(hf: dict, name: str, key: str) -> None:
             "model would rotate its queries and keys with other frequencies than its config says (and than "
             f"transformers uses), and its export would disagree with what was trained. Point `--{key}` at another "
             "checkpoint, or correct the rope settings in its config.json. Reproduced: no scaling; yarn (every family "
-            "but Mistral) with factor, beta_fast, beta_slow and truncate written; for Llama also linear, and llama3 "
+            "but Mistral) with its factor; for Llama also linear, and llama3 "
             "with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (docs/models.md).")
 
 

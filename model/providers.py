@@ -136,6 +136,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider)
+    fill_yarn_defaults(provider)
     # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
     # set it routes as without, so it costs nothing until GRPO records or replays routes.
     provider.moe_enable_routing_replay = bool(getattr(provider, "num_moe_experts", None))
@@ -175,6 +176,22 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     keep_routes_visible(provider)
     provider.finalize()
     return provider
+
+
+# transformers' values for yarn settings a config.json may leave out (Qwen's published yarn snippet gives only `factor`
+# and `original_max_position_embeddings`): Megatron-Bridge passes on only those written, and megatron-core has no
+# default for the betas (its build fails) and does not round the correction range unless told to, as transformers does.
+YARN_DEFAULTS = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
+
+
+def fill_yarn_defaults(provider) -> None:
+    """A yarn-scaled model's settings its config.json left out, as transformers reads them (`YARN_DEFAULTS`), so that
+    megatron-core rotates as transformers does (tests/test_checkpoint_shape.py compares the tables)."""
+    if getattr(provider, "position_embedding_type", None) != "yarn":
+        return
+    for key, value in YARN_DEFAULTS.items():
+        if getattr(provider, key, None) is None:
+            setattr(provider, key, value)
 
 
 def keep_routes_visible(provider) -> None:

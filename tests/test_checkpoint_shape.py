@@ -7,13 +7,14 @@ import shutil
 
 import pytest
 
-from config.checkpoint_shape import LLAMA3_FIXED, YARN_WRITTEN, rope_mismatch
+from config.checkpoint_shape import LLAMA3_FIXED, rope_mismatch
 from config.errors import UserError
 from config.loops import GRPOConfig, SFTConfig
 from model import build
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, **LLAMA3_FIXED}
 QWEN_YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN_WRITTEN = {"beta_fast": 32, "beta_slow": 1, "truncate": True}  # transformers' defaults, written out
 
 
 def tiny_copy(tmp_path, **config_changes):
@@ -88,7 +89,8 @@ def test_a_vocabulary_tensor_parallelism_does_not_divide_is_refused():
     ("qwen2", {"rope_type": "llama3", "factor": 8.0, **LLAMA3_FIXED}, "'llama3', which .* for a qwen2 checkpoint"),
     ("qwen2", {"rope_type": "linear", "factor": 4.0}, "'linear', which"),
     ("qwen3", {**QWEN_YARN, **YARN_WRITTEN}, None),
-    ("qwen3", QWEN_YARN, "without `beta_fast`, `beta_slow`, `truncate`"),
+    ("qwen3", QWEN_YARN, None),  # Qwen's published snippet: the betas and truncate take transformers' defaults
+    ("qwen2", {"rope_type": "yarn", "original_max_position_embeddings": 32768}, "yarn scaling without `factor`"),
     ("qwen3_moe", {**QWEN_YARN, **YARN_WRITTEN, "attention_factor": 1.0}, "with `attention_factor`"),
     ("mistral", {**QWEN_YARN, **YARN_WRITTEN}, "'yarn', which .* for a mistral checkpoint"),
     ("qwen2", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "'longrope'"),
@@ -125,6 +127,7 @@ ROPE_CASES = [LLAMA31_ROPE, {**LLAMA31_ROPE, "factor": 32.0}, {**LLAMA31_ROPE, "
               {**QWEN_YARN, **YARN_WRITTEN}, {**QWEN_YARN, **YARN_WRITTEN, "truncate": False},
               {**QWEN_YARN, **YARN_WRITTEN, "mscale": 0.707, "mscale_all_dim": 1.0},
               {**QWEN_YARN, "beta_fast": 32, "beta_slow": 1}, {**QWEN_YARN, **YARN_WRITTEN, "attention_factor": 1.0},
+              QWEN_YARN, {**QWEN_YARN, "beta_fast": 16},
               {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
                "original_max_position_embeddings": 4096}]
 
@@ -140,14 +143,15 @@ def rotary_tables(family: str, rope: dict, directory, monkeypatch, positions: in
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    from model.providers import auto_bridge
+    from model.providers import auto_bridge, fill_yarn_defaults
 
     config_class, model_class = FAMILY_CLASSES[family]
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
     config = getattr(transformers, config_class)(
         hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         vocab_size=64, max_position_embeddings=131072, head_dim=64, rope_parameters=dict(rope), **experts)
-    getattr(transformers, model_class)(config).save_pretrained(directory)
+    config.architectures = [model_class]
+    config.save_pretrained(directory)  # the config alone: no weights are read for the provider
     module = sys.modules[getattr(transformers, model_class).__module__]
     rotary = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
     reference, _ = rotary(transformers.AutoConfig.from_pretrained(directory))(
@@ -155,6 +159,7 @@ def rotary_tables(family: str, rope: dict, directory, monkeypatch, positions: in
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # the rotary modules move their tables there
     try:
         provider = auto_bridge(directory).to_megatron_provider(load_weights=False)
+        fill_yarn_defaults(provider)  # as `configure_provider` does
         common = dict(kv_channels=64, rotary_percent=provider.rotary_percent, rotary_base=provider.rotary_base,
                       seq_len_interpolation_factor=provider.seq_len_interpolation_factor, use_cpu_initialization=True)
         if provider.position_embedding_type == "yarn":
@@ -183,4 +188,4 @@ def test_the_rope_rule_matches_the_stack(tmp_path, monkeypatch):
             accepted = rope_mismatch({"model_type": family, "rope_parameters": rope}) is None
             outcomes[family, index] = (accepted, same)
     assert all(accepted == same for accepted, same in outcomes.values()), outcomes
-    assert sum(accepted for accepted, _ in outcomes.values()) == 6 + 3 * 3  # Llama 6, Qwen2/3/3-MoE 3 each, Mistral 0
+    assert sum(accepted for accepted, _ in outcomes.values()) == 9 + 3 * 6  # Llama 9, Qwen2/3/3-MoE 6 each, Mistral 0

@@ -72,10 +72,14 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
         gathered = {index: chunk for part in collectives.data_parallel_gather(chunks) for index, chunk in part.items()}
         rows = [row for index in sorted(gathered) for row in gathered[index][0]]
         if not rows:
+            right = sum(count for _, count in gathered.values())
             raise UserError(f"The embedded preference set needs completions of `{model_path}` both right and wrong by "
                             f"the {DEFAULT_REWARD} rule, and its {len(prompts) * samples} samples of the {split} prompts "
-                            "gave no such pair. Start from the default SFT's output (`--model.path outputs/sft/hf`), "
-                            "or point `--data.path` at your own preference pairs.")
+                            f"gave no such pair ({right} of them right): the model is "
+                            f"{'too little trained to answer any' if right == 0 else 'right on every prompt'}. Start "
+                            "from the default SFT's output after its full run (`--model.path outputs/sft/hf`, 600 steps; "
+                            "a run stopped early, with `--train.steps 3` say, answers nothing right), or point "
+                            "`--data.path` at your own preference pairs.")
         if runtime.is_main:
             right = sum(count for _, count in gathered.values())
             hard = sum(rewards.has_answer_format(row["rejected"][0]["content"]) for row in rows)

@@ -25,10 +25,11 @@ from ckpt.export import missing_exports, write_exports
 from ckpt.failures import bytes_in_words
 from ckpt.layout import checkpoint_dir
 from ckpt.publish import tree_bytes, clean_stale_saves, save
-from ckpt.resume import model_fingerprint, resolve_resume
+from ckpt.resume import model_fingerprint, resolve_resume, restore_metrics_row
 from ckpt.signals import STOP_FILE_VARIABLE, write_stop_file, catch_stop_signals
 from ckpt.state import estimated_save_bytes, uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
+from config import outputs
 from config.cli import to_dict
 from config.process import is_global_rank_zero
 from config.hf import read_hf_config
@@ -61,6 +62,7 @@ class Checkpointer:
         self.save_bytes = (0, "")  # what one save needs, and how that is known (`track`, then each save)
         self.background = BackgroundSaves() if config.ckpt.async_save else None
         self.slowest_step_s, self.last_save_s = 0.0, 0.0  # what a scheduler's stop warning must cover
+        self.row: dict | None = None  # the metrics row of the step being saved: it travels in the checkpoint
         if is_global_rank_zero():
             clean_stale_saves(self.directory)
 
@@ -104,6 +106,8 @@ class Checkpointer:
         state = load(self.resume_path, self.policy.chunks, self.policy.optimizer)
         for name, part in self.parts.items():
             part.load_state_dict(state.get(name))  # a part a checkpoint lacks (asynchronous GRPO's) says what it does
+        if is_global_rank_zero():
+            restore_metrics_row(Path(self.config.train.out_dir) / outputs.METRICS, state.get("metrics_row"))
         log.info("resumed from %s at step %d", self.resume_path, state["step"])
         return state["step"]
 
@@ -113,6 +117,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()  # a second save waits for the first
         state = {"step": step, "config": to_dict(self.config), "fingerprint": self.fingerprint,
+                 "metrics_row": dict(self.row) if (self.row or {}).get("step") == step else None,
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         self.policy.sync_parameters()  # with overlapped parameter gathering, the last step's gather may be in flight
         path = save(self.directory, step, self.policy.chunks, self.policy.optimizer, state, self.config.ckpt.keep_last,
@@ -130,14 +135,18 @@ class Checkpointer:
         if self.background is not None:
             self.background.finish(wait=True)
 
-    def maybe_save_or_export(self, step: int, step_seconds: float = 0.0) -> bool:
+    def maybe_save_or_export(self, step: int, row: dict | None = None) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export
         the model after the last; True: stop now (a stopped run exports nothing: it is resumed, not finished). A
         background save whose write has finished everywhere is published here; a run that stops waits for its last.
+        `row` is the step's metrics row (its `step_time_s` read here), saved with the checkpoint: the loop writes it
+        to metrics.jsonl after this returns, and a run that dies before then (in the export, or a save) gets it back
+        on resume (`resume`).
 
         Every way out of a loop passes through a save here, so no parameter gather is in flight at shutdown."""
         train = self.config.train
-        self.slowest_step_s = max(self.slowest_step_s, step_seconds)
+        self.row = row
+        self.slowest_step_s = max(self.slowest_step_s, (row or {}).get("step_time_s", 0.0))
         if self.background is not None:
             self.background.finish(wait=False)
         stop = self.preemption.agreed() or step == train.exit_interval

@@ -35,16 +35,26 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     _check_writable_directories(config)
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
-    if resume:
+    foreign = resume and _resumes_another_run(config, resume)
+    if resume and not foreign:
         return
     earlier = _earlier_run(config)
     if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
                for path in earlier):
         return
     if not config.train.overwrite_output_dir:
+        held = (f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
+                f"{', ...' if len(earlier) > 3 else ''})")
+        if foreign:
+            raise UserError(
+                f"{held}, and this run resumes from `{resume}`, a checkpoint outside its own `ckpt.dir` "
+                f"(`{checkpoint_dir(config)}`): it would mix the two runs' metrics and replace the earlier run's "
+                "checkpoints and export. Resume into the checkpoint's own run (its `--train.out_dir`), continue the "
+                "earlier run with `--resume-from-checkpoint latest`, write this one to a new `--train.out_dir`, or "
+                "replace the earlier run with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics "
+                "first).")
         raise UserError(
-            f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
-            f"{', ...' if len(earlier) > 3 else ''}), and this run would overwrite its checkpoints and metrics. Continue "
+            f"{held}, and this run would overwrite its checkpoints and metrics. Continue "
             "it with `--resume-from-checkpoint latest`, write this run elsewhere with a new `--train.out_dir`, or "
             "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
     _check_inputs_survive(config, earlier, "deletes first (`train.overwrite_output_dir=true`)")
@@ -55,6 +65,13 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def _resumes_another_run(config, resume: str) -> bool:
+    """Whether `--resume-from-checkpoint` names a checkpoint outside this run's own `ckpt.dir` (another run's, to
+    branch from): `latest` and a checkpoint of this run (moved with its `train.out_dir` or not) are this run's."""
+    path = Path(resume).expanduser()  # one that does not exist is said by `ckpt.resume.resolve_resume`
+    return resume != LATEST and path.exists() and not _inside(path, checkpoint_dir(config))
 
 
 def _check_writable_directories(config) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ckpt.layout import LATEST, SHARDED_DIR, STATE_FILE
+from config import outputs
 from config.errors import UserError
 from config.hf import hf_expert_count
 
@@ -84,6 +85,18 @@ def check_continued_settings(path: Path, saved_config: dict | None, current: dic
     if changed:
         log.info("resuming with settings changed from the checkpoint's (in effect from the next step): %s",
                  ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in changed.items()))
+
+
+def restore_metrics_row(path: Path, row: dict | None) -> None:
+    """Append the checkpoint's own step's metrics row (`Checkpointer.maybe_save_or_export` saves it) to metrics.jsonl
+    when that file lacks it: a run that died after the save and before writing the row (in the final export, or a save
+    it waited for) lost it for good, since a resume starts after that step. Global rank 0, before the metrics writer
+    keeps the rows up to the step and appends."""
+    rows = outputs.read_rows(path) if row is not None else []
+    if row is None or any(kept.get("step") == row.get("step") for kept in rows):
+        return
+    outputs.write_rows(path, [*rows, row])
+    log.info("metrics.jsonl: the row of step %d, written into the checkpoint but not the file, restored", row["step"])
 
 
 def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None,

@@ -311,3 +311,30 @@ def test_start_up_turns_tokenizer_parallelism_off_unless_the_user_set_it(monkeyp
     seen = []
     cli.run_cli(lambda argv: seen.append(os.environ["TOKENIZERS_PARALLELISM"]))
     assert seen == [users_value or "false"]
+
+
+def test_a_torn_last_row_is_left_out_and_the_checkpoints_row_comes_back(tmp_path, caplog):
+    """A metrics.jsonl whose last write was cut short (a kill, a full disk) made every resume fail with a
+    JSONDecodeError after the model's build; the torn line is left out with a warning, the kept rows are rewritten at
+    once (a kill there emptied the file), and the checkpoint's own row, saved with it, is appended when the file lacks
+    it (a run killed in its final export lost its last row for good)."""
+    import json
+
+    from ckpt.resume import restore_metrics_row
+    from config import outputs
+    from trainer.metrics import _continue_file
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "eval_loss": 2.0}\n{"step": 1, "loss": 1.5}\n{"step": 2, "loss": 1.25}\n{"step": 3, "lo')
+    with caplog.at_level("WARNING"):
+        assert [row["step"] for row in outputs.read_rows(path)] == [0, 1, 2]
+    assert "metrics.jsonl line 4 is not a whole row (a write cut short): left out" in caplog.text
+    restore_metrics_row(path, {"step": 2, "loss": 9.0})  # the file has it: unchanged
+    restore_metrics_row(path, {"step": 3, "loss": 1.0})
+    restore_metrics_row(path, None)  # a checkpoint from before rows were saved
+    with _continue_file(path, start_step=3) as stream:
+        stream.write(json.dumps({"step": 4, "loss": 0.5}) + "\n")
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 0, "eval_loss": 2.0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.25}, {"step": 3, "loss": 1.0},
+        {"step": 4, "loss": 0.5}]
+    assert not list(tmp_path.glob(".*writing"))

@@ -141,6 +141,35 @@ def test_overwrite_never_touches_the_inputs_and_deletes_every_output(tmp_path):
     assert sorted(path.name for path in run.iterdir()) == ["checkpoints"] and not list((run / "checkpoints").iterdir())
 
 
+def test_resuming_another_runs_checkpoint_into_a_run_is_refused_before_it_mixes_them(tmp_path):
+    """`--resume-from-checkpoint B/checkpoints/step_2` with `train.out_dir=A`, where A holds a run: it exited 0 having
+    cut A's metrics to B's rows and replaced A's `latest` and export. Refused (nothing touched); A's own checkpoint by
+    path, `latest`, a moved run and branching B into an empty directory go on; with the overwrite, A is replaced."""
+    from ckpt import checkpoint
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    finished_run(first)
+    finished_run(second)
+    foreign = str(second / "checkpoints" / "step_00000002")
+
+    def check(out_dir, resume: str, *extra: str) -> None:
+        config, _ = parse_args(SFTConfig, [f"--train.out_dir={out_dir}", *extra], "trainer.sft")
+        checkpoint.check_output_dir(config, resume, is_main=True)
+
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/a` holds an earlier run .* this run resumes from `.*/b/"
+                                        r"checkpoints/step_00000002`, a checkpoint outside its own `ckpt.dir`"):
+        check(first, foreign)
+    assert (first / "metrics.jsonl").is_file() and (first / "checkpoints" / "latest").is_file()
+    for resume in ("latest", str(first / "checkpoints" / "step_00000002"), str(first / "checkpoints")):
+        check(first, resume)  # the run's own
+    check(tmp_path / "branch", foreign)  # into an empty directory: a branch of B
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    check(moved, str(moved / "checkpoints" / "step_00000002"))
+    check(moved, foreign, "--train.overwrite_output_dir=true")
+    assert not (moved / "metrics.jsonl").exists() and (second / "metrics.jsonl").is_file()
+
+
 def test_a_malformed_generation_config_is_named_before_any_build(tmp_path):
     from model.generate import end_token_ids
     from model.tiny import ensure_tiny_checkpoint
@@ -196,6 +225,9 @@ def launches(default_sft, tmp_path_factory):
     shutil.copytree(default_sft, exported, ignore=shutil.ignore_patterns("hf"))
     (exported / ".partial-hf").mkdir()
     shutil.copy(default_sft / "hf" / "config.json", exported / ".partial-hf")
+    # Killed before the last step's row was written too (it is written after the save and the export).
+    rows = (exported / "metrics.jsonl").read_text().splitlines()
+    (exported / "metrics.jsonl").write_text("".join(line + "\n" for line in rows[:-1]))
     model = f"--model.path={default_sft / 'hf'}"
     # 16 prompts a step from a set of 10; no warmup, so the first step's updates already move the policy.
     ten = [model, f"--data.path={small}", "--train.global_batch_size=128", "--train.micro_batch_size=16",
@@ -291,6 +323,11 @@ def test_a_finished_run_whose_export_was_killed_writes_it_on_the_rerun(runs):
     assert (exported / "tokenizer.json").is_file()
     log = result(runs, "trainer.sft")["log"]
     assert "finished all" in log and "was not written (completely)" in log
+    # The last step's row, which the killed run never wrote, comes back from its checkpoint: all of it but the time
+    # its save took (measured after the row went into the checkpoint).
+    last, kept = metrics(runs["root"] / "sft")[-1], metrics(original.parent)[-1]
+    assert last == {key: value for key, value in kept.items() if key != "checkpoint_time_s"} and last["step"] == 600
+    assert "the row of step 600, written into the checkpoint but not the file, restored" in log
 
 
 @pytest.mark.distributed

@@ -245,7 +245,7 @@ def main(argv: list[str]):
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
             if config.train.evaluates_at(step) and eval_prompts:
                 row.update(metrics.timed("eval", evaluate, into=row))
-            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
+            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, row, into=row)
             writer.write(row)
             if config.train.logs_at(step):
                 writer.write_samples(step, sample_rows(step_batch, policy.tokenizer, config.grpo.n_samples, toolset))

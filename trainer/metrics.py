@@ -132,9 +132,8 @@ class MetricsWriter:
 def _continue_file(path: Path, start_step: int):
     """`path` opened for appending rows: a resumed run keeps the rows up to its checkpoint's step (those a stopped run
     wrote past it are replaced by the rerun's); a fresh run starts a new file."""
-    kept = [line for line in (path.read_text().splitlines() if path.exists() and start_step else [])
-            if json.loads(line)["step"] <= start_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [row for row in (outputs.read_rows(path) if start_step else []) if row.get("step", 0) <= start_step]
+    outputs.write_rows(path, kept)
     return open(path, "a")
 
 

@@ -4,7 +4,6 @@ Drawn by both loops when a run ends, and on demand by `scripts/plot_metrics.py R
 Agg canvas only: no display is needed.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -76,7 +75,7 @@ NOT_SMOOTHED = ("lr",)
 
 def read_rows(run_dir: Path) -> list[dict]:
     """The rows of `<run_dir>/metrics.jsonl`."""
-    return [json.loads(line) for line in (Path(run_dir) / outputs.METRICS).read_text().splitlines() if line.strip()]
+    return outputs.read_rows(Path(run_dir) / outputs.METRICS)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

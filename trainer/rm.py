@@ -216,7 +216,7 @@ def main(argv: list[str]):
             row = step_row(step, policy, sums, grad_norm, lr, microbatches, timer, schedule.epoch)
             if config.train.evaluates_at(step) and data.eval:
                 row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
-            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, timer.seconds, into=row)
+            stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, row, into=row)
             writer.write(row)
             if stop:
                 break

@@ -171,9 +171,15 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
                             f"Resume with `--{key}={was}`, or start a new `train.out_dir`.")
     saved = {**{key: fingerprint[key] for key in STATE_LAYOUT if key in fingerprint}, **saved}  # older checkpoints
     if saved != fingerprint:
-        raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: it has "
-                        f"{state.get('fingerprint')}, this run has {fingerprint}. Use the same `model.path` and "
-                        "`parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ).")
+        names = {"tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp"}
+        differs = [f"`{names.get(key, key)}={saved.get(key)}` (this run: {fingerprint.get(key)})"
+                   for key in names if saved.get(key) != fingerprint.get(key)]
+        differs += [f"the model's `{key}` {saved.get('model', {}).get(key)!r} (this run's: {value!r})"
+                    for key, value in fingerprint["model"].items() if (saved.get("model") or {}).get(key) != value]
+        raise UserError(f"Checkpoint `{path}` was saved for a different model or parallel layout: "
+                        f"{'; '.join(differs) or f'it has {saved}, this run has {fingerprint}'}. Use the same "
+                        "`model.path` and `parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ), or "
+                        "start a new `train.out_dir`.")
     check_continued_settings(path, state.get("config"), config)
     return path, state["step"]
 

@@ -101,11 +101,14 @@ def test_prune_keeps_the_newest_and_never_the_one_just_written(tmp_path):
     ("missing_path", "does not exist"),
     ("no_metadata", "is incomplete or corrupted: `{path}/model_and_optimizer/.metadata` is missing"),
     ("garbage_state", "cannot be read"),
-    ("other_model", "was saved for a different model or parallel layout"),
+    ("other_model", "was saved for a different model or parallel layout: the model's `hidden_size` 256 (this run's: "),
+    ("other_tp", "was saved for a different model or parallel layout: `parallel.tp=2` (this run: 1)."),
 ])
 def test_unusable_checkpoints_name_the_file(tmp_path, damage, expected):
     other = checkpoint.model_fingerprint({"model_type": "qwen2", "hidden_size": 256}, DDP_LAYOUT)
-    path = fake_checkpoint(tmp_path, 5, fingerprint=other if damage == "other_model" else FINGERPRINT)
+    if damage == "other_tp":
+        other = {**FINGERPRINT, "tp": 2}
+    path = fake_checkpoint(tmp_path, 5, fingerprint=other if damage.startswith("other") else FINGERPRINT)
     if damage == "missing_path":
         path = tmp_path / "step_99999999"
     elif damage == "no_metadata":

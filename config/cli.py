@@ -134,6 +134,10 @@ def parse_args(config_class, argv: list[str], program: str):
             position += 1
             value = argv[position]
         if name == "config":
+            if config_file is not None:
+                raise UserError(f"`--config` is given twice ({config_file} and {value}): the second would replace the "
+                                "first whole, not add to it. Give one `--config` (copy the recipe and merge the keys you "
+                                "want into one YAML file), or set the other recipe's keys on the command line.")
             config_file = value
         elif name == "resume-from-checkpoint":
             resume = value

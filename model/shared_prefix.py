@@ -34,7 +34,16 @@ def reason_not_shared(config, provider) -> str | None:
         return "the fused rotary kernel rotates by a token's index in its row"
     if provider.window_size is not None:
         return "sliding-window attention counts its window by a token's index in its row"
+    if getattr(provider, "num_moe_experts", None) and any(
+            _nonzero(getattr(provider, key, 0)) for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff")):
+        return ("a Mixture-of-Experts router's load-balancing or z-loss (model.moe_aux_loss_coeff, "
+                "model.moe_z_loss_coeff) would count each group's prompt tokens once, not once per completion")
     return None
+
+
+def _nonzero(coefficient) -> bool:
+    """Whether a megatron-core loss coefficient (a number, or one per loss type) weighs anything."""
+    return any(value for value in (coefficient if isinstance(coefficient, (list, tuple)) else [coefficient or 0]))
 
 
 @contextlib.contextmanager

@@ -246,3 +246,11 @@ def test_output_directories_that_are_files_or_empty_are_refused_before_any_work(
 def test_a_config_that_is_a_directory_is_said_as_such(tmp_path):
     with pytest.raises(UserError, match="is a directory, not a YAML file"):
         parse_args(SFTConfig, ["--config", str(tmp_path)], "trainer.sft")
+
+
+def test_a_second_config_is_refused_rather_than_replacing_the_first():
+    """`--config tools --config dapo` kept DAPO and dropped the tools without a word (and the other order the reverse)."""
+    with pytest.raises(UserError, match=r"`--config` is given twice \(tools and dapo\): the second would replace the first"):
+        parse_args(GRPOConfig, ["--config", "tools", "--config=dapo"], "trainer.grpo")
+    config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.dynamic_sampling=true"], "trainer.grpo")
+    assert config.grpo.tools and config.grpo.dynamic_sampling  # a recipe, and another's keys on the command line

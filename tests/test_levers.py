@@ -140,6 +140,12 @@ def test_prompts_are_shared_only_where_the_attention_takes_the_layout():
         "local", masked_softmax_fusion=True)
     assert "yarn" in reason(position_embedding_type="yarn") and reason(multi_latent_attention=True)
     assert "fused rotary" in reason(apply_rope_fusion=True) and "sliding-window" in reason(window_size=(4, 0))
+    # A Mixture-of-Experts router's losses count tokens: a shared prompt once, not once per completion (PP=2, which
+    # shares nothing, trained another model: grad_norm 1.1e-2 apart by step 3 at moe_aux_loss_coeff=1e-3).
+    assert reason(num_moe_experts=8, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None) is None  # GRPO's default
+    assert "load-balancing or z-loss" in reason(num_moe_experts=8, moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=None)
+    assert "load-balancing or z-loss" in reason(num_moe_experts=8, moe_aux_loss_coeff=[0.0, 1e-3])
+    assert "load-balancing or z-loss" in reason(num_moe_experts=8, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3)
 
 
 def test_sequence_length_is_padded_to_the_tensor_parallel_size():

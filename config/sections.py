@@ -237,7 +237,7 @@ class GRPOSection:
     # On by default: without it (TRL's default) the default GRPO damaged the held-out arithmetic, and skipping the
     # reference forward did not shorten a CPU step measurably (docs/grpo.md).
     kl_coef: float = field(default=0.01, metadata={"help": "weight of the KL penalty to a frozen copy of the starting model (0: no reference model)"})
-    kl_estimator: str = field(default="k3", metadata={"help": f"the KL penalty's per-token term: {' | '.join(KL_ESTIMATORS)}. k3 (exp(d) - d - 1, d = log pi_ref - log pi; capped at 10 a token, as verl's low_var_kl; TRL's and verl's usual choice) pulls toward the reference as the gradient of KL(pi_ref || pi); k2 ((log pi - log pi_ref)^2 / 2) as that of KL(pi || pi_ref); k1 (log pi - log pi_ref) has zero gradient on average, so it penalises nothing (a warning says so)"})
+    kl_estimator: str = field(default="k3", metadata={"help": f"the KL penalty's per-token term: {' | '.join(KL_ESTIMATORS)}. k3 (exp(d) - d - 1, d = log pi_ref - log pi; TRL's and verl's usual choice, uncapped as TRL's) pulls toward the reference as the gradient of KL(pi_ref || pi); k2 ((log pi - log pi_ref)^2 / 2) as that of KL(pi || pi_ref); k1 (log pi - log pi_ref) has zero gradient on average, so it penalises nothing (a warning says so)"})
     importance_ratio: str = field(default="token", metadata={"help": f"importance ratio pi / pi_old: {' | '.join(IMPORTANCE_RATIOS)} (per token, PPO and GRPO; per completion, length-normalised, GSPO: use a small clip range such as 3e-4 / 4e-4)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO ratio clip below: 1 - clip_low"})
     clip_high: float = field(default=0.28, metadata={"help": "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher when > clip_low)"})

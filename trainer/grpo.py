@@ -37,7 +37,7 @@ The variant, exactly (defaults in brackets):
 - Loss per completion token: the PPO clipped surrogate max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
   [0.2, 0.28: DAPO's clip-higher] with r = pi / pi_old per token, or per completion as
   exp(mean log ratio) (`grpo.importance_ratio=sequence`, GSPO), log-ratio clamped to +-20, bounded by
-  -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) (estimator k3 [or k2, k1], a token's k3 capped at 10; pi_ref the
+  -dual_clip A for A < 0 [3.0], plus kl_coef [0.01] x KL(pi || pi_ref) (estimator k3 [or k2, k1]; pi_ref the
   starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with its adapters
   switched off), minus `grpo.entropy_coef` [0] x the token's entropy (at 0 it is only logged, computed a few rows
   at a time without gradient). pi_old is the policy's own log-prob, recomputed forward-only in eval mode (no

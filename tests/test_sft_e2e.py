@@ -30,10 +30,15 @@ def test_default_run_learns(default_sft):
     assert rates[0] == 0.0 and rates[1] == pytest.approx(max(rates) / 10) and rates[10] == max(rates)
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(rows[1])
     # The step's phases (rank 0's) are the step, but for the clock's own calls; evaluation and saves are timed apart.
+    # Over the run they are all of it (0.9999 on a machine loaded by other runs); one step alone can lose a little to
+    # the scheduler between two phases (0.974 seen under load, where CI once failed GRPO's like check at one step).
+    timed = 0.0
     for row in rows[1:]:
         phases = [row[f"{name}_time_s"] for name in ("data", "forward_backward", "optimizer")]
-        assert min(phases) > 0 and 0.95 * row["step_time_s"] < sum(phases) <= row["step_time_s"]
+        assert min(phases) > 0 and 0.8 * row["step_time_s"] < sum(phases) <= row["step_time_s"]
         assert row["checkpoint_time_s"] >= 0 and ("eval_time_s" in row) == ("eval_loss" in row)
+        timed += sum(phases)
+    assert timed > 0.99 * sum(row["step_time_s"] for row in rows[1:])
     assert rows[-1]["checkpoint_time_s"] > 0.01 and rows[-1]["eval_time_s"] > 0.1  # the last save and export; evaluation
     assert losses[-1] <= 0.5 * losses[0]
     assert baseline["step"] == 0 and baseline["eval_answer_accuracy"] == 0.0

@@ -295,22 +295,22 @@ class RewardFailures:
             for kind, text in rank_failures.items():
                 failures.setdefault(kind, text)
         grpo = self.config.grpo
-        environment = any(kind.startswith("reward() ") for kind in failures)  # `rollout.score` names them so
-        what = (f"The reward (`grpo.reward={grpo.reward}` plus the environment's `reward()`)" if environment
-                else f"The reward function `grpo.reward={grpo.reward}`")
+        environment = [kind.startswith(rollout.ENVIRONMENT_FAILURE) for kind in failures]
+        what = (f"the reward (`grpo.reward={grpo.reward}` plus the environment's `reward()`)" if any(environment)
+                else f"the reward function `grpo.reward={grpo.reward}`")
         if errors == count and not grpo.tolerate_reward_errors:
-            rules = [*(["A reward function takes (completion, reference) strings and returns a number (1.0: full "
-                        "marks)"] if not all(kind.startswith("reward() ") for kind in failures) else []),
-                     *([f"an environment's `reward()` returns a number or `(reward, correct)` within "
-                        f"`grpo.reward_timeout` ({grpo.reward_timeout:g} s; 0: no limit)"] if environment else [])]
-            rules[0] = rules[0][0].upper() + rules[0][1:]
+            advice = "; ".join(([] if all(environment) else ["A reward function takes (completion, reference) strings "
+                                                             "and returns a number (1.0: full marks)"]) + (
+                [f"an environment's `reward()` returns a number or `(reward, correct)` within `grpo.reward_timeout` "
+                 f"({grpo.reward_timeout:g} s; 0: no limit)"] if any(environment) else []))
             raise UserError(
-                f"{what} failed on every one of the {int(count)} completions of step {step}, so every reward would be 0 "
-                f"and the run would learn nothing: {'; '.join(failures.values())}. {'; '.join(rules)}; fix it, or set "
-                "`--grpo.tolerate_reward_errors=true` to train on anyway.")
+                f"{what[0].upper()}{what[1:]} failed on every one of the {int(count)} completions of step {step}, so "
+                f"every reward would be 0 and the run would learn nothing: {'; '.join(failures.values())}. "
+                f"{advice[0].upper()}{advice[1:]}; fix it, or set `--grpo.tolerate_reward_errors=true` to train on "
+                "anyway.")
         for kind in sorted(set(failures) - self.reported):
             if self.runtime.is_main:
                 log.warning("step %d: %s failed on %d of %d completions, each scored 0; the first "
                             "%s failure: %s (said once per kind of failure; `reward_errors` counts them every step)",
-                            step, what[0].lower() + what[1:], int(errors), int(count), kind, failures[kind])
+                            step, what, int(errors), int(count), kind, failures[kind])
             self.reported.add(kind)

@@ -44,6 +44,8 @@ FAILURES = {"error": "tool_errors", "timeout": "tool_timeouts", "unknown_tool": 
 
 # An environment's reward() calls of a batch that all run past `grpo.reward_timeout` before the rest are not made.
 GIVE_UP_AFTER = 4
+# The prefix of an environment's reward() failure kinds among a step's reward failures (`score`).
+ENVIRONMENT_FAILURE = "reward() "
 
 # Per-episode counters of tool use, summed over a step's episodes for metrics.jsonl.
 COUNTERS = ("turns", "tool_calls", "tool_errors", "parse_errors", "tool_timeouts", "timeout_ends", "unknown_tools",
@@ -328,7 +330,7 @@ def score(reward, episodes: list[Episode], format_bonus: float = 0.0) -> rewards
         for index, episode in enumerate(episodes):
             if episode.environment_failure is not None and not episode.skipped:
                 kind, described = episode.environment_failure
-                scores.fail(index, f"reward() {kind}", described)
+                scores.fail(index, ENVIRONMENT_FAILURE + kind, described)
         return scores
     return replica.run_once_per_replica(compute)
 

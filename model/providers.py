@@ -111,13 +111,15 @@ def _layer_spec(name: str):
     from megatron.bridge.models import gpt_provider
 
     from model.attention import local_layer_spec, sdpa_layer_spec
+    from model.moe_router import with_micro_batch_weighted_router
     from model.norm import torch_norm_block_spec
 
     # Without TE or apex, megatron-core's local norms refuse sequence parallelism; TorchNorm is the same norm without
-    # that refusal (model/norm.py), so both non-TE specs run with and without it.
-    specs = {"transformer_engine": gpt_provider.transformer_engine_layer_spec,
-             "sdpa": functools.partial(torch_norm_block_spec, sdpa_layer_spec),
-             "local": functools.partial(torch_norm_block_spec, local_layer_spec)}
+    # that refusal (model/norm.py), so both non-TE specs run with and without it. Every spec's MoE layers route with
+    # model/moe_router.py's router, whose load-balancing loss is weighted alike at every tensor-parallel size.
+    specs = {"transformer_engine": with_micro_batch_weighted_router(gpt_provider.transformer_engine_layer_spec),
+             "sdpa": functools.partial(torch_norm_block_spec, with_micro_batch_weighted_router(sdpa_layer_spec)),
+             "local": functools.partial(torch_norm_block_spec, with_micro_batch_weighted_router(local_layer_spec))}
     return specs[name]
 
 

@@ -41,10 +41,10 @@ The variant, exactly (defaults in brackets):
   starting model: a frozen copy, built only when kl_coef > 0, or with LoRA the policy with its adapters
   switched off), minus `grpo.entropy_coef` [0] x the token's entropy (at 0 it is only logged, computed a few rows
   at a time without gradient). pi_old is the policy's own log-prob, recomputed forward-only in eval mode (no
-  dropout, as the rollouts were sampled) when the rollouts serve several updates (ppo_epochs x mini_batches > 1);
-  with one update per step it is the policy's log-prob detached (r = 1 in value, the same numbers without the
-  extra pass). `grpo.mask_truncated` leaves completions cut at the
-  budget out of the loss. The training forwards lay each group out as one row, its prompt once (`grpo.share_prompts`
+  dropout, as the rollouts were sampled) when the rollouts serve several updates (ppo_epochs x mini_batches > 1)
+  or LoRA's dropout is on (`peft.dropout` > 0: r is then the dropout draw's ratio to it); otherwise, with one update
+  per step, it is the policy's log-prob detached (r = 1 in value, the same numbers without the extra pass).
+  `grpo.mask_truncated` leaves completions cut at the budget out of the loss. The training forwards lay each group out as one row, its prompt once (`grpo.share_prompts`
   [true], `model.shared_prefix`): the same log-probs and gradients, up to the order of float sums. Log-probs and entropy use the vocab-parallel logits / temperature, never gathering
   the vocabulary.
 - Aggregation: the token mean over the whole global batch [token_mean, as DAPO], the mean over completions of

@@ -5,6 +5,7 @@ whole global batch (summed per microbatch, divided once by the global token coun
 `finalize_model_grads`), so data parallelism and gradient accumulation leave it unchanged.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -168,12 +169,15 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
                     "at least parallel.pp=%d; raise train.eval_samples", len(share), interleaved)
         starts = []
     loss_sum, tokens = 0.0, 0.0
-    for start, end in zip(starts, [*starts[1:], len(share)]):
-        group = share[start:end]
-        rows = [[row] for row in range(len(group))] if interleaved else [list(range(len(group)))]
-        microbatches, seq_len = collate_microbatches(group, rows, config, policy.tokenizer.pad_token_id, runtime.device)
-        batch_loss, batch_tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=True)
-        loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
+    with contextlib.ExitStack() as modes:
+        for chunk in policy.chunks:  # dropout off (LoRA's `peft.dropout`): the held-out loss of the model, not of a draw
+            modes.enter_context(build.eval_mode(chunk))
+        for start, end in zip(starts, [*starts[1:], len(share)]):
+            group = share[start:end]
+            rows = [[row] for row in range(len(group))] if interleaved else [list(range(len(group)))]
+            microbatches, seq_len = collate_microbatches(group, rows, config, policy.tokenizer.pad_token_id, runtime.device)
+            batch_loss, batch_tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=True)
+            loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
     accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,
                                            max_new_tokens=config.data.max_seq_len // 2)
     return {**({"eval_loss": loss_sum / max(tokens, 1)} if starts else {}), **accuracy}

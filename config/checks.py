@@ -148,10 +148,9 @@ class ModelChecks:
         require(not (self.peft.method == "lora" and etp > 1),
                  f"`peft.method=lora` on a Mixture-of-Experts model with each expert split over {etp} ranks "
                  f"(`parallel.etp={parallel.etp}`{f', which follows parallel.tp={parallel.tp}' if parallel.etp == 0 else ''}) "
-                 "is not supported: measured with Megatron-Bridge 0.6.2 on tiny-moe (aux loss off), LoRA at TP=2 "
-                 "trains another model than at TP=1 from the first step (gradient norm 3.4477 against 3.4503; with "
-                 "`parallel.etp=1` 3.4503), and after 4 steps its exports' logits differ from the trainer's by 0.11. "
-                 "Use `--parallel.etp=1` (each expert whole on its rank; attention stays split over `parallel.tp`), or "
+                 "is not supported: Megatron-Bridge 0.6.2's expert adapters skip the tensor-parallel reductions, so it would train "
+                 "another model than at TP=1 from the first step and export weights the trainer never had. Use "
+                 "`--parallel.etp=1` (each expert whole on its rank; attention stays split over `parallel.tp`), or "
                  "full fine-tuning.")
 
     def _validate_model(self) -> None:

@@ -5,8 +5,8 @@ megatron-core's routers (`TopKRouter`) record their auxiliary losses per layer i
 (`moe_logging.get_moe_metrics_tracker()`), only in training forwards (`self.training and torch.is_grad_enabled()`).
 `RoutingFigures` reads that tracker, and counts the tokens each expert receives with a forward hook under the same
 condition, so generation, GRPO's log-prob forwards (eval mode, no grad) and a recomputation's first, gradient-free
-pass never enter a step's figures. SFT's evaluation runs in training mode with gradients on: it is kept out by
-`start_step`, which forgets everything before the step's own forwards.
+pass never enter a step's figures. SFT's evaluation runs in eval mode, and `start_step` forgets anything recorded
+before the step's own forwards besides.
 """
 
 import torch

@@ -68,6 +68,7 @@ def save_model_and_optimizer(chunks: list, optimizer, directory: Path, backgroun
     and megatron-core's `AsyncRequest` is returned: its write runs in a forked process (`BackgroundSaves`), its
     finalize functions write the index once every rank's part is on disk. Megatron-FSDP writes its DTensors through
     torch.distributed.checkpoint, synchronously."""
+    initialise_unstepped_optimizer_state(optimizer)
     if uses_megatron_fsdp(chunks):
         import torch.distributed.checkpoint as dcp
 
@@ -83,6 +84,16 @@ def save_model_and_optimizer(chunks: list, optimizer, directory: Path, backgroun
     with WriteResults.install().capturing():  # a synchronous save writes here
         return dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(directory),
                                        strategy, async_sharded_save=background, async_strategy="mcore")
+
+
+def initialise_unstepped_optimizer_state(optimizer) -> None:
+    """Give a precision-aware optimizer (Transformer Engine's FusedAdam) that has not stepped yet the state of one that
+    never will have: zero moments and master weights copied from the parameters (megatron-core's own `init_state_fn`).
+    FusedAdam makes its state in its first step, and under fp16 every update is skipped until the dynamic loss scale
+    fits, so a save before then would find no state to write (KeyError: 'master_param')."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if part.config.use_precision_aware_optimizer and not part.optimizer.state:
+            part.init_state_fn(part.optimizer, part.config)
 
 
 def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:

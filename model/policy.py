@@ -74,13 +74,30 @@ class Policy:
         on first use); a dense policy's report nothing."""
         return moe.RoutingFigures(self.chunks, self.provider)
 
-    def next_lr(self) -> float:
+    def optimizer_step(self) -> float | None:
+        """One optimizer step over the gradients the pipeline schedule accumulated: the gradient norm, or None when
+        megatron-core skipped the update (`model.dtype=fp16`: the dynamic loss scale found an inf or NaN gradient, on
+        every rank alike, so the weights stay as they were and the scale is lowered)."""
+        applied, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm or 0.0) if applied else None
+
+    def next_lr(self, applied: bool = True) -> float:
         """Move the learning-rate schedule on by one step, after the step's optimizer steps; the rate the step used
         (what its metrics row reports: the optimizer's rate now is the next step's). As in megatron-core and
-        transformers, warmup starts at 0: the first step's rate is 0 when `optim.warmup_steps` > 0."""
+        transformers, warmup starts at 0: the first step's rate is 0 when `optim.warmup_steps` > 0. A step none of whose
+        updates was `applied` (fp16 overflows) leaves the schedule where it is, as megatron's training loop does: skipped
+        steps use up neither warmup nor decay."""
         lr = self.optimizer.param_groups[0]["lr"]
-        self.lr_schedule.step(increment=1)
+        if applied:
+            self.lr_schedule.step(increment=1)
         return lr
+
+    def loss_scale_figures(self, skipped_updates: int) -> dict:
+        """With fp16's dynamic loss scale: the scale after the step (`loss_scale`) and the step's updates it skipped
+        (`skipped_updates`); empty in bf16 and fp32, which have no loss scale."""
+        if not self.provider.fp16:
+            return {}
+        return {"loss_scale": float(self.optimizer.get_loss_scale()), "skipped_updates": skipped_updates}
 
     def global_tokens(self, local_tokens: int) -> float:
         """Tokens of a step over every rank, each model replica's batch counted once (its TP/PP ranks saw the same)."""

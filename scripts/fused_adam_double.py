@@ -14,7 +14,8 @@ moments, fp32 master weights held by the optimizer, bf16 main gradients read fro
 - `step()` that keeps the moments in their configured dtypes, updates the fp32 master weights and
   copies them into the (bf16) parameter in place: megatron hands the optimizer views into its
   parameter buffer and all-gathers that buffer afterwards;
-- the step count in each param group (`group["step"]`), as TE keeps it.
+- the step count in each param group (`group["step"]`), as TE keeps it;
+- `load_state_dict` storing the loaded states back in their configured dtypes (torch's casts them to the parameter's).
 
 It models TE 2.0: whole fp32 master weights only. TE 2.1 added `store_param_remainders` (bf16 param
 plus an int16 remainder instead of an fp32 copy), which megatron turns on by default when
@@ -86,6 +87,19 @@ class FusedAdamDouble(torch.optim.Optimizer):
             dtype = self.name_to_dtype_map[state_name]
             self.state[param][state_name] = torch.empty(param.shape, dtype=dtype, device=param.device)
         self.state[param][state_name].copy_(unscaled_state)
+
+    def load_state_dict(self, state_dict):
+        """torch's loader casts every state tensor to its parameter's dtype; as TE's FusedAdam does, store each one
+        again in the dtype configured for it (a resumed precision-aware or fp16 run otherwise finds, say, fp16 moments)."""
+        super().load_state_dict(state_dict)
+        saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for key, param in zip(saved, params):
+            if key in state_dict["state"]:
+                self.state[param] = {}
+                for name, value in state_dict["state"][key].items():
+                    if value is not None:
+                        self.set_scaled_state(param, name, value.float())
 
     def zero_grad(self, set_to_none=True):
         """Clear `.decoupled_grad` when gradients are decoupled, else `.grad`."""

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import launch, torchrun, worker_output
+from tests.conftest import launch, metrics_rows, torchrun, worker_output
 
 pytestmark = pytest.mark.distributed
 
@@ -33,6 +33,11 @@ PRECISION_RUNS = {
 DOUBLE_WORKER = "tests/distributed/sft_with_fused_adam_double.py"
 PRECISION_AWARE = ["--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true", "--optim.main_grads_dtype=bf16",
                    "--optim.exp_avg_dtype=bf16", "--optim.exp_avg_sq_dtype=bf16"]
+# fp16 (FusedAdam's fp32 master weights, megatron-core's dynamic loss scale) in the double's launch: 8 steps straight,
+# and 3 (saved while the scale still overflows) + a resume to 8. The loss is a per-token sum until megatron-core divides
+# by the global count, so the first steps overflow at the initial scale 32768 (measured: steps 1-5, down to 2048).
+FP16_RUN = ["--model.dtype=fp16", "--train.steps=8", "--train.global_batch_size=8", "--train.micro_batch_size=2",
+            "--train.eval_samples=0", "--optim.warmup_steps=1"]
 # The same global batch of 8 (and seed 5): DP=1 x micro 8, DP=1 x micro 2 (4 accumulation steps), DP=2 x micro 4,
 # DP=2 packed, DP=2 grouped by a token budget (128: two rows of the task's a micro-batch; 256 under Megatron-FSDP,
 # whose every forward gathers over the ranks: their micro-batch counts must agree). Name: (process count, extra arguments).
@@ -94,7 +99,11 @@ def launches(tmp_path_factory):
     yield launch([sft(root / name, *DATA_PARALLEL_RUN, *extra)
                   for name, (count, extra) in DATA_PARALLEL_RUNS.items() if count == 1], nproc=1)
     results = {name: Run(root / name, step_losses(root / name), 0, "") for name in [*PRECISION_RUNS, *DATA_PARALLEL_RUNS]}
-    process = torchrun([DOUBLE_WORKER, *SAME_RUN, *PRECISION_AWARE, f"--train.out_dir={root / 'precision_aware_bf16'}"],
+    fp16_straight, fp16_resumed = root / "fp16", root / "fp16_resumed"
+    process = torchrun([DOUBLE_WORKER, *SAME_RUN, *PRECISION_AWARE, f"--train.out_dir={root / 'precision_aware_bf16'}",
+                        "--then", *FP16_RUN, f"--train.out_dir={fp16_straight}",
+                        "--then", *FP16_RUN, f"--train.out_dir={fp16_resumed}", "--train.exit_interval=3",
+                        "--then", *FP16_RUN, f"--train.out_dir={fp16_resumed}", "--resume-from-checkpoint", "latest"],
                        nproc=2, timeout=900, check=False)
     # Each rank's traceback lines carry a "[rankN]:" prefix; rank 0's say what went wrong.
     rank0 = "\n".join(line for line in process.stderr.splitlines() if line.startswith("[rank0]:"))
@@ -102,9 +111,12 @@ def launches(tmp_path_factory):
     results["precision_aware_bf16"] = Run(root / "precision_aware_bf16",
                                           step_losses(root / "precision_aware_bf16") if metrics_file.exists() else [],
                                           process.returncode, rank0[-4000:] or process.stderr[-4000:])
+    for name, out_dir in (("fp16", fp16_straight), ("fp16_resumed", fp16_resumed)):
+        results[name] = Run(out_dir, step_losses(out_dir) if (out_dir / "metrics.jsonl").exists() else [],
+                            process.returncode, rank0[-4000:] or process.stderr[-4000:])
     reference = results["ddp_fp32"].losses
-    for name, run in results.items():  # the precision figures, for the log (the DP test prints its own)
-        if name in DATA_PARALLEL_RUNS:
+    for name, run in results.items():  # the precision figures, for the log (the DP and fp16 tests print their own)
+        if name in DATA_PARALLEL_RUNS or name.startswith("fp16"):
             continue
         difference = worst_relative_difference(run.losses, reference) if run.losses and reference else float("nan")
         print(f"\n{name:32s} exit {run.exit_code}  " + " ".join(f"{loss:.5f}" for loss in run.losses)
@@ -164,6 +176,25 @@ def test_precision_aware_optimizer_trains_with_bf16_state(runs):
         # The optimizer reads bf16 main gradients straight from the bf16 DDP buffer.
         assert state["grad_buffer"] == state["grad_buffer_data"] == state["decoupled_grad"] == ["bfloat16"]
         assert state["param"] == ["bfloat16"]
+
+
+def test_fp16_skips_overflowing_steps_without_moving_the_schedule_and_resumes_exactly(runs):
+    """megatron-core skips an update whose fp16 gradient overflowed and lowers the loss scale; the row says so
+    (`grad_norm` null, `skipped_updates`, `loss_scale`) and, as in megatron's training loop, the learning-rate schedule
+    stays: warmup's first rate (0) is the first applied update's. A checkpoint written while every update so far was
+    skipped (no optimizer state yet) resumes to the straight run's rows exactly, loss scale included."""
+    completed(runs["fp16"])
+    straight, resumed = (rows(runs[name].out_dir) for name in ("fp16", "fp16_resumed"))
+    print("fp16:", [(row["step"], row["loss_scale"], row["skipped_updates"], row["lr"], row["grad_norm"]) for row in straight])
+    skipped = [row["step"] for row in straight if row["skipped_updates"]]
+    assert skipped and skipped == list(range(1, len(skipped) + 1)) and len(skipped) < 8
+    assert all(row["grad_norm"] is None for row in straight if row["skipped_updates"])
+    assert [row["loss_scale"] for row in straight][:3] == [32768.0, 16384.0, 8192.0]  # hysteresis 2, then halving
+    first_applied = straight[len(skipped)]
+    assert first_applied["grad_norm"] > 0 and all(row["lr"] == 0.0 for row in straight[: len(skipped) + 1])
+    assert straight[-1]["loss"] < straight[0]["loss"]
+    assert [row["step"] for row in resumed] == list(range(1, 9))
+    assert metrics_rows(runs["fp16_resumed"].out_dir) == metrics_rows(runs["fp16"].out_dir)
 
 
 def shared_worker(out) -> list[str]:

@@ -51,8 +51,8 @@ The variant, exactly (defaults in brackets):
   each one's token mean (`seq_mean_token_mean`, the original GRPO paper), or each completion's token sum over
   the budget max_new_tokens, averaged over completions (`seq_mean_token_sum_norm`, Dr. GRPO).
 - Update: `grpo.ppo_epochs` [1] passes over the rollouts, each split into `grpo.mini_batches` [1] optimizer
-  steps; the learning-rate schedule advances once per GRPO step. `grad_norm` is the mean over the step's updates
-  (`grad_norm_max` the largest, with several).
+  steps; the learning-rate schedule advances once per GRPO step (not when fp16's loss scale skipped all its updates).
+  `grad_norm` is the mean over the step's applied updates (`grad_norm_max` the largest, with several).
 - Named recipes (`--config grpo|dapo|dr_grpo|gspo|rloo`) set these keys as the papers do: `recipes/`.
 
 Words: a completion is what the policy writes after a prompt; an episode is one sample of a prompt, its completion

@@ -311,7 +311,8 @@ def update_policy(policy, microbatches: list[dict], seq_len: int, config, settin
     its optimizer steps used (`lr`)."""
     with timer.phase("update"):
         update = optimizer_steps(policy, microbatches, seq_len, config, settings)
-    return {**update, "lr": policy.next_lr()}
+    # A step whose every update was skipped (fp16 overflows) leaves the schedule where it is.
+    return {**update, "lr": policy.next_lr(applied=update["grad_norm"] is not None)}
 
 
 def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, settings: LossSettings) -> dict:
@@ -335,8 +336,7 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
                 data_iterator=iter(microbatches[start : start + per_update]),
                 model=policy.chunks, num_microbatches=per_update, seq_length=seq_len,
                 micro_batch_size=microbatches[start]["tokens"].size(0), forward_only=False)
-            _, grad_norm, _ = policy.optimizer.step()
-            grad_norms.append(float(grad_norm or 0.0))
+            grad_norms.append(policy.optimizer_step())  # None: skipped (fp16 overflow)
             for reported in outputs:  # one per micro-batch (`policy_loss`'s report)
                 totals += torch.cat([reported["loss"], reported["stats"]]).detach().to("cpu", torch.float64)
                 gap_max = max(gap_max, float(reported["gap_max"]))
@@ -344,9 +344,12 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
     loss_sum, count, kl, entropy, clipped, tokens, gap, rollout_kl, reverse_kl, teacher_logprob, ratio, rejected = (
         collectives.last_stage_sum(totals.tolist()))
     padded, positions = collectives.data_parallel_sum(batches.padding_counts(microbatches))
-    # The step's several updates each have their gradient norm: the mean is logged, and the largest beside it.
-    return {"loss": loss_sum / max(count, 1), "grad_norm": sum(grad_norms) / len(grad_norms),
-            **({"grad_norm_max": max(grad_norms)} if len(grad_norms) > 1 else {}),
+    # The step's several updates each have their gradient norm: the mean over those applied is logged, and the largest
+    # beside it (None when every update was skipped).
+    applied = [norm for norm in grad_norms if norm is not None]
+    return {"loss": loss_sum / max(count, 1), "grad_norm": sum(applied) / len(applied) if applied else None,
+            **({"grad_norm_max": max(applied, default=None)} if len(grad_norms) > 1 else {}),
+            **policy.loss_scale_figures(grad_norms.count(None)),
             "kl": kl / max(tokens, 1) if settings.kl_coef > 0 else None,
             "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
             "rollout_logprob_diff_mean": gap / max(tokens, 1),

@@ -107,18 +107,18 @@ def figures(sums: dict, prefix: str = "") -> dict:
     return {f"{prefix}{name}": sums[name] / pairs for name in SUMS if name != "pairs"}
 
 
-def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[dict, float, float]:
+def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[dict, float | None, float]:
     """One optimizer step over a global batch's micro-batches, timed as the step's `forward_backward` and `optimizer`
-    phases; the step's sums, grad norm and the rate it used."""
+    phases; the step's sums, grad norm (None: the update was skipped) and the rate it used."""
     with timer.phase("forward_backward"):
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         sums = run_microbatches(policy.chunks, microbatches, seq_len, policy.tokenizer.pad_token_id, forward_only=False)
     with timer.phase("optimizer"):
-        _, grad_norm, _ = policy.optimizer.step()
-        lr = policy.next_lr()
-    return sums, float(grad_norm or 0.0), lr
+        grad_norm = policy.optimizer_step()  # None: skipped (fp16 overflow), and the LR schedule stays
+        lr = policy.next_lr(applied=grad_norm is not None)
+    return sums, grad_norm, lr
 
 
 def evaluate(policy, data: RMData, config, runtime) -> dict:
@@ -135,14 +135,15 @@ def evaluate(policy, data: RMData, config, runtime) -> dict:
     return figures(sums, "eval_")
 
 
-def step_row(step: int, policy, sums: dict, grad_norm: float, lr: float, microbatches: list[dict], timer,
+def step_row(step: int, policy, sums: dict, grad_norm: float | None, lr: float, microbatches: list[dict], timer,
              epoch: int) -> dict:
     """One metrics.jsonl row: the pairs' loss, accuracy, margin and scores, lr, grad norm, throughput (padding
     included; its share is `padding_share`), the step's phases. Collective."""
     padded, input_tokens = (policy.global_tokens(count) for count in batches.padding_counts(microbatches))
     return {"step": step, **figures(sums), "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds, "epoch": epoch,
-            "padding_share": padded / max(input_tokens, 1), **timer.phases, **metrics.peak_memory_gib()}
+            "padding_share": padded / max(input_tokens, 1), **timer.phases,
+            **policy.loss_scale_figures(int(grad_norm is None)), **metrics.peak_memory_gib()}
 
 
 # ---------------------------------------------------------------- main

@@ -132,9 +132,10 @@ def run_microbatches(chunks, microbatches: list[dict], seq_len: int, forward_onl
     return collectives.reduce_loss_over_data_parallel(losses)
 
 
-def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float, float]:
+def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[float, float, float | None, float]:
     """One optimizer step over a global batch's microbatches, timed as the step's `forward_backward` and `optimizer`
-    phases (`timer`, a `trainer.metrics.StepTimer`); returns (loss sum, response tokens, grad norm, the rate used)."""
+    phases (`timer`, a `trainer.metrics.StepTimer`); returns (loss sum, response tokens, grad norm (None: the update
+    was skipped), the rate used)."""
     with timer.phase("forward_backward"):
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
@@ -142,9 +143,9 @@ def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[f
         policy.routing_figures.start_step()
         loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
     with timer.phase("optimizer"):
-        _, grad_norm, _ = policy.optimizer.step()
-        lr = policy.next_lr()
-    return loss_sum, tokens, float(grad_norm or 0.0), lr
+        grad_norm = policy.optimizer_step()  # None: skipped (fp16 overflow), and the LR schedule stays
+        lr = policy.next_lr(applied=grad_norm is not None)
+    return loss_sum, tokens, grad_norm, lr
 
 
 # ---------------------------------------------------------------- evaluation
@@ -183,7 +184,7 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     return {**({"eval_loss": loss_sum / max(tokens, 1)} if starts else {}), **accuracy}
 
 
-def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float, lr: float,
+def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float | None, lr: float,
              microbatches: list[dict], seq_len: int, timer, epoch: int) -> dict:
     """One metrics.jsonl row: loss over the global batch's response tokens, throughput (padding included; the padded
     share of the positions fed is `padding_share`), the step's phases (rank 0's
@@ -193,7 +194,7 @@ def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_no
     row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": lr,
            "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds,
            "epoch": epoch, "padding_share": padded / max(input_tokens, 1), **timer.phases,
-           **policy.routing_figures.step_figures()}
+           **policy.loss_scale_figures(int(grad_norm is None)), **policy.routing_figures.step_figures()}
     if peak := metrics.peak_flops():
         flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
         row["mfu"] = flops / (peak * runtime.world_size)

@@ -132,7 +132,7 @@ def measure(name: str, runtime, examples, tokenizer, model_path: str) -> dict:
                                           runtime.dp_rank, runtime.dp_size, config.train.seed)
         microbatches, seq_len = sft.collate_microbatches(examples, schedule.next_global_batch(), config,
                                                          tokenizer.pad_token_id, runtime.device)
-        loss_sum, tokens, _ = sft.train_step(policy, microbatches, seq_len, metrics.StepTimer())
+        loss_sum, tokens, _, _ = sft.train_step(policy, microbatches, seq_len, metrics.StepTimer())
         parameters = sum(param.numel() for chunk in chunks for param in chunk.parameters())  # DTensors count globally
         counted = count_bytes(chunks, optimizer)
         inner = type(getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer).__name__

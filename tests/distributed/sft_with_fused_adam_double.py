@@ -1,6 +1,10 @@
 """`trainer.sft` with the FusedAdam test double standing in for Transformer Engine (run under torchrun).
 
 Usage: torchrun --nproc-per-node 2 tests/distributed/sft_with_fused_adam_double.py [trainer.sft arguments]
+          [--then trainer.sft arguments ...]
+
+Each `--then` starts another run in the same processes, after the one before it (a resume included): the imports and
+torchrun's start-up are paid once.
 
 Besides the run's metrics.jsonl, every rank writes `<train.out_dir>/precision_state.rank<R>.json`: the
 dtypes the optimizer state and the DDP gradient buffers really had after the last step, read from the
@@ -52,16 +56,28 @@ def describe(chunks, optimizer) -> dict:
 
 def main(argv: list[str]) -> None:
     fused_adam_double.install()
+    import torch.distributed as dist
+
     from config import cli
     from config.loops import SFTConfig
+    from shared_launch import import_bridge, release_models  # beside this file (the script's directory is on sys.path)
     from trainer import sft
 
-    policy = sft.main(argv)
-    report = describe(policy.chunks, policy.optimizer)
-    out_dir = cli.parse_args(SFTConfig, argv, "trainer.sft")[0].train.out_dir
-    rank = int(os.environ.get("RANK", "0"))
-    Path(out_dir, f"precision_state.rank{rank}.json").write_text(json.dumps(report, indent=1))
-    print(f"[fused-adam double] rank {rank}: {report}", flush=True)
+    runs = [[]]
+    for word in argv:
+        runs.append([]) if word == "--then" else runs[-1].append(word)
+    import_bridge()
+    dist.init_process_group("gloo")  # the runs' group: each loop keeps a group it did not create
+    for run in runs:
+        policy = sft.main(run)
+        out_dir = cli.parse_args(SFTConfig, run, "trainer.sft")[0].train.out_dir
+        if policy is not None:
+            report = describe(policy.chunks, policy.optimizer)
+            rank = int(os.environ.get("RANK", "0"))
+            Path(out_dir, f"precision_state.rank{rank}.json").write_text(json.dumps(report, indent=1))
+            print(f"[fused-adam double] rank {rank}: {report}", flush=True)
+        del policy
+        release_models()
 
 
 if __name__ == "__main__":

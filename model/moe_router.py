@@ -18,6 +18,15 @@ counts times tp_cp size would weight a slice with little padding above one with 
 is divided by tp_cp size here, which gives every tensor-parallel size the TP=1 gradient; `global_aux_loss`'s count also
 spans the data-parallel ranks, and keeps them, as at TP=1. The z-loss counts its tokens from the mask itself and is
 right as it is. tests/test_moe_settings.py checks each loss's gradient by hand and at TP=2 against TP=1, and the runs.
+
+Against what the losses weigh: megatron-core's weighting (a micro-batch's router losses times its routed tokens, the
+whole divided by the loss's count) is pretraining's only where every routed token is a loss token. Our losses count
+fewer: SFT's the response tokens, GRPO's `seq_mean_token_mean` its completions, so the coefficients acted about
+routed / counted times stronger than set (2x where half a row is prompt; a completion's length, tens to hundreds of
+times, under the sequence mean). Each step's forwards therefore carry `loss_weight`, the step's loss count per routed
+token over every data-parallel rank (`moe.weigh_router_losses`), by which the router losses are scaled: a coefficient
+then weighs the losses per routed token against the loss's mean, as in pretraining, whatever the loss counts. One
+weight for the step (not one per micro-batch) also holds under recomputation, whose forwards run out of order.
 """
 
 import dataclasses
@@ -31,6 +40,7 @@ class MicroBatchWeightedRouter(TopKRouter):
     whole micro-batch once (see the module's docstring)."""
 
     count_is_group_total = False  # set by each `routing` call, read by the load-balancing losses it attaches
+    loss_weight = 1.0  # the step's loss count per routed token (`moe.weigh_router_losses`), scaling both router losses
 
     def routing(self, logits, padding_mask=None):
         """megatron-core's routing; notes whether its token counts come from the in-place all-reduce (with a mask)."""
@@ -39,11 +49,28 @@ class MicroBatchWeightedRouter(TopKRouter):
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
                                            needs_dp_avg=True, valid_token_count=None):
-        """megatron-core's, with the group's token count divided by the tp_cp size it is multiplied by."""
-        if self.count_is_group_total and valid_token_count is not None:
+        """megatron-core's, with the group's token count divided by the tp_cp size it is multiplied by, and scaled by
+        `loss_weight` (the logged figure is the loss's own)."""
+        if valid_token_count is None:
+            valid_token_count = activation.shape[0]
+        elif self.count_is_group_total:
             valid_token_count = valid_token_count / self.tp_cp_group.size()
         return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, aux_loss_name,
-                                                          reduce_group, needs_dp_avg, valid_token_count)
+                                                          reduce_group, needs_dp_avg,
+                                                          valid_token_count * self.loss_weight)
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        """megatron-core's z-loss with its coefficient scaled by `loss_weight` for this call; the logged figure divides
+        the coefficient back out, so it is the loss's own. (The coefficient lives on the config every layer shares:
+        it is set back before the call returns.)"""
+        coefficient = self.config.moe_z_loss_coeff
+        if not coefficient or self.loss_weight == 1.0:
+            return super().apply_z_loss(logits, padding_mask)
+        self.config.moe_z_loss_coeff = coefficient * self.loss_weight
+        try:
+            return super().apply_z_loss(logits, padding_mask)
+        finally:
+            self.config.moe_z_loss_coeff = coefficient
 
 
 def with_micro_batch_weighted_router(layer_spec_fn):

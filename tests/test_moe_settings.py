@@ -119,10 +119,12 @@ class RankGroup:
             tensor += self.peer[len(self.seen) - 1]
 
 
-def router_loss_gradient(router_class, logits, padding, settings, tp: int, peer: list | None = None):
+def router_loss_gradient(router_class, logits, padding, settings, tp: int, peer: list | None = None,
+                         loss_weight: float | None = None):
     """d(the router's load-balancing and z losses)/d(logits) ([seq, batch, experts]) from `router_class` on this
     rank's slice of a micro-batch, as megatron-core's schedule scales it (fp32, the main loss's scale 1), and the
-    tensors its all-reduce saw. `padding` [seq, batch] is True at padding."""
+    tensors its all-reduce saw. `padding` [seq, batch] is True at padding; `loss_weight`, the router's
+    (`moe.weigh_router_losses`), unset: its default."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -138,6 +140,8 @@ def router_loss_gradient(router_class, logits, padding, settings, tp: int, peer:
     with mock.patch("torch.cuda.current_device", lambda: "cpu"):  # the global loss's counters
         router = router_class(config, pg_collection=groups)
     router.set_layer_number(1)
+    if loss_weight is not None:
+        router.loss_weight = loss_weight
     logits = logits.clone().requires_grad_(True)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     # megatron-core's reduce asks whether a process group is up (none is) before it reduces over the one it is given.
@@ -197,9 +201,71 @@ def test_the_load_balancing_gradient_is_the_micro_batch_loss_weighted_by_its_tok
     torch.testing.assert_close(gradient, by_hand.grad.float(), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("settings", [
+    {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "global_aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
+], ids=["aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"])
+def test_the_router_losses_scale_by_the_steps_loss_weight_and_log_their_own_figures(settings):
+    """A router given the step's loss count per routed token (`loss_weight`, here 0.3: a loss counting 3 of every 10
+    routed tokens) passes its losses' gradient scaled by exactly that, and logs the same loss figures as at weight 1;
+    the z-loss's coefficient on the shared config is back as set afterwards."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from model.moe_router import MicroBatchWeightedRouter
+
+    logits = torch.randn(8, 3, EXPERTS, generator=torch.Generator().manual_seed(2))  # [seq, batch, experts]
+    padding = torch.arange(8)[:, None] >= torch.tensor([8, 5, 2])[None, :]  # [seq, batch]
+    gradients, figures = [], []
+    for weight in (None, 0.3):
+        get_moe_metrics_tracker().clear()
+        gradients.append(router_loss_gradient(MicroBatchWeightedRouter, logits, padding, settings, tp=1,
+                                              loss_weight=weight)[0])
+        figures.append({name: entry.values.clone() for name, entry in get_moe_metrics_tracker().metrics.items()})
+    assert gradients[0].abs().max() > 0
+    torch.testing.assert_close(gradients[1], 0.3 * gradients[0], rtol=1e-5, atol=1e-6 * float(gradients[0].abs().max()))
+    assert figures[0].keys() == figures[1].keys() and figures[0]
+    for name in figures[0]:
+        torch.testing.assert_close(figures[1][name], figures[0][name], rtol=1e-6, atol=0)
+
+
+def test_a_steps_router_loss_weight_is_its_loss_count_per_routed_token():
+    """`moe.weigh_router_losses`: the loss's count over the step's micro-batches (what finalize_model_grads divides
+    by), over their routed tokens (padding left out), set on every router; nothing where no router loss is on. One
+    data-parallel rank (the sum over the group is the rank's own)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from model import moe
+    from model.moe_router import MicroBatchWeightedRouter
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, **config):
+            super().__init__()
+            self.config = SimpleNamespace(**{"num_moe_experts": EXPERTS, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None, **config})
+            self.router = MicroBatchWeightedRouter.__new__(MicroBatchWeightedRouter)  # the weight is all it holds here
+            torch.nn.Module.__init__(self.router)
+
+    padding = [torch.arange(6)[None, :] >= torch.tensor([[6], [3]]), torch.arange(6)[None, :] >= torch.tensor([[1], [0]])]
+    batches = [{"padding_mask": mask} for mask in padding]  # routed tokens: 6 + 3 + 1 + 0 = 10
+    with mock.patch("model.collectives.data_parallel_sum", lambda values: values):
+        balanced = Chunk(moe_aux_loss_coeff=1e-3)
+        moe.weigh_router_losses([balanced], batches, [torch.tensor(2.0), torch.tensor(1.0)])
+        assert balanced.router.loss_weight == pytest.approx(0.3)
+        z_only = Chunk(moe_z_loss_coeff=1e-3)
+        moe.weigh_router_losses([z_only], batches, [4, 1])
+        assert z_only.router.loss_weight == pytest.approx(0.5)
+        off = Chunk()
+        moe.weigh_router_losses([off], batches, [4, 1])
+        assert off.router.loss_weight == 1.0
+
+
 # ---------------------------------------------------------------- end to end (one launch)
 
 SMALL = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.eval_samples=0", "--data.max_seq_len=64"]
+GRPO_STEP = ["--train.global_batch_size=16", "--grpo.n_samples=4", "--train.micro_batch_size=8", "--grpo.max_new_tokens=8",
+             "--train.eval_samples=0"]
 
 
 def launches(tmp_path_factory):
@@ -217,8 +283,13 @@ def launches(tmp_path_factory):
             "--train.steps=3", "--ckpt.save_interval=0", f"--train.out_dir={root / f'balanced_tp{tp}'}", *SMALL]}
            for tp in (1, 2)},
         "grpo": {"module": "trainer.grpo", "argv": [
-            "--model.path=tiny-moe", "--train.steps=1", f"--train.out_dir={root / 'grpo'}", "--train.global_batch_size=16",
-            "--grpo.n_samples=4", "--train.micro_batch_size=8", "--grpo.max_new_tokens=8", "--train.eval_samples=0"]},
+            "--model.path=tiny-moe", "--train.steps=1", f"--train.out_dir={root / 'grpo'}", *GRPO_STEP]},
+        # The load-balancing loss under GRPO's two means (untrained tiny-moe: every reward 0, so it is the only loss).
+        **{f"grpo_{aggregation}": {"module": "trainer.grpo", "argv": [
+            "--model.path=tiny-moe", "--model.dtype=fp32", "--model.moe_aux_loss_coeff=1e-3", "--train.steps=1",
+            f"--grpo.loss_aggregation={aggregation}", "--ckpt.save_interval=0",
+            f"--train.out_dir={root / f'grpo_{aggregation}'}", *GRPO_STEP]}
+           for aggregation in ("token_mean", "seq_mean_token_mean")},
     }
     results = yield launch(list(commands.values()))
     runs = {}
@@ -276,6 +347,21 @@ def test_router_losses_train_alike_at_tp1_and_tp2(moe_runs):
         # whole sequence's mean where padding falls unevenly (printed above); the z-loss's gradient is the same.
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert abs(one[key] - two[key]) <= 1e-5 * abs(one[key]), (key, one, two)
+
+
+@pytest.mark.distributed
+def test_the_load_balancing_loss_weighs_alike_whatever_the_grpo_loss_counts(moe_runs):
+    """GRPO's first step on untrained tiny-moe, every reward 0: the load-balancing loss is the only gradient, and it
+    must not depend on what the policy loss averages over (tokens, or completions). With megatron-core's weighting
+    (routed tokens over the loss's count) the completion mean's gradient norm was 16x the token mean's at 16 new tokens
+    (0.80 against 0.050 on one process), itself 2.8x pretraining's weighting (0.018): the weight is now the step's loss
+    count per routed token (0.0507 under both means here)."""
+    rows = {aggregation: moe_runs[f"grpo_{aggregation}"]["rows"][0] for aggregation in ("token_mean", "seq_mean_token_mean")}
+    for row in rows.values():
+        assert row["reward_mean"] == 0.0 and row["moe_aux_loss"] > 1, row
+        assert row["grad_norm"] > 0.01, row
+    token, sequence = rows["token_mean"]["grad_norm"], rows["seq_mean_token_mean"]["grad_norm"]
+    assert abs(token - sequence) <= 1e-6 * token, rows
 
 
 @pytest.mark.distributed

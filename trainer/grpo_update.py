@@ -331,9 +331,13 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             for chunk in policy.chunks:
                 chunk.zero_grad_buffer()
             policy.optimizer.zero_grad()
+            update = microbatches[start : start + per_update]
+            # Each micro-batch's share of this update's loss denominator, rollout corrections aside.
+            moe.weigh_router_losses(policy.chunks, update, [settings.aggregation(batch["loss_mask"], batch["loss_mask"],
+                                                                                 settings.budget)[1] for batch in update])
             outputs = get_forward_backward_func()(
                 forward_step_func=functools.partial(forward_step, settings, policy.routes),
-                data_iterator=iter(microbatches[start : start + per_update]),
+                data_iterator=iter(update),
                 model=policy.chunks, num_microbatches=per_update, seq_length=seq_len,
                 micro_batch_size=microbatches[start]["tokens"].size(0), forward_only=False)
             grad_norms.append(policy.optimizer_step())  # None: skipped (fp16 overflow)

@@ -119,6 +119,15 @@ class RankGroup:
             tensor += self.peer[len(self.seen) - 1]
 
 
+# Each router loss on its own: the three load-balancing types, and the z-loss.
+ROUTER_LOSSES = pytest.mark.parametrize("settings", [
+    {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "global_aux_loss", "moe_aux_loss_coeff": 1e-3},
+    {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
+], ids=["aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"])
+
+
 def router_loss_gradient(router_class, logits, padding, settings, tp: int, peer: list | None = None,
                          loss_weight: float | None = None):
     """d(the router's load-balancing and z losses)/d(logits) ([seq, batch, experts]) from `router_class` on this
@@ -152,12 +161,7 @@ def router_loss_gradient(router_class, logits, padding, settings, tp: int, peer:
     return logits.grad, group.seen
 
 
-@pytest.mark.parametrize("settings", [
-    {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "global_aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
-], ids=["aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"])
+@ROUTER_LOSSES
 def test_router_losses_give_each_token_the_same_gradient_at_tp2_as_at_tp1(settings):
     """A micro-batch of right-padded rows routed whole (TP=1), and as two sequence-parallel slices (TP=2: the first half
     of the sequence holds more of the rows' tokens than the second): every token's gradient from the router losses must
@@ -201,12 +205,7 @@ def test_the_load_balancing_gradient_is_the_micro_batch_loss_weighted_by_its_tok
     torch.testing.assert_close(gradient, by_hand.grad.float(), rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("settings", [
-    {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "global_aux_loss", "moe_aux_loss_coeff": 1e-3},
-    {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
-], ids=["aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"])
+@ROUTER_LOSSES
 def test_the_router_losses_scale_by_the_steps_loss_weight_and_log_their_own_figures(settings):
     """A router given the step's loss count per routed token (`loss_weight`, here 0.3: a loss counting 3 of every 10
     routed tokens) passes its losses' gradient scaled by exactly that, and logs the same loss figures as at weight 1;

@@ -4,12 +4,14 @@ reads (`cache_key`), so a restarted or repeated run skips the work.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import platform
+import time
 
 from config.errors import UserError
 
@@ -140,3 +142,44 @@ def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -
                     "directory to silence this", error)
         with contextlib.suppress(OSError):
             staging.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def building(cache_dir: pathlib.Path, folder: str, key: str):
+    """Held while this process builds the entry `key`: another one building the same entry (a rank of this run, or a
+    run beside it) waits here, then reads what this one wrote instead of tokenizing it all again. The lock is the
+    kernel's (`flock`), so it goes with a process that dies; a cache where none can be taken is built without one."""
+    path = cache_dir / ".locks" / f"{folder}-{key}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process that is building the cache entry %s", cache_dir / folder / key)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without locks: each process builds, and the atomic write keeps the entry whole
+        yield
+
+
+# A line at least this often while tokenizing: a large data set takes minutes (300,000 conversations about 100 s).
+PROGRESS_INTERVAL_S = 10.0
+
+
+def with_progress(items, total: int, what: str):
+    """`items`, with a log line every `PROGRESS_INTERVAL_S` seconds saying how many of `total` `what` are done and
+    about how long the rest takes (rank 0 prints it: `trainer.metrics.setup_logging`)."""
+    start = last = time.monotonic()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL_S and done < total:
+            last = now
+            log.info("%s: %d of %d (%.0f%%), %.0f s so far, about %.0f s left", what, done, total, 100 * done / total,
+                     now - start, (now - start) * (total - done) / done)

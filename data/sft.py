@@ -26,7 +26,8 @@ from config.errors import UserError
 from config.hf import first_special, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
-from data.encode import cache_key, chat_text, encode_batch, encode_texts, read_cached, template_error, write_cached
+from data.encode import (building, cache_key, chat_text, encode_batch, encode_texts, read_cached, template_error,
+                         with_progress, write_cached)
 
 log = logging.getLogger(__name__)
 TOKENIZE_CHUNK = 1024
@@ -144,7 +145,8 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
     # Chunks keep the batched tokenizer calls fast without holding every rendering at once.
     tokenized = (pair for start in range(0, len(conversations), TOKENIZE_CHUNK)
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
-    for row, pair in zip(report.kept_rows, tokenized, strict=True):
+    for row, pair in with_progress(zip(report.kept_rows, tokenized, strict=True), len(conversations),
+                                   "conversations tokenized"):
         if pair is None:
             report.drop(row, "tokens merge across a turn boundary")
             continue
@@ -205,30 +207,41 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
     """`build_examples`, read from `cache_dir` when these conversations were tokenized the same way before (the
     report then reads as if tokenized now); otherwise built and written there. None: no cache.
 
-    Every process reads or writes the same file (each write is atomic), so ranks and nodes sharing the cache agree. A
-    damaged entry is rebuilt; a cache that cannot be written is left out with a warning."""
+    One process builds a missing entry while the others sharing the cache (the run's ranks, a run beside it) wait for it
+    and read it (`encode.building`); each write is atomic, so ranks and nodes agree. A damaged entry is rebuilt; a cache that cannot be written is left out with a warning."""
     warn_if_reasoning_unrendered(conversations, tokenizer)
     key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
     if key is None:
         return build_examples(conversations, tokenizer, max_seq_len, report)
-    stored = read_cached(cache_dir, CACHE_FOLDER, key)
+    examples = restored_examples(read_cached(cache_dir, CACHE_FOLDER, key), report)
+    if examples is None:
+        with building(cache_dir, CACHE_FOLDER, key):
+            # Another rank (or run) may have built the entry while this one waited for it.
+            examples = restored_examples(read_cached(cache_dir, CACHE_FOLDER, key), report)
+            if examples is None:
+                examples = build_examples(conversations, tokenizer, max_seq_len, report)
+                write_cached(cache_dir, CACHE_FOLDER, key,
+                             {"examples": [[example.input_ids, example.loss_mask] for example in examples],
+                              "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
+                                         "dropped": sorted(report.dropped_by_reason.items()),
+                                         "first_drops": report.first_drops}})
+                return examples
+    log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)",
+             cache_dir / CACHE_FOLDER / f"{key}.json")
+    return examples
+
+
+def restored_examples(stored: dict | None, report: DropReport) -> list[Example] | None:
+    """The examples of a cache entry, with `report` set as it read when they were tokenized; None for a missing or
+    damaged entry (left as it was)."""
     try:
         examples = [Example(input_ids, loss_mask) for input_ids, loss_mask in stored["examples"]]
         restored = stored["report"]
         kept_rows, truncated = restored["kept_rows"], restored["truncated"]
         dropped, first_drops = collections.Counter(dict(restored["dropped"])), [tuple(drop) for drop in restored["first_drops"]]
     except (KeyError, TypeError, ValueError):
-        pass  # not cached yet, or damaged: tokenize
-    else:
-        report.kept_rows, report.truncated, report.dropped_by_reason, report.first_drops = kept_rows, truncated, dropped, first_drops
-        log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)",
-                 cache_dir / CACHE_FOLDER / f"{key}.json")
-        return examples
-    examples = build_examples(conversations, tokenizer, max_seq_len, report)
-    write_cached(cache_dir, CACHE_FOLDER, key,
-                 {"examples": [[example.input_ids, example.loss_mask] for example in examples],
-                  "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
-                             "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}})
+        return None
+    report.kept_rows, report.truncated, report.dropped_by_reason, report.first_drops = kept_rows, truncated, dropped, first_drops
     return examples
 
 

@@ -377,6 +377,54 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
 
 
+def test_a_missing_cache_entry_is_built_by_one_process_while_the_others_wait_and_read_it(tokenizer, tmp_path, monkeypatch):
+    """Ranks starting together on a cold cache tokenize once: a process that finds another building the same entry
+    waits for it, then reads the entry instead of tokenizing the whole set again (300,000 rows: 220 s of start-up at two
+    ranks, each tokenizing it)."""
+    import threading
+    import time
+
+    import data.sft as sft_data
+    from data import encode
+
+    rows = [{"question": f"{number} + 1?", "answer": f"{number + 1}"} for number in range(6)]
+    conversations, report = to_conversations(rows)
+    fresh = build_examples(conversations, tokenizer, 32, to_conversations(rows)[1])
+    key = sft_data.examples_cache_key(conversations, tokenizer, 32, report)
+    results, failures = [], []
+
+    def other_rank():
+        try:
+            results.append(cached_examples(conversations, tokenizer, 32, report, tmp_path))
+        except BaseException as error:  # noqa: BLE001 - a thread's failure is reported by the test
+            failures.append(error)
+
+    monkeypatch.setattr(sft_data, "build_examples", lambda *args: pytest.fail("tokenized while another process built it"))
+    with encode.building(tmp_path, sft_data.CACHE_FOLDER, key):  # the rank that builds
+        waiting = threading.Thread(target=other_rank)
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and not results
+        encode.write_cached(tmp_path, sft_data.CACHE_FOLDER, key,
+                            {"examples": [[example.input_ids, example.loss_mask] for example in fresh],
+                             "report": {"kept_rows": list(range(6)), "truncated": 0, "dropped": [], "first_drops": []}})
+    waiting.join(30)
+    assert not failures and results == [fresh]
+
+
+def test_long_tokenizing_says_how_far_it_is(tokenizer, monkeypatch, caplog):
+    """Tokenizing a large set takes minutes (300,000 conversations about 100 s in one process): a line on rank 0 at
+    least every `PROGRESS_INTERVAL_S` says how many are done, where there was silence."""
+    from data import encode
+
+    monkeypatch.setattr(encode, "PROGRESS_INTERVAL_S", 0.0)
+    rows = [{"question": f"{number} + 1?", "answer": f"{number + 1}"} for number in range(3)]
+    with caplog.at_level(logging.INFO, logger="data.encode"):
+        build_examples(*to_conversations(rows)[:1], tokenizer, 32, to_conversations(rows)[1])
+    lines = [record.getMessage() for record in caplog.records if "conversations tokenized" in record.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == ["conversations tokenized: 1 of 3", "conversations tokenized: 2 of 3"]
+
+
 def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_template(tokenizer, tmp_path, monkeypatch):
     """GRPO's prompt ids from the cache equal a fresh rendering; other tools or another chat template are new entries;
     a damaged entry is rendered again; functions offered as tools are never cached. The key renders the first prompt (a

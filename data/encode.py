@@ -12,6 +12,7 @@ import os
 import pathlib
 import platform
 import time
+import zipfile
 
 from config.errors import UserError
 
@@ -129,13 +130,37 @@ def read_cached(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
 
 
 def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -> None:
-    """Store `stored` under `key`, atomically: every process may write the same entry, and nodes may share the cache. A
-    cache that cannot be written is left out with a warning."""
-    path = cache_dir / folder / f"{key}.json"
+    """Store `stored` under `key` as JSON (`write_atomically`)."""
+    write_atomically(cache_dir / folder / f"{key}.json", lambda file: file.write(json.dumps(stored).encode()))
+
+
+def read_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
+    """The arrays stored under `key` by `write_cached_arrays`, or None when they are missing or damaged."""
+    import numpy
+
+    try:
+        with numpy.load(cache_dir / folder / f"{key}.npz", allow_pickle=False) as stored:
+            return {name: stored[name] for name in stored.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def write_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str, arrays: dict) -> None:
+    """Store numpy `arrays` under `key` as one uncompressed .npz (`write_atomically`): token ids read back as arrays
+    in one piece, where JSON parses a Python object per token."""
+    import numpy
+
+    write_atomically(cache_dir / folder / f"{key}.npz", lambda file: numpy.savez(file, **arrays))
+
+
+def write_atomically(path: pathlib.Path, write) -> None:
+    """`write(binary file)` into a staging file renamed to `path`: every process may write the same entry, and nodes
+    may share the cache. A cache that cannot be written is left out with a warning."""
     staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(json.dumps(stored))
+        with open(staging, "wb") as file:
+            write(file)
         os.replace(staging, path)
     except OSError as error:
         log.warning("tokenized data not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
@@ -168,7 +193,7 @@ def building(cache_dir: pathlib.Path, folder: str, key: str):
         yield
 
 
-# A line at least this often while tokenizing: a large data set takes minutes (300,000 conversations about 100 s).
+# A line at least this often while tokenizing: a large data set takes minutes, which were silent.
 PROGRESS_INTERVAL_S = 10.0
 
 

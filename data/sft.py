@@ -16,6 +16,7 @@ tokenizing reads, so a restarted or repeated run skips the work.
 Batching (padding, packing, collating) is `data.batches`, which GRPO's rollouts share.
 """
 
+import array
 import collections.abc
 import json
 import logging
@@ -140,12 +141,36 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     return spans, rendered
 
 
-def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> list[Example]:
-    """Tokenize conversations, truncate them to `max_seq_len + 1` tokens and drop those left with no loss token."""
+class TokenizedExamples(collections.abc.Sequence):
+    """Tokenized examples held as three flat arrays (every example's ids one after another, their loss masks, where
+    each starts) instead of a Python list per example: about 5 bytes a token where lists of ints take 40-50, on every
+    rank. Indexing gives an `Example`; a slice, a list of them."""
+
+    def __init__(self, input_ids: numpy.ndarray, loss_mask: numpy.ndarray, starts: numpy.ndarray):
+        self.input_ids, self.loss_mask, self.starts = input_ids, loss_mask, starts
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[number] for number in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"example {index} of {len(self)}")
+        start, end = self.starts[index % len(self)], self.starts[index % len(self) + 1]
+        return Example(self.input_ids[start:end].tolist(), self.loss_mask[start:end].tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
+
+
+def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> TokenizedExamples:
+    """Tokenize conversations, truncate them to `max_seq_len + 1` tokens and drop those left with no loss token; each
+    example is appended to flat arrays as it comes, so no list per example is held."""
     if not report.kept_rows:
         # A report that did not come from `to_conversations` counts conversations as its rows.
         report.rows_read, report.kept_rows = len(conversations), list(range(len(conversations)))
-    examples, kept_rows = [], []
+    input_ids_flat, loss_mask_flat, starts, kept_rows = array.array("i"), bytearray(), [0], []
     # Chunks keep the batched tokenizer calls fast without holding every rendering at once.
     tokenized = (pair for start in range(0, len(conversations), TOKENIZE_CHUNK)
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
@@ -162,14 +187,17 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
             report.drop(row, "no loss tokens after truncation")
             continue
         report.truncated += truncated
-        examples.append(Example(input_ids, loss_mask))
+        input_ids_flat.extend(input_ids)
+        loss_mask_flat.extend(loss_mask)
+        starts.append(len(input_ids_flat))
         kept_rows.append(row)
     report.kept_rows = kept_rows
-    if not examples:
+    if not kept_rows:
         raise UserError(f"No usable SFT example is left after tokenizing: {report.summary()}. Raise data.max_seq_len "
                         f"(now {max_seq_len}) if samples lost every response token, or change data.path (or the "
                         "model, when its chat template merges tokens across every turn boundary).")
-    return examples
+    return TokenizedExamples(numpy.frombuffer(input_ids_flat, numpy.int32), numpy.frombuffer(loss_mask_flat, numpy.uint8),
+                             numpy.array(starts, numpy.int64))
 
 
 def warn_if_reasoning_unrendered(conversations: list[list[dict]], tokenizer) -> None:
@@ -206,38 +234,6 @@ def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: 
     return cache_key(state, tokenizer, first, pathlib.Path(__file__).read_text())
 
 
-class TokenizedExamples(collections.abc.Sequence):
-    """Tokenized examples held as three flat arrays (every example's ids one after another, their loss masks, where
-    each starts) instead of a Python list per example: about 5 bytes a token where lists of ints take 40-50, on every
-    rank. Indexing gives an `Example`; a slice, a list of them."""
-
-    def __init__(self, input_ids: numpy.ndarray, loss_mask: numpy.ndarray, starts: numpy.ndarray):
-        self.input_ids, self.loss_mask, self.starts = input_ids, loss_mask, starts
-
-    @classmethod
-    def of(cls, examples: list[Example]) -> "TokenizedExamples":
-        """The examples packed into flat arrays."""
-        lengths = numpy.fromiter((len(example.input_ids) for example in examples), numpy.int64, len(examples))
-        starts = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int64)
-        input_ids = numpy.fromiter((token for example in examples for token in example.input_ids), numpy.int32, starts[-1])
-        loss_mask = numpy.fromiter((flag for example in examples for flag in example.loss_mask), numpy.uint8, starts[-1])
-        return cls(input_ids, loss_mask, starts)
-
-    def __len__(self) -> int:
-        return len(self.starts) - 1
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[number] for number in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"example {index} of {len(self)}")
-        start, end = self.starts[index % len(self)], self.starts[index % len(self) + 1]
-        return Example(self.input_ids[start:end].tolist(), self.loss_mask[start:end].tolist())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
-
-
 def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,
                     cache_dir: pathlib.Path | None) -> TokenizedExamples:
     """`build_examples`, read from `cache_dir` when these conversations were tokenized the same way before (the
@@ -249,14 +245,14 @@ def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int
     warn_if_reasoning_unrendered(conversations, tokenizer)
     key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
     if key is None:
-        return TokenizedExamples.of(build_examples(conversations, tokenizer, max_seq_len, report))
+        return build_examples(conversations, tokenizer, max_seq_len, report)
     examples = restored_examples(read_cached_arrays(cache_dir, CACHE_FOLDER, key), report)
     if examples is None:
         with building(cache_dir, CACHE_FOLDER, key):
             # Another rank (or run) may have built the entry while this one waited for it.
             examples = restored_examples(read_cached_arrays(cache_dir, CACHE_FOLDER, key), report)
             if examples is None:
-                examples = TokenizedExamples.of(build_examples(conversations, tokenizer, max_seq_len, report))
+                examples = build_examples(conversations, tokenizer, max_seq_len, report)
                 restored = {"kept_rows": report.kept_rows, "truncated": report.truncated,
                             "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}
                 write_cached_arrays(cache_dir, CACHE_FOLDER, key,

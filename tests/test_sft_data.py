@@ -418,7 +418,7 @@ def test_a_missing_cache_entry_is_built_by_one_process_while_the_others_wait_and
         waiting.start()
         time.sleep(0.5)
         assert waiting.is_alive() and not results
-        packed = sft_data.TokenizedExamples.of(fresh)
+        packed = fresh
         report_json = json.dumps({"kept_rows": list(range(6)), "truncated": 0, "dropped": [], "first_drops": []})
         encode.write_cached_arrays(tmp_path, sft_data.CACHE_FOLDER, key,
                                    {"input_ids": packed.input_ids, "loss_mask": packed.loss_mask, "starts": packed.starts,

@@ -63,15 +63,25 @@ def prompt_ids(turns_before: list[list[dict]], offered: list, tokenizer, cache_d
                             pathlib.Path(__file__).read_text())
     if key is None:
         return render_and_encode(turns_before, render, tokenizer)
-    with encode.building(cache_dir, CACHE_FOLDER, key):  # one process renders; the others wait, then read its entry
-        stored = encode.read_cached(cache_dir, CACHE_FOLDER, key)
-        if isinstance(stored, dict) and isinstance(stored.get("ids"), list) and len(stored["ids"]) == len(turns_before):
-            log.info("prompt tokens read from the cache %s (data.cache=false renders them anew)",
-                     cache_dir / CACHE_FOLDER / f"{key}.json")
-            return stored["ids"]
-        ids = render_and_encode(turns_before, render, tokenizer)
-        encode.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
+    ids = stored_ids(cache_dir, key, len(turns_before))
+    if ids is None:
+        with encode.building(cache_dir, CACHE_FOLDER, key):  # one process renders; the others wait, then read its entry
+            ids = stored_ids(cache_dir, key, len(turns_before))
+            if ids is None:
+                ids = render_and_encode(turns_before, render, tokenizer)
+                encode.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
+                return ids
+    log.info("prompt tokens read from the cache %s (data.cache=false renders them anew)",
+             cache_dir / CACHE_FOLDER / f"{key}.json")
     return ids
+
+
+def stored_ids(cache_dir: pathlib.Path, key: str, count: int) -> list[list[int]] | None:
+    """The `count` prompts' ids stored under `key`, or None when the entry is missing or damaged."""
+    stored = encode.read_cached(cache_dir, CACHE_FOLDER, key)
+    if isinstance(stored, dict) and isinstance(stored.get("ids"), list) and len(stored["ids"]) == count:
+        return stored["ids"]
+    return None
 
 
 def render_and_encode(turns_before: list, render, tokenizer) -> list[list[int]]:

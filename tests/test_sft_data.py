@@ -459,6 +459,8 @@ def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_temp
     rendered = []
     render = encode.chat_text
     monkeypatch.setattr(encode, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
+    # A read takes no lock: a rank reading a whole entry never waits on one, nor says it waits for a build.
+    monkeypatch.setattr(encode, "building", lambda *args: pytest.fail("a cached entry's read took the lock"))
     assert ids() == fresh and ids(tools=[schema]) == with_tools  # read: only the first prompt rendered, for the key
     assert len(rendered) == 2
     monkeypatch.undo()

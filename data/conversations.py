@@ -140,22 +140,43 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
         raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
                         "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
     except Exception as error:
-        reason = first_bad_line(files) or innermost_reason(error)
+        reason = first_bad_file(files) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
 
 
-def first_bad_line(files: list[pathlib.Path]) -> str | None:
-    """Where the first line of JSON lines files that is not JSON is, and why; None when every line parses."""
+def first_bad_file(files: list[pathlib.Path]) -> str | None:
+    """Which of the data files the table reader failed on, and why, or None when none shows a fault: a JSON lines
+    line that is not a JSON object, a Parquet file that is damaged or holds no rows, or files whose columns differ
+    (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
+    import pyarrow.parquet
+
+    columns = {}
     for file in files:
-        if file.suffix != ".jsonl":
-            continue
-        with open(file, encoding="utf-8-sig", errors="replace") as lines:
-            for number, line in enumerate(lines, 1):
-                try:
-                    line.strip() and json.loads(line)
-                except ValueError as error:
-                    return f"{file.name}, line {number}, is not JSON: {error}"
+        if file.suffix == ".parquet":
+            try:
+                metadata = pyarrow.parquet.read_metadata(file)
+            except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
+                return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
+            if metadata.num_rows == 0:
+                return f"{file.name} holds no rows"
+            columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
+        elif file.suffix == ".jsonl":
+            with open(file, encoding="utf-8-sig", errors="replace") as lines:
+                for number, line in enumerate(lines, 1):
+                    try:
+                        row = json.loads(line) if line.strip() else {}
+                    except ValueError as error:
+                        return f"{file.name}, line {number}, is not JSON: {error}"
+                    if not isinstance(row, dict):
+                        return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object"
+                    if file.name not in columns and row:
+                        columns[file.name] = sorted(row)
+    differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
+    if differing:
+        (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
+        return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
+                "are read as one table, so give them the same columns or point data.path at one kind")
     return None
 
 

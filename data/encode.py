@@ -4,12 +4,15 @@ reads (`cache_key`), so a restarted or repeated run skips the work.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import platform
+import time
+import zipfile
 
 from config.errors import UserError
 
@@ -127,16 +130,81 @@ def read_cached(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
 
 
 def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -> None:
-    """Store `stored` under `key`, atomically: every process may write the same entry, and nodes may share the cache. A
-    cache that cannot be written is left out with a warning."""
-    path = cache_dir / folder / f"{key}.json"
+    """Store `stored` under `key` as JSON (`write_atomically`)."""
+    write_atomically(cache_dir / folder / f"{key}.json", lambda file: file.write(json.dumps(stored).encode()))
+
+
+def read_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
+    """The arrays stored under `key` by `write_cached_arrays`, or None when they are missing or damaged."""
+    import numpy
+
+    try:
+        with numpy.load(cache_dir / folder / f"{key}.npz", allow_pickle=False) as stored:
+            return {name: stored[name] for name in stored.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def write_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str, arrays: dict) -> None:
+    """Store numpy `arrays` under `key` as one uncompressed .npz (`write_atomically`): token ids read back as arrays
+    in one piece, where JSON parses a Python object per token."""
+    import numpy
+
+    write_atomically(cache_dir / folder / f"{key}.npz", lambda file: numpy.savez(file, **arrays))
+
+
+def write_atomically(path: pathlib.Path, write) -> None:
+    """`write(binary file)` into a staging file renamed to `path`: every process may write the same entry, and nodes
+    may share the cache. A cache that cannot be written is left out with a warning."""
     staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(json.dumps(stored))
+        with open(staging, "wb") as file:
+            write(file)
         os.replace(staging, path)
     except OSError as error:
         log.warning("tokenized data not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
                     "directory to silence this", error)
         with contextlib.suppress(OSError):
             staging.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def building(cache_dir: pathlib.Path, folder: str, key: str):
+    """Held while this process builds the entry `key`: another one building the same entry (a rank of this run, or a
+    run beside it) waits here, then reads what this one wrote instead of tokenizing it all again. The lock is the
+    kernel's (`flock`), so it goes with a process that dies; a cache where none can be taken is built without one."""
+    path = cache_dir / ".locks" / f"{folder}-{key}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process that is building the cache entry %s", cache_dir / folder / key)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without locks: each process builds, and the atomic write keeps the entry whole
+        yield
+
+
+# A line at least this often while tokenizing: a large data set takes minutes, which were silent.
+PROGRESS_INTERVAL_S = 10.0
+
+
+def with_progress(items, total: int, what: str):
+    """`items`, with a log line every `PROGRESS_INTERVAL_S` seconds saying how many of `total` `what` are done and
+    about how long the rest takes (rank 0 prints it: `trainer.metrics.setup_logging`)."""
+    start = last = time.monotonic()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL_S and done < total:
+            last = now
+            log.info("%s: %d of %d (%.0f%%), %.0f s so far, about %.0f s left", what, done, total, 100 * done / total,
+                     now - start, (now - start) * (total - done) / done)

@@ -51,7 +51,8 @@ def prompt_ids(turns_before: list[list[dict]], offered: list, tokenizer, cache_d
 
     Rendering is most of a GRPO run's data loading (about 3 s for the bundled task's 11,000 prompts), so the ids are
     kept in `cache_dir` (as SFT's tokenized examples are) under a digest of the turns, the tools (schemas only: a
-    function's rendering is not cached), the tokenizer and this code. Every process reads or writes the same entry."""
+    function's rendering is not cached), the tokenizer and this code. One process renders a missing entry while the
+    others sharing the cache wait for it, then read it (`encode.building`)."""
     def render(index: int) -> str:
         return encode.chat_text(turns_before[index], tokenizer, offered[index], add_generation_prompt=True)
 
@@ -60,16 +61,33 @@ def prompt_ids(turns_before: list[list[dict]], offered: list, tokenizer, cache_d
     if cache_dir is not None and turns_before and schemas_only:
         key = encode.cache_key({"prompts": turns_before, "tools": offered}, tokenizer, render(0),
                             pathlib.Path(__file__).read_text())
-    if key is not None:
-        stored = encode.read_cached(cache_dir, CACHE_FOLDER, key)
-        if isinstance(stored, dict) and isinstance(stored.get("ids"), list) and len(stored["ids"]) == len(turns_before):
-            log.info("prompt tokens read from the cache %s (data.cache=false renders them anew)",
-                     cache_dir / CACHE_FOLDER / f"{key}.json")
-            return stored["ids"]
-    ids = encode.encode_texts([render(index) for index in range(len(turns_before))], tokenizer)
-    if key is not None:
-        encode.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
+    if key is None:
+        return render_and_encode(turns_before, render, tokenizer)
+    ids = stored_ids(cache_dir, key, len(turns_before))
+    if ids is None:
+        with encode.building(cache_dir, CACHE_FOLDER, key):  # one process renders; the others wait, then read its entry
+            ids = stored_ids(cache_dir, key, len(turns_before))
+            if ids is None:
+                ids = render_and_encode(turns_before, render, tokenizer)
+                encode.write_cached(cache_dir, CACHE_FOLDER, key, {"ids": ids})
+                return ids
+    log.info("prompt tokens read from the cache %s (data.cache=false renders them anew)",
+             cache_dir / CACHE_FOLDER / f"{key}.json")
     return ids
+
+
+def stored_ids(cache_dir: pathlib.Path, key: str, count: int) -> list[list[int]] | None:
+    """The `count` prompts' ids stored under `key`, or None when the entry is missing or damaged."""
+    stored = encode.read_cached(cache_dir, CACHE_FOLDER, key)
+    if isinstance(stored, dict) and isinstance(stored.get("ids"), list) and len(stored["ids"]) == count:
+        return stored["ids"]
+    return None
+
+
+def render_and_encode(turns_before: list, render, tokenizer) -> list[list[int]]:
+    """`render(index)` of every prompt, tokenized, with a progress line on long work."""
+    texts = [render(index) for index in encode.with_progress(range(len(turns_before)), len(turns_before), "prompts rendered")]
+    return encode.encode_texts(texts, tokenizer)
 
 
 def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, tools: list | None = None,

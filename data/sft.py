@@ -10,23 +10,27 @@ Every row read is either used or counted in the `DropReport` under one reason.
 Tool use: each assistant turn is learned from after its header through the eos token that closes it, its rendered tool
 calls included; tool results and the template's text around them are not.
 
-Tokenized examples are kept in a cache (`cached_examples`) keyed by everything tokenizing reads, so a restarted or
-repeated run skips the work.
+Tokenized examples are kept in flat arrays (`TokenizedExamples`) and in a cache (`cached_examples`) keyed by everything
+tokenizing reads, so a restarted or repeated run skips the work.
 
 Batching (padding, packing, collating) is `data.batches`, which GRPO's rollouts share.
 """
 
-import collections
+import array
+import collections.abc
+import json
 import logging
 import pathlib
 
+import numpy
 import torch
 
 from config.errors import UserError
 from config.hf import first_special, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
-from data.encode import cache_key, chat_text, encode_batch, encode_texts, read_cached, template_error, write_cached
+from data.encode import (building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays, template_error,
+                         with_progress, write_cached_arrays)
 
 log = logging.getLogger(__name__)
 TOKENIZE_CHUNK = 1024
@@ -104,7 +108,9 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     spans = []
     for index, context, following in zip(turns, contexts, [*contexts[1:], rendered]):
         prompted = chat_text(messages[:index], tokenizer, tools, add_generation_prompt=True)
-        last = chat_text(messages[: index + 1], tokenizer, tools)  # the turn as the generation prompt is answered
+        # The turn as the generation prompt is answered: the whole rendering when it is the last turn (a render less
+        # a conversation, a quarter of a prompt/response pair's).
+        last = rendered if index + 1 == len(messages) else chat_text(messages[: index + 1], tokenizer, tools)
         if not (rendered.startswith(context) and len(context) >= (spans[-1][1] if spans else 0)):
             raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
         if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)):
@@ -135,16 +141,41 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     return spans, rendered
 
 
-def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> list[Example]:
-    """Tokenize conversations, truncate them to `max_seq_len + 1` tokens and drop those left with no loss token."""
+class TokenizedExamples(collections.abc.Sequence):
+    """Tokenized examples held as three flat arrays (every example's ids one after another, their loss masks, where
+    each starts) instead of a Python list per example: about 5 bytes a token where lists of ints take 40-50, on every
+    rank. Indexing gives an `Example`; a slice, a list of them."""
+
+    def __init__(self, input_ids: numpy.ndarray, loss_mask: numpy.ndarray, starts: numpy.ndarray):
+        self.input_ids, self.loss_mask, self.starts = input_ids, loss_mask, starts
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[number] for number in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"example {index} of {len(self)}")
+        start, end = self.starts[index % len(self)], self.starts[index % len(self) + 1]
+        return Example(self.input_ids[start:end].tolist(), self.loss_mask[start:end].tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
+
+
+def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> TokenizedExamples:
+    """Tokenize conversations, truncate them to `max_seq_len + 1` tokens and drop those left with no loss token; each
+    example is appended to flat arrays as it comes, so no list per example is held."""
     if not report.kept_rows:
         # A report that did not come from `to_conversations` counts conversations as its rows.
         report.rows_read, report.kept_rows = len(conversations), list(range(len(conversations)))
-    examples, kept_rows = [], []
+    input_ids_flat, loss_mask_flat, starts, kept_rows = array.array("i"), bytearray(), [0], []
     # Chunks keep the batched tokenizer calls fast without holding every rendering at once.
     tokenized = (pair for start in range(0, len(conversations), TOKENIZE_CHUNK)
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
-    for row, pair in zip(report.kept_rows, tokenized, strict=True):
+    for row, pair in with_progress(zip(report.kept_rows, tokenized, strict=True), len(conversations),
+                                   "conversations tokenized"):
         if pair is None:
             report.drop(row, "tokens merge across a turn boundary")
             continue
@@ -156,14 +187,17 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
             report.drop(row, "no loss tokens after truncation")
             continue
         report.truncated += truncated
-        examples.append(Example(input_ids, loss_mask))
+        input_ids_flat.extend(input_ids)
+        loss_mask_flat.extend(loss_mask)
+        starts.append(len(input_ids_flat))
         kept_rows.append(row)
     report.kept_rows = kept_rows
-    if not examples:
+    if not kept_rows:
         raise UserError(f"No usable SFT example is left after tokenizing: {report.summary()}. Raise data.max_seq_len "
                         f"(now {max_seq_len}) if samples lost every response token, or change data.path (or the "
                         "model, when its chat template merges tokens across every turn boundary).")
-    return examples
+    return TokenizedExamples(numpy.frombuffer(input_ids_flat, numpy.int32), numpy.frombuffer(loss_mask_flat, numpy.uint8),
+                             numpy.array(starts, numpy.int64))
 
 
 def warn_if_reasoning_unrendered(conversations: list[list[dict]], tokenizer) -> None:
@@ -201,34 +235,49 @@ def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: 
 
 
 def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,
-                    cache_dir: pathlib.Path | None) -> list[Example]:
+                    cache_dir: pathlib.Path | None) -> TokenizedExamples:
     """`build_examples`, read from `cache_dir` when these conversations were tokenized the same way before (the
     report then reads as if tokenized now); otherwise built and written there. None: no cache.
 
-    Every process reads or writes the same file (each write is atomic), so ranks and nodes sharing the cache agree. A
-    damaged entry is rebuilt; a cache that cannot be written is left out with a warning."""
+    One process builds a missing entry while the others sharing the cache (the run's ranks, a run beside it) wait for it
+    and read it (`encode.building`); each write is atomic, so ranks and nodes agree. A damaged entry is rebuilt; a cache
+    that cannot be written is left out with a warning."""
     warn_if_reasoning_unrendered(conversations, tokenizer)
     key = examples_cache_key(conversations, tokenizer, max_seq_len, report) if cache_dir is not None else None
     if key is None:
         return build_examples(conversations, tokenizer, max_seq_len, report)
-    stored = read_cached(cache_dir, CACHE_FOLDER, key)
+    examples = restored_examples(read_cached_arrays(cache_dir, CACHE_FOLDER, key), report)
+    if examples is None:
+        with building(cache_dir, CACHE_FOLDER, key):
+            # Another rank (or run) may have built the entry while this one waited for it.
+            examples = restored_examples(read_cached_arrays(cache_dir, CACHE_FOLDER, key), report)
+            if examples is None:
+                examples = build_examples(conversations, tokenizer, max_seq_len, report)
+                restored = {"kept_rows": report.kept_rows, "truncated": report.truncated,
+                            "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}
+                write_cached_arrays(cache_dir, CACHE_FOLDER, key,
+                                    {"input_ids": examples.input_ids, "loss_mask": examples.loss_mask,
+                                     "starts": examples.starts, "report": numpy.array(json.dumps(restored))})
+                return examples
+    log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)",
+             cache_dir / CACHE_FOLDER / f"{key}.npz")
+    return examples
+
+
+def restored_examples(stored: dict | None, report: DropReport) -> TokenizedExamples | None:
+    """The examples of a cache entry, with `report` set as it read when they were tokenized; None for a missing or
+    damaged entry (`report` left as it was)."""
     try:
-        examples = [Example(input_ids, loss_mask) for input_ids, loss_mask in stored["examples"]]
-        restored = stored["report"]
+        examples = TokenizedExamples(stored["input_ids"], stored["loss_mask"], stored["starts"])
+        restored = json.loads(str(stored["report"]))
         kept_rows, truncated = restored["kept_rows"], restored["truncated"]
         dropped, first_drops = collections.Counter(dict(restored["dropped"])), [tuple(drop) for drop in restored["first_drops"]]
-    except (KeyError, TypeError, ValueError):
-        pass  # not cached yet, or damaged: tokenize
-    else:
-        report.kept_rows, report.truncated, report.dropped_by_reason, report.first_drops = kept_rows, truncated, dropped, first_drops
-        log.info("tokenized examples read from the cache %s (data.cache=false tokenizes anew)",
-                 cache_dir / CACHE_FOLDER / f"{key}.json")
-        return examples
-    examples = build_examples(conversations, tokenizer, max_seq_len, report)
-    write_cached(cache_dir, CACHE_FOLDER, key,
-                 {"examples": [[example.input_ids, example.loss_mask] for example in examples],
-                  "report": {"kept_rows": report.kept_rows, "truncated": report.truncated,
-                             "dropped": sorted(report.dropped_by_reason.items()), "first_drops": report.first_drops}})
+        whole = examples.starts[-1] == len(examples.input_ids) == len(examples.loss_mask) and len(examples) == len(kept_rows)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    if not whole:
+        return None
+    report.kept_rows, report.truncated, report.dropped_by_reason, report.first_drops = kept_rows, truncated, dropped, first_drops
     return examples
 
 

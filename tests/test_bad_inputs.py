@@ -164,6 +164,33 @@ def test_a_data_file_that_is_not_json_names_its_line_and_a_blank_one_is_empty(tm
         conversation_data.load_rows(str(tmp_path / "bad.json"))
 
 
+def test_a_folder_of_shards_names_the_shard_that_breaks_it(tmp_path):
+    """A damaged or empty Parquet shard, shards with other columns, and a JSON lines line that is not an object are
+    named with the file (they said "Parquet magic bytes not found", "BatchSize must be greater than 0", "column names
+    don't match" with the columns of one side, "Trailing data at position 32")."""
+    import pyarrow
+    import pyarrow.parquet
+
+    def shards(name: str, *tables) -> str:
+        (tmp_path / name).mkdir()
+        for number, table in enumerate(tables):
+            pyarrow.parquet.write_table(table, tmp_path / name / f"part-{number}.parquet")
+        return str(tmp_path / name)
+
+    pair = pyarrow.Table.from_pylist([{"question": "1 + 1?", "answer": "2"}])
+    damaged = shards("damaged", pair, pair)
+    (tmp_path / "damaged" / "part-1.parquet").write_bytes(b"PAR1 cut short")
+    checks = {damaged: "part-1.parquet is not a readable Parquet file: ",
+              shards("empty", pair, pair.slice(0, 0)): "part-1.parquet holds no rows",
+              shards("mixed", pair, pyarrow.Table.from_pylist([{"prompt": "1 + 1?", "response": "2"}])):
+                  r"its files' columns differ: part-0.parquet has \['answer', 'question'\], part-1.parquet has \['prompt', 'response'\]"}
+    (tmp_path / "list.jsonl").write_text('{"question": "a", "answer": "b"}\n[1, 2]\n')
+    checks[str(tmp_path / "list.jsonl")] = r"list.jsonl, line 2, is a JSON list, not an object"
+    for path, expected in checks.items():
+        with pytest.raises(UserError, match=f"could not be read as a table \\({expected}"):
+            conversation_data.load_rows(path)
+
+
 @pytest.mark.parametrize("override, expected", [
     ({"adam_beta1": "high"}, "sets `adam_beta1` to 'high', and megatron-core's OptimizerConfig.adam_beta1 takes a number"),
     ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer takes true or false"),

@@ -6,6 +6,7 @@ import types
 from pathlib import Path
 
 import datasets
+import numpy
 import pytest
 import torch
 import transformers
@@ -369,12 +370,73 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     finally:
         tokenizer.chat_template = original
     assert len(list((tmp_path / "sft-examples").iterdir())) == 4
-    entry.write_text('{"examples": [[1')  # cut short
-    assert tokenized() == fresh and json.loads(entry.read_text())["report"]["truncated"] == 1
+    entry.write_bytes(entry.read_bytes()[:300])  # cut short
+    assert tokenized() == fresh and json.loads(str(numpy.load(entry)["report"]))["truncated"] == 1
     unwritable = tmp_path / "unwritable"
     unwritable.mkdir()
     (unwritable / "sft-examples").write_text("a file where the cache's folder would go")
     assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
+
+
+def test_tokenized_examples_are_held_in_flat_arrays_and_index_as_the_list(tokenizer):
+    """A large set's examples are three flat arrays, not a Python list per token, and read back as the examples `build_examples` gives, one by one, sliced or from the end."""
+    rows = [{"question": f"{number} + 1?", "answer": f"{number + 1} " * (number + 1)} for number in range(5)]
+    conversations, report = to_conversations(rows)
+    fresh = build_examples(conversations, tokenizer, 32, to_conversations(rows)[1])
+    examples = cached_examples(conversations, tokenizer, 32, report, None)
+    assert list(examples) == fresh and examples[-1] == fresh[-1] and examples[1:4:2] == fresh[1:4:2] and examples == fresh
+    tokens = sum(len(example.input_ids) for example in fresh)
+    assert (examples.input_ids.nbytes, examples.loss_mask.nbytes, len(examples)) == (4 * tokens, tokens, 5)
+    with pytest.raises(IndexError):
+        examples[5]
+
+
+def test_a_missing_cache_entry_is_built_by_one_process_while_the_others_wait_and_read_it(tokenizer, tmp_path, monkeypatch):
+    """Ranks starting together on a cold cache tokenize once: a process that finds another building the same entry
+    waits for it, then reads the entry instead of tokenizing the whole set again."""
+    import threading
+    import time
+
+    import data.sft as sft_data
+    from data import encode
+
+    rows = [{"question": f"{number} + 1?", "answer": f"{number + 1}"} for number in range(6)]
+    conversations, report = to_conversations(rows)
+    fresh = build_examples(conversations, tokenizer, 32, to_conversations(rows)[1])
+    key = sft_data.examples_cache_key(conversations, tokenizer, 32, report)
+    results, failures = [], []
+
+    def other_rank():
+        try:
+            results.append(cached_examples(conversations, tokenizer, 32, report, tmp_path))
+        except BaseException as error:  # noqa: BLE001 - a thread's failure is reported by the test
+            failures.append(error)
+
+    monkeypatch.setattr(sft_data, "build_examples", lambda *args: pytest.fail("tokenized while another process built it"))
+    with encode.building(tmp_path, sft_data.CACHE_FOLDER, key):  # the rank that builds
+        waiting = threading.Thread(target=other_rank)
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and not results
+        packed = fresh
+        report_json = json.dumps({"kept_rows": list(range(6)), "truncated": 0, "dropped": [], "first_drops": []})
+        encode.write_cached_arrays(tmp_path, sft_data.CACHE_FOLDER, key,
+                                   {"input_ids": packed.input_ids, "loss_mask": packed.loss_mask, "starts": packed.starts,
+                                    "report": numpy.array(report_json)})
+    waiting.join(30)
+    assert not failures and results == [fresh]
+
+
+def test_long_tokenizing_says_how_far_it_is(tokenizer, monkeypatch, caplog):
+    """Tokenizing a large set takes minutes: a line on rank 0 at least every `PROGRESS_INTERVAL_S` says how many are done, where there was silence."""
+    from data import encode
+
+    monkeypatch.setattr(encode, "PROGRESS_INTERVAL_S", 0.0)
+    rows = [{"question": f"{number} + 1?", "answer": f"{number + 1}"} for number in range(3)]
+    with caplog.at_level(logging.INFO, logger="data.encode"):
+        build_examples(*to_conversations(rows)[:1], tokenizer, 32, to_conversations(rows)[1])
+    lines = [record.getMessage() for record in caplog.records if "conversations tokenized" in record.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == ["conversations tokenized: 1 of 3", "conversations tokenized: 2 of 3"]
 
 
 def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_template(tokenizer, tmp_path, monkeypatch):
@@ -397,6 +459,8 @@ def test_cached_prompt_ids_equal_a_fresh_rendering_and_follow_the_tools_and_temp
     rendered = []
     render = encode.chat_text
     monkeypatch.setattr(encode, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
+    # A read takes no lock: a rank reading a whole entry never waits on one, nor says it waits for a build.
+    monkeypatch.setattr(encode, "building", lambda *args: pytest.fail("a cached entry's read took the lock"))
     assert ids() == fresh and ids(tools=[schema]) == with_tools  # read: only the first prompt rendered, for the key
     assert len(rendered) == 2
     monkeypatch.undo()

@@ -40,21 +40,22 @@ def freeze_routers(chunks: list) -> None:
         router.requires_grad_(False)
 
 
-def weigh_router_losses(chunks: list, microbatches: list[dict], loss_counts: list) -> None:
+def weigh_router_losses(chunks: list, microbatches: list[dict], loss_count) -> None:
     """Before an optimizer step's forwards: give the routers the step's loss count per routed token, summed over the
     data-parallel ranks (`moe_router.MicroBatchWeightedRouter.loss_weight`), so a load-balancing or z-loss coefficient
-    weighs as in pretraining whatever the loss counts (response tokens, completions). `loss_counts`: each micro-batch's
-    share of the loss's denominator. Collective over the data-parallel group where a router loss is on; nothing for a
-    dense model or with both coefficients 0."""
+    weighs as in pretraining whatever the loss counts (response tokens, completions). `loss_count(batch)`: a
+    micro-batch's share of the loss's denominator. Collective over the data-parallel group where a router loss is on;
+    nothing for a dense model or with both coefficients 0."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from model import collectives
 
-    config = get_attr_wrapped_model(chunks[0], "config")
-    if not (config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff)):
+    config = get_attr_wrapped_model(chunks[0], "config") if chunks else None
+    if not (config and config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff)):
         return
+    counted = sum(float(loss_count(batch)) for batch in microbatches)
     routed = sum(float((~batch["padding_mask"]).sum()) for batch in microbatches)
-    counted, routed = collectives.data_parallel_sum([float(sum(float(count) for count in loss_counts)), routed])
+    counted, routed = collectives.data_parallel_sum([counted, routed])
     for router in routers(chunks):
         router.loss_weight = counted / routed if routed else 1.0
 

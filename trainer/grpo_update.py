@@ -333,8 +333,8 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
             policy.optimizer.zero_grad()
             update = microbatches[start : start + per_update]
             # Each micro-batch's share of this update's loss denominator, rollout corrections aside.
-            moe.weigh_router_losses(policy.chunks, update, [settings.aggregation(batch["loss_mask"], batch["loss_mask"],
-                                                                                 settings.budget)[1] for batch in update])
+            moe.weigh_router_losses(policy.chunks, update, lambda batch: settings.aggregation(
+                batch["loss_mask"], batch["loss_mask"], settings.budget)[1])
             outputs = get_forward_backward_func()(
                 forward_step_func=functools.partial(forward_step, settings, policy.routes),
                 data_iterator=iter(update),

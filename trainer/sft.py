@@ -141,7 +141,7 @@ def train_step(policy, microbatches: list[dict], seq_len: int, timer) -> tuple[f
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         policy.routing_figures.start_step()
-        moe.weigh_router_losses(policy.chunks, microbatches, [batch["loss_mask"].sum() for batch in microbatches])
+        moe.weigh_router_losses(policy.chunks, microbatches, lambda batch: batch["loss_mask"].sum())
         loss_sum, tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=False)
     with timer.phase("optimizer"):
         grad_norm = policy.optimizer_step()  # None: skipped (fp16 overflow), and the LR schedule stays

@@ -81,6 +81,7 @@ def test_each_pipeline_stage_records_its_own_layers_routes(shared_launch):
     assert all(stage["same_completions"] and stage["same_routes"] and stage["layers"] >= 1 for stage in stages)
 
 
+@pytest.mark.distributed
 def test_grpo_logs_the_gap_and_replay_closes_it_in_bf16(replay_runs):
     """bf16 rounds the sampler's (cached, one token at a time) and the training forward's (whole sequence) sums
     differently: some routes flip and log-probs differ. Replaying the rollout's routes keeps the experts, so the

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import worker_output
 
 WORKER = "run_once_per_replica_worker"  # shared_launch.py imports a worker by its file name
+pytestmark = pytest.mark.distributed  # every test reads the shared 2-process launch
 QUICK_SECONDS = 10  # each case takes milliseconds; a rank left waiting takes the worker's 30-s group timeout
 
 

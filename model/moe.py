@@ -53,9 +53,12 @@ def weigh_router_losses(chunks: list, microbatches: list[dict], loss_count) -> N
     config = get_attr_wrapped_model(chunks[0], "config") if chunks else None
     if not (config and config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff)):
         return
-    counted = sum(float(loss_count(batch)) for batch in microbatches)
-    routed = sum(float((~batch["padding_mask"]).sum()) for batch in microbatches)
-    counted, routed = collectives.data_parallel_sum([counted, routed])
+    # Summed where the batches are, then read in one host sync (not two per micro-batch).
+    counts = torch.stack([torch.stack([torch.as_tensor(loss_count(batch), dtype=torch.float64,
+                                                       device=batch["padding_mask"].device),
+                                       (~batch["padding_mask"]).sum().to(torch.float64)])
+                          for batch in microbatches]).sum(dim=0)  # [2]: counted, routed
+    counted, routed = collectives.data_parallel_sum(counts.tolist())
     for router in routers(chunks):
         router.loss_weight = counted / routed if routed else 1.0
 

@@ -94,7 +94,7 @@ class Checkpointer:
         self.save_bytes = (estimate, "estimated from the parameters and their Adam state")
         existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
         free = shutil.disk_usage(existing).free
-        if free < 2 * estimate and is_global_rank_zero():
+        if free < 2 * estimate:  # every rank sees it; the console prints rank 0's (config.console)
             log.warning("`ckpt.dir=%s` has %s free, and one checkpoint needs about %s (%s); a save writes a new one "
                         "before deleting the oldest, so saves may fail for space. Make room, or set `--ckpt.dir` on a "
                         "larger disk.", self.directory, bytes_in_words(free), bytes_in_words(estimate), self.save_bytes[1])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ckpt.failures import underlying_error
 from ckpt.layout import SHARDED_DIR, STATE_FILE
 from ckpt.writer import WriteResults
+from config import console
 from config.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,8 @@ def load(path: Path, chunks: list, optimizer) -> dict:
                             "earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
         set_rng_state(state)
     else:  # resumed at another world size: this rank has no saved stream of its own
-        log.warning("checkpoint %s has no RNG state for rank %d; RNG streams restart from the seed", path, dist.get_rank())
+        log.warning("checkpoint %s has no RNG state for this rank; its RNG streams restart from the seed", path,
+                    extra=console.ABOUT_THIS_RANK)
     return torch.load(path / STATE_FILE, weights_only=False)
 
 

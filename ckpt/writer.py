@@ -9,11 +9,8 @@ import logging
 import os
 import pickle
 import queue
-import secrets
 import signal
-import socket
 import tempfile
-from pathlib import Path
 
 
 class BackgroundSaves:
@@ -76,19 +73,19 @@ class WriteResults:
     Python process per rank that re-imports the main module (8.6 s on the first save here) and outlives a trainer
     killed with -9. A plain pipe would not do either: a writer whose results exceed the pipe's buffer (64 KiB, about
     300 tensors' results) blocks at exit until they are read, and they are read only after it exits. So the writer
-    puts them into a file in the temporary directory (one per process, named by host, pid and a random token; a second
-    save waits for the first; not on the checkpoint's disk, which may be the one that is full), and the finalize step
-    reads and deletes it: results that are missing or unreadable are a failed write. A writer's failure comes back
-    with the error text the writer only logged (`[Errno 28] No space left on device`), as an OSError, which the
-    finalize step's exception names.
+    puts them into a file in the temporary directory (not on the checkpoint's disk, which may be the one that is
+    full), and the finalize step reads and empties it: results that are missing or unreadable are a failed write.
+    The file has no name: opened nameless at the first save (O_TMPFILE, or unlinked at once where the OS lacks it)
+    and inherited by each forked writer, it goes when the trainer's last descriptor does, so a killed trainer
+    leaves nothing in /tmp (a named file per process did, a few KB each), and trainers sharing /tmp cannot mix
+    results. A second save waits for the first. A writer's failure comes back with the error text the writer only
+    logged (`[Errno 28] No space left on device`), as an OSError, which the finalize step's exception names.
     """
 
     _installed = None
 
     def __init__(self):
-        # Containers sharing /tmp may run trainers with the same pid: the host name and a random token keep them apart.
-        name = f"megatron-trainer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.write-results"
-        self.path = Path(tempfile.gettempdir()) / name
+        self.file = tempfile.TemporaryFile()
         self.logged = []
 
     @classmethod
@@ -99,7 +96,7 @@ class WriteResults:
         if cls._installed is None:
             cls._installed = cls()
         filesystem_async._results_queue = cls._installed
-        cls._installed.path.unlink(missing_ok=True)
+        os.ftruncate(cls._installed.file.fileno(), 0)
         cls._installed.logged = []
         return cls._installed
 
@@ -118,22 +115,26 @@ class WriteResults:
             if cause is not None:
                 text = cause.rpartition("an error: ")[2]
                 results = (OSError if "[Errno" in text else RuntimeError)(text)
+        descriptor = self.file.fileno()
         try:
-            with open(self.path, "wb") as file:
-                pickle.dump(results, file)
+            data = pickle.dumps(results)
+            if os.pwrite(descriptor, data, 0) != len(data):
+                raise OSError("short write")
         except OSError:
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.ftruncate(descriptor, 0)
 
     def get_nowait(self):
-        """Called by the finalize step: what the writer put (read once: the file is deleted)."""
+        """Called by the finalize step: what the writer put (read once: the file is emptied)."""
+        descriptor = self.file.fileno()
+        size = os.fstat(descriptor).st_size
+        if size == 0:
+            raise queue.Empty
         try:
-            with open(self.path, "rb") as file:
-                results = pickle.load(file)
-        except FileNotFoundError:
-            raise queue.Empty from None
+            results = pickle.loads(os.pread(descriptor, size, 0))
         except Exception as error:  # a results file the writer could not finish
             results = RuntimeError(f"the checkpoint writer's results are unreadable ({type(error).__name__})")
-        self.path.unlink(missing_ok=True)
+        os.ftruncate(descriptor, 0)
         return results
 
 

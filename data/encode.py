@@ -199,7 +199,7 @@ PROGRESS_INTERVAL_S = 10.0
 
 def with_progress(items, total: int, what: str):
     """`items`, with a log line every `PROGRESS_INTERVAL_S` seconds saying how many of `total` `what` are done and
-    about how long the rest takes (rank 0 prints it: `trainer.metrics.setup_logging`)."""
+    about how long the rest takes (rank 0 prints it: `config.console`)."""
     start = last = time.monotonic()
     for done, item in enumerate(items, 1):
         yield item

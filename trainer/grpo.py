@@ -76,7 +76,7 @@ import os
 from pathlib import Path
 
 from ckpt import checkpoint
-from config import cli, process
+from config import cli, console, process
 from config.loops import GRPOConfig
 from data import prompts as prompt_data, rewards, tool_text, tools as tool_data
 from model import build, generate, parallel
@@ -195,10 +195,10 @@ def main(argv: list[str]):
     """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model (the default SFT's too, before it runs)
     startup = metrics.StartupTimes()
+    console.setup()  # first: a check below may warn, once (rank 0), or per rank where it is that rank's own
     config, resume = cli.parse_args(GRPOConfig, argv, "trainer.grpo")
     checkpoint.catch_stop_signals()  # a stop signal from here on (the default SFT included) is honoured at a step's end
     world_size = validated_world_size(config)
-    metrics.setup_logging(process.is_global_rank_zero())
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     reward, toolset = load_user_code(config)
     startup.mark("config")

@@ -1,4 +1,4 @@
-"""What the loops report: logging on rank 0, metrics.jsonl and the console line, step time, MFU."""
+"""What the loops report: metrics.jsonl and the console line (printed by rank 0: `config.console`), step time, MFU."""
 
 import contextlib
 import json
@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,19 +18,6 @@ log = logging.getLogger("trainer")
 
 # bf16 dense peak FLOP/s by GPU name, for the MFU estimate.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
-
-
-def setup_logging(is_main: bool) -> None:
-    """Our loggers print on rank 0 only; other libraries' INFO chatter is silenced."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
-    # Deprecation and "X is not installed, falling back" notices from the stack are not actionable here.
-    warnings.filterwarnings("ignore", module=r"(megatron|transformers|torch|modelopt)\b")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    for name in ("trainer", "config", "model", "data", "ckpt"):
-        logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
-    for noisy in ("megatron", "megatron.core", "megatron.bridge", "transformers", "datasets", "py.warnings"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def model_flops_per_token(hf_config: dict, seq_length: int) -> float:

@@ -16,7 +16,7 @@ import os
 import torch
 
 from ckpt import checkpoint
-from config import cli, process
+from config import cli, console, process
 from config.loops import RMConfig
 from data import batches, preferences, sft as sft_data
 from model import build, collectives, parallel, score_head
@@ -172,11 +172,11 @@ def main(argv: list[str]):
     left to do)."""
     # ---- parse, and every check that needs no model
     startup = metrics.StartupTimes()
+    console.setup()  # first: a check below may warn, once (rank 0), or per rank where it is that rank's own
     config, resume = cli.parse_args(RMConfig, argv, "trainer.rm")
     checkpoint.catch_stop_signals()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
-    metrics.setup_logging(process.is_global_rank_zero())
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     startup.mark("config")
     if (runtime := prepare_start(config, world_size, startup)) is None:

@@ -33,6 +33,7 @@ import hashlib
 import logging
 import time
 
+from config import console
 from config.errors import UserError
 from data import prompts as prompt_data, rewards, tool_text
 from tool_runtime import runner as tool_runner
@@ -210,7 +211,8 @@ class Rollout:
         size = "could not be rendered" if reshaped is None else f"has {len(reshaped)} tokens"
         log.warning("a prompt with the environment's reset text %s, more than the prompt budget of %s tokens "
                     "(data.max_seq_len - grpo.max_new_tokens): its group is skipped (scores 0, trains nothing; counted in "
-                    "prompts_too_long). Raise --data.max_seq_len or shorten reset's text.", size, self.max_prompt_tokens)
+                    "prompts_too_long). Raise --data.max_seq_len or shorten reset's text.", size, self.max_prompt_tokens,
+                    extra=console.ABOUT_THIS_RANK)  # this rank's prompts; another's may fit
 
     def _continue_rows(self, requests: list[tuple[int, list[int], int]]) -> list[list[int] | None]:
         """`Engine.generate`'s hook: the ids to append for rows that ended a turn (None: the episode ends)."""
@@ -272,7 +274,8 @@ class Rollout:
                     continue
             ids = tool_text.appended_ids(self.tokenizer, trajectory.messages + [assistant], new, self.schemas, self.ends)
             if ids is None:
-                log.warning("the chat template rewrote an episode's earlier turns; the episode ends there")
+                log.warning("the chat template rewrote an episode's earlier turns; the episode ends there",
+                            extra=console.ABOUT_THIS_RANK)
                 continue
             if len(ids) >= left:
                 counts["out_of_room"] += 1
@@ -310,7 +313,8 @@ class Rollout:
                            int(not trajectory.ended), trajectory.skipped))
         if not_made:
             log.warning("the environment's first %d reward() calls of a batch each ran past `grpo.reward_timeout` "
-                        "(%g s): its other %d were not made, and score 0 as failures", calls, self.reward_timeout, not_made)
+                        "(%g s): its other %d were not made, and score 0 as failures", calls, self.reward_timeout, not_made,
+                        extra=console.ABOUT_THIS_RANK)
         return finals
 
 

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ckpt import checkpoint
-from config import cli, process
+from config import cli, console, process
 from config.loops import SFTConfig
 from config.sections import DEFAULT_REWARD
 from data import batches, conversations as conversation_data, prompts as prompt_data, rewards, sft as sft_data
@@ -209,11 +209,11 @@ def main(argv: list[str]):
     """Parse -> validate -> build -> resume -> loop -> save; returns the trained policy (None when nothing was left to do)."""
     # ---- parse, and every check that needs no model
     startup = metrics.StartupTimes()
+    console.setup()  # first: a check below may warn, once (rank 0), or per rank where it is that rank's own
     config, resume = cli.parse_args(SFTConfig, argv, "trainer.sft")
     checkpoint.catch_stop_signals()  # a stop signal from here on is honoured at the first step's end
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)
-    metrics.setup_logging(process.is_global_rank_zero())
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
     model_path = build.resolve_model_path(config)
     checkpointer = checkpoint.Checkpointer(config, resume, model_path)

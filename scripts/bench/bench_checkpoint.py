@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from ckpt import checkpoint  # noqa: E402
+from config import console  # noqa: E402
 from config.loops import SFTConfig  # noqa: E402
 from model import build, parallel  # noqa: E402
-from trainer import metrics  # noqa: E402
 
 # The tiny model's shape family, wider: 11.9M parameters.
 WIDE = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 4}
@@ -100,7 +100,7 @@ def start_one_process():
     default config, the tiny model's path (built on first use) and the runtime."""
     torch.set_num_threads(1)
     config = SFTConfig()
-    metrics.setup_logging(True)
+    console.setup(rank=0)
     return config, build.resolve_model_path(config), parallel.init_distributed(config.parallel, config.train.seed)
 
 

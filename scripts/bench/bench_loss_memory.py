@@ -75,9 +75,9 @@ def main() -> None:
 
     from config.sections import ParallelConfig
     from model import output, parallel
-    from trainer.metrics import setup_logging
+    from config import console
 
-    setup_logging(True)
+    console.setup(rank=0)
     runtime = parallel.init_distributed(ParallelConfig(), seed=0)
     generator = torch.Generator().manual_seed(1)
     shape = (args.batch, args.seq, args.vocab)

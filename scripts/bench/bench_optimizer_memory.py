@@ -152,13 +152,13 @@ def worker(names: list[str], out: Path, model_path: str) -> None:
     import torch.distributed as dist
     import transformers
 
+    from config import console
     from config.loops import SFTConfig
     from config.sections import ModelConfig, ParallelConfig
     from data import conversations as conversation_data, sft as sft_data
     from model import build, parallel
-    from trainer import metrics
 
-    metrics.setup_logging(False)
+    console.setup(rank=1)
     path = build.resolve_model_path(SFTConfig(model=ModelConfig(path=model_path)))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     rows = conversation_data.load_rows("arithmetic")[:64]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from config import console  # noqa: E402
 from config.loops import SFTConfig  # noqa: E402
 from data import conversations as conversation_data, sft as sft_data  # noqa: E402
 from model import build, parallel  # noqa: E402
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     config = SFTConfig()
-    metrics.setup_logging(True)
+    console.setup(rank=0)
     path = build.resolve_model_path(config)
     tokenizer = build.load_tokenizer(path)
     rows = conversation_data.load_rows("arithmetic")[: config.train.global_batch_size]

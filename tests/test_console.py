@@ -1,0 +1,106 @@
+"""What each rank prints (config.console): rank 0 every line we log; another rank only its errors and the warnings about
+its own state, tagged with its rank; nothing tagged in a single process."""
+
+import io
+import logging
+import os
+import sys
+import warnings
+
+import pytest
+
+from config import console
+
+
+def printed(rank: int, world_size: int, log_lines) -> str:
+    """What a console handler with `rank`'s filter prints when `log_lines(logger)` logs."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(console.RankFilter(rank, world_size))
+    logger = logging.getLogger(f"trainer.test_console.{rank}.{world_size}")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        log_lines(logger)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue()
+
+
+def some_lines(logger: logging.Logger) -> None:
+    """A progress line, a run-wide warning, a warning about this rank's own state, an error."""
+    logger.info("step %d: loss=%.1f", 1, 2.0)
+    logger.warning("no held-out split in %s", "rows.jsonl")
+    logger.warning("a prompt of %d tokens was skipped", 90, extra=console.ABOUT_THIS_RANK)
+    logger.error("the reward function failed")
+
+
+def test_rank_zero_prints_every_line_and_tags_only_its_own_warnings_and_errors():
+    assert printed(0, 8, some_lines).splitlines() == [
+        "step 1: loss=2.0", "no held-out split in rows.jsonl", "rank 0: a prompt of 90 tokens was skipped",
+        "rank 0: the reward function failed"]
+
+
+def test_another_rank_prints_only_its_own_warnings_and_errors_tagged():
+    assert printed(5, 8, some_lines).splitlines() == [
+        "rank 5: a prompt of 90 tokens was skipped", "rank 5: the reward function failed"]
+
+
+def test_a_single_process_prints_every_line_untagged():
+    assert printed(0, 1, some_lines).splitlines() == [
+        "step 1: loss=2.0", "no held-out split in rows.jsonl", "a prompt of 90 tokens was skipped",
+        "the reward function failed"]
+
+
+def test_a_tagged_record_is_a_copy_other_handlers_see_as_logged():
+    """The tag is the console's: a handler beside it (a test's capture, a log file) keeps the message as logged."""
+    seen = []
+    beside = logging.Handler()
+    beside.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("trainer.test_console.beside")
+    logger.addHandler(beside)
+    try:
+        output = printed(3, 4, lambda tagged: (tagged.addHandler(beside), tagged.error("disk full")))
+    finally:
+        logger.removeHandler(beside)
+    assert output == "rank 3: disk full\n" and seen == ["disk full"]
+
+
+@pytest.fixture
+def restored_logging(monkeypatch):
+    """Undo what `console.setup` changes in this process: the root and torch handlers' filters, the levels, the
+    warnings filters and capture, the excepthook and $TRANSFORMERS_VERBOSITY."""
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    handlers = [*logging.getLogger().handlers, *logging.getLogger("torch").handlers]
+    filters = {handler: list(handler.filters) for handler in handlers}
+    levels = {name: logging.getLogger(name).level for name in (*console.OUR_PACKAGES, *console.QUIET_LIBRARIES)}
+    with warnings.catch_warnings():
+        yield
+    logging.captureWarnings(False)
+    for handler, kept in filters.items():
+        handler.filters[:] = kept
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def test_setup_filters_the_console_once_however_often_it_runs(restored_logging):
+    """GRPO's default start runs the SFT loop's `main` inside its own: the second set-up replaces the first's filter."""
+    console.setup(rank=2, world_size=4)
+    console.setup(rank=2, world_size=4)
+    for handler in (*logging.getLogger().handlers, *logging.getLogger("torch").handlers):
+        assert sum(isinstance(each, console.RankFilter) for each in handler.filters) == 1
+    assert logging.getLogger("trainer").level == logging.WARNING  # rank 2's own warnings reach the filter
+    assert logging.getLogger("transformers").level == logging.ERROR
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"  # transformers' own set-up, later, keeps errors only
+
+
+def test_an_uncaught_exception_names_its_rank_before_the_traceback(restored_logging, capsys):
+    console.setup(rank=6, world_size=8)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("rank 6: ValueError (its traceback follows)\n") and "ValueError: boom" in stderr

@@ -286,8 +286,10 @@ def test_dapo_and_gspo_clip_with_several_updates_a_step_on_a_set_smaller_than_a_
         assert [row["step"] for row in rows] == steps
         assert all(row["clip_frac"] > 0 for row in rows)
         assert all(row["grad_norm_max"] >= row["grad_norm"] > 0 for row in rows)  # the mean over the step's updates
-        # pi_old is recomputed, a forward over the batch of its own, timed as such (DAPO and GSPO: no KL reference).
-        assert all(row["pi_old_time_s"] > 0.1 * row["update_time_s"] for row in rows)
+        # pi_old is recomputed, a forward over the batch of its own, timed as such (DAPO and GSPO: no KL reference). Four
+        # updates' forwards and backwards are about 12 such forwards (0.1-0.2 of the update on a quiet machine; 0.1 was
+        # missed once while other jobs loaded the two cores): a bound that only a missing forward fails.
+        assert all(row["pi_old_time_s"] > 0.02 * row["update_time_s"] for row in rows)
     assert all(row["sampling_rounds"] >= 1 for row in metrics(root / "dapo2") if "loss" in row)
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,30 @@ def isolated_model_cache(tmp_path_factory):
 
 
 
+# A file where `torchrun` notes each launch of the session: wall seconds, processes, the test (or fixture) that started
+# it, its command (a file, as the test modules import this module again as `tests.conftest`).
+LAUNCH_LOG = "TRAINER_TEST_LAUNCH_LOG"
+
+
+def pytest_sessionstart(session):
+    """A fresh launch log for this session."""
+    log = Path(session.config._tmp_path_factory.getbasetemp()) / "launches.jsonl"
+    log.write_text("")
+    os.environ[LAUNCH_LOG] = str(log)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where a run with launches spent its time: their count and seconds, and the longest of them (docs/tests.md)."""
+    log = Path(os.environ.get(LAUNCH_LOG, "/nonexistent"))
+    launches = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    if not launches:
+        return
+    total = sum(seconds for seconds, *_ in launches)
+    terminalreporter.write_sep("=", f"{len(launches)} torchrun launches, {total:.0f} s in all; the longest")
+    for seconds, nproc, test, command in sorted(launches, reverse=True)[:30]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {nproc} proc  {test}  {command}")
+
+
 # megatron-core torch.compile's its fused functions (SwiGLU, bias-GELU, ...): on CPU the first step of every process
 # then compiles for seconds. A test comparing runs made with the same setting, or asserting what does not depend on
 # the last bit, runs eagerly; the runs exactly as users start them (the default SFT and GRPO) keep compiling.
@@ -92,8 +117,13 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, check: bool = 
     """Run `torchrun --nproc-per-node nproc ARGS` (from the repository root unless `cwd`; eagerly unless `compiled`);
     on failure show its output."""
     command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
+    start = time.perf_counter()
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                             env=torchrun_env(compiled, env))
+    if log := os.environ.get(LAUNCH_LOG):
+        with open(log, "a") as file:
+            file.write(json.dumps([time.perf_counter() - start, nproc, os.environ.get("PYTEST_CURRENT_TEST", "?").split(" (")[0],
+                                   " ".join(str(arg) for arg in args if not str(arg).startswith("--"))[:80]]) + "\n")
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result

@@ -162,7 +162,7 @@ def render_and_encode(count: int, render, tokenizer) -> tuple[numpy.ndarray, num
     """`render(index)` of every prompt, tokenized a chunk at a time into one flat array (and the offsets where each
     prompt starts), so no list per prompt is held; a progress line on long work."""
     token_ids, offsets = array.array("i"), [0]
-    rendered = (render(index) for index in encode.with_progress(range(count), count, "prompts rendered"))
+    rendered = (render(index) for index in encode.with_progress(range(count), count, "prompts rendered and tokenized"))
     while chunk := [text for _, text in zip(range(encode.TOKENIZE_CHUNK), rendered)]:
         for ids in encode.encode_texts(chunk, tokenizer):
             token_ids.extend(ids)

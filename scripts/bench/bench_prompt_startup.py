@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))  # bench_data_startup, beside this one
 
 from bench_data_startup import timed_run, write_rows  # noqa: E402
 

@@ -70,9 +70,11 @@ def timed_run(module: str, arguments: list[str], cache: Path, nproc: int) -> dic
             "peak_rss_gib": round(max(peaks.values(), default=0) / 2**20, 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=300_000)
+def cold_and_warm(run, description: str, rows: int) -> None:
+    """Parse the command line, write the synthetic rows, and print `run(data, out, cache, args)`'s figures for a fresh
+    cache (cold), then for the cache that run wrote (warm)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=rows)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--max-seq-len", type=int, default=128)
     args = parser.parse_args()
@@ -81,6 +83,10 @@ def main() -> None:
         write_rows(work / "train.jsonl", args.rows)
         for label in ("cold", "warm"):
             print(label, run(work / "train.jsonl", work / "out", work / "cache", args), flush=True)
+
+
+def main() -> None:
+    cold_and_warm(run, __doc__, 300_000)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,12 @@ rank.
     .venv/bin/python scripts/bench/bench_prompt_startup.py [--rows 100000] [--nproc 2] [--max-seq-len 128]
 """
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))  # bench_data_startup, beside this one
 
-from bench_data_startup import timed_run, write_rows  # noqa: E402
+from bench_data_startup import cold_and_warm, timed_run  # noqa: E402
 
 
 def run(data: Path, out: Path, cache: Path, args) -> dict:
@@ -27,16 +25,7 @@ def run(data: Path, out: Path, cache: Path, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--max-seq-len", type=int, default=128)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as work:
-        work = Path(work)
-        write_rows(work / "train.jsonl", args.rows)
-        for label in ("cold", "warm"):
-            print(label, run(work / "train.jsonl", work / "out", work / "cache", args), flush=True)
+    cold_and_warm(run, __doc__, 100_000)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,14 @@ def test_the_prompt_order_is_the_shuffle_it_always_was():
             for round_index in (1, 2):
                 assert (grpo_sampling.extra_prompt_indices(num_prompts, per_step, 1234, step, round_index, indices)
                         == listed_extra_draw(num_prompts, per_step, 1234, step, round_index, indices))
+
+
+def test_a_long_cold_build_says_how_far_it_is(tokenizer, tmp_path, monkeypatch, caplog):
+    """Rendering and tokenizing 100,000 prompts takes minutes: a line at least every `PROGRESS_INTERVAL_S` (rank 0
+    prints it) says how many are done."""
+    monkeypatch.setattr(encode, "PROGRESS_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="data.encode"):
+        prompt_set(tokenizer, ROWS[:3], cache=tmp_path)
+    lines = [record.getMessage() for record in caplog.records if "prompts rendered and tokenized" in record.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == ["prompts rendered and tokenized: 1 of 3",
+                                                       "prompts rendered and tokenized: 2 of 3"]

@@ -121,19 +121,6 @@ def cache_key(state: dict, tokenizer, rendered_sample: str, *sources: str) -> st
     return digest.hexdigest()[:32]
 
 
-def read_cached(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
-    """The JSON stored under `key`, or None when it is missing or damaged (the caller builds it again)."""
-    try:
-        return json.loads((cache_dir / folder / f"{key}.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_cached(cache_dir: pathlib.Path, folder: str, key: str, stored: dict) -> None:
-    """Store `stored` under `key` as JSON (`write_atomically`)."""
-    write_atomically(cache_dir / folder / f"{key}.json", lambda file: file.write(json.dumps(stored).encode()))
-
-
 def read_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str) -> dict | None:
     """The arrays stored under `key` by `write_cached_arrays`, or None when they are missing or damaged."""
     import numpy
@@ -192,6 +179,9 @@ def building(cache_dir: pathlib.Path, folder: str, key: str):
             pass  # a file system without locks: each process builds, and the atomic write keeps the entry whole
         yield
 
+
+# Texts per batched tokenizer call: fast, without holding every rendering at once.
+TOKENIZE_CHUNK = 1024
 
 # A line at least this often while tokenizing: a large data set takes minutes, which were silent.
 PROGRESS_INTERVAL_S = 10.0

@@ -29,11 +29,10 @@ from config.errors import UserError
 from config.hf import first_special, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
-from data.encode import (building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays, template_error,
-                         with_progress, write_cached_arrays)
+from data.encode import (TOKENIZE_CHUNK, building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays,
+                         template_error, with_progress, write_cached_arrays)
 
 log = logging.getLogger(__name__)
-TOKENIZE_CHUNK = 1024
 
 # --- tokenization -----------------------------------------------------------------------------
 

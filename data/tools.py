@@ -167,11 +167,11 @@ def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> N
                         "`--grpo.filter_metric=reward` to keep groups whose reward varies.")
 
 
-def check_offered_tools_run(toolset: "Toolset | None", prompts: list, path: str) -> None:
+def check_offered_tools_run(toolset: "Toolset | None", prompts, path: str) -> None:
     """Refuse, before any model is built, prompts that offer tools of their own (a `tools` column beside chat messages)
     in a run with no tools to run: the policy would be shown tools it cannot call, and a call it wrote would be scored
     as its answer."""
-    offering = sum(bool(prompt.tools) for prompt in prompts)
+    offering = prompts.offering_tools() if prompts else 0  # a `data.prompts.PromptSet`, or no prompts ([])
     if toolset is None and offering:
         raise UserError(f"{offering} of the {len(prompts)} prompts of `{path}` offer tools of their own (the rows' "
                         "`tools` column), and neither `grpo.tools` nor `grpo.environment` is set: the policy would be "

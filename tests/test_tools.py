@@ -201,8 +201,8 @@ QUESTION = [{"role": "user", "content": "What is 12 + 5?"}, {"role": "assistant"
 def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environment="", max_turns=3,
                 max_new_tokens=400, max_tool_response_tokens=8, conversation=QUESTION, row=None, seed=0, **settings):
     loaded = toolset(*specs, environment=environment)
-    prompts = prompts_from_conversations([conversation], tokenizer, loaded.schemas)
-    prompts[0].row = row or {"question": "What is 12 + 5?"}
+    prompts = prompts_from_conversations([conversation], tokenizer, loaded.schemas,
+                                         rows=[row or {"question": "What is 12 + 5?"}])
     rollout = rollout_data.Rollout(tokenizer, loaded, [2], max_turns=max_turns,
                                    max_tool_response_tokens=max_tool_response_tokens, **{"tool_timeout": 0.3, **settings})
     engine = ScriptedEngine(tokenizer, turns)

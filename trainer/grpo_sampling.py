@@ -2,9 +2,11 @@
 sampling's choice of groups, and what a failing reward function does to the run (`trainer/grpo.py` states the rules)."""
 
 import dataclasses
+import functools
 import hashlib
 import time
 
+import numpy
 import torch
 
 from config.errors import UserError
@@ -19,13 +21,20 @@ from trainer.metrics import log
 
 def step_prompt_indices(num_prompts: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
     """Indices of step `step`'s prompts: a seeded shuffle per epoch, a pure function of the step (so resume is exact)."""
-    orders, indices = {}, []
+    indices = []
     for position in range((step - 1) * prompts_per_step, step * prompts_per_step):
         epoch, offset = divmod(position, num_prompts)
-        if epoch not in orders:
-            orders[epoch] = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        indices.append(orders[epoch][offset])
+        indices.append(int(epoch_order(num_prompts, seed + epoch)[offset]))
     return indices
+
+
+@functools.lru_cache(maxsize=2)  # this epoch's and the next (a step may cross into it)
+def epoch_order(num_prompts: int, seed: int) -> numpy.ndarray:
+    """A seeded permutation of the prompt indices (read-only), drawn once per epoch rather than at every step: the
+    whole set is shuffled, which grows with the set while a step takes a few prompts."""
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed)).numpy()
+    order.setflags(write=False)
+    return order
 
 
 def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
@@ -42,13 +51,14 @@ def extra_prompt_indices(num_prompts: int, count: int, seed: int, step: int, rou
     round), with the prompts `used` by the step's earlier rounds last, so none trains twice in a step while the set
     has others; a set smaller than `count` wraps, as round 0 does across epochs, so every rank gets its share."""
     generator = torch.Generator().manual_seed(rollout_seed(seed, step, -1, round_index))
-    order = torch.randperm(num_prompts, generator=generator).tolist()
-    taken = set(used)
-    order = [index for index in order if index not in taken] + [index for index in order if index in taken]
-    return [order[position % num_prompts] for position in range(count)]
+    order = torch.randperm(num_prompts, generator=generator).numpy()  # [prompts]
+    taken = numpy.zeros(num_prompts, bool)
+    taken[used] = True
+    order = numpy.concatenate([order[~taken[order]], order[taken[order]]])  # unused first, each part in drawn order
+    return [int(order[position % num_prompts]) for position in range(count)]
 
 
-def round_prompts(prompts, config, step: int, round_index: int, runtime) -> list[prompt_data.Prompt]:
+def round_prompts(prompts: prompt_data.PromptSet, config, step: int, round_index: int, runtime) -> list[prompt_data.Prompt]:
     """This rank's distinct prompts of one round: the step's share of the epoch's shuffle (round 0), or a seeded
     draw (dynamic sampling's extra rounds); pure functions of (train.seed, step, round), so resume is exact."""
     per_rank = config.train.global_batch_size // config.grpo.n_samples // runtime.dp_size

@@ -31,7 +31,7 @@ class SFTData:
 
     train: list[batches.Example]
     eval: list[batches.Example]
-    eval_prompts: list[prompt_data.Prompt]
+    eval_prompts: prompt_data.PromptSet | list
 
 
 def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:

@@ -45,11 +45,17 @@ def peak_rss_kib(pid: int, stop: threading.Event, peaks: dict) -> None:
 
 def run(data: Path, out: Path, cache: Path, args) -> dict:
     """One 1-step SFT run; its wall time, data seconds from the start-up report, and a rank's peak memory."""
-    command = [str(REPO / ".venv/bin/torchrun"), "--nproc-per-node", str(args.nproc), "-m", "trainer.sft",
-               f"--data.path={data}", "--data.prompt_field=question", "--data.response_field=answer",
-               f"--data.max_seq_len={args.max_seq_len}", "--train.steps=1", "--train.global_batch_size=8",
-               "--train.micro_batch_size=2", "--train.eval_samples=0", "--ckpt.save_interval=0",
-               f"--train.out_dir={out}", "--train.overwrite_output_dir=true"]
+    return timed_run("trainer.sft", [f"--data.path={data}", "--data.prompt_field=question", "--data.response_field=answer",
+                                     f"--data.max_seq_len={args.max_seq_len}", "--train.steps=1",
+                                     "--train.global_batch_size=8", "--train.micro_batch_size=2",
+                                     "--train.eval_samples=0", "--ckpt.save_interval=0", f"--train.out_dir={out}",
+                                     "--train.overwrite_output_dir=true"], cache, args.nproc)
+
+
+def timed_run(module: str, arguments: list[str], cache: Path, nproc: int) -> dict:
+    """`module` under torchrun with `arguments` on the tokenized-data cache `cache`: its wall time, the "tokenizer and
+    data" seconds of its start-up report, and the largest peak resident memory of a rank."""
+    command = [str(REPO / ".venv/bin/torchrun"), "--nproc-per-node", str(nproc), "-m", module, *arguments]
     env = {**os.environ, "TRAINER_CACHE_DIR": str(cache), "TORCH_COMPILE_DISABLE": "1"}
     start, stop, peaks = time.monotonic(), threading.Event(), {}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,15 +64,17 @@ def run(data: Path, out: Path, cache: Path, args) -> dict:
     log = process.communicate()[0]
     stop.set()
     if process.returncode:
-        sys.exit(f"trainer.sft failed:\n{log[-3000:]}")
+        sys.exit(f"{module} failed:\n{log[-3000:]}")
     data_seconds = re.search(r"tokenizer and data ([\d.]+)/", log)
     return {"wall_s": round(time.monotonic() - start, 1), "data_s": float(data_seconds.group(1)) if data_seconds else None,
             "peak_rss_gib": round(max(peaks.values(), default=0) / 2**20, 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=300_000)
+def cold_and_warm(run, description: str, rows: int) -> None:
+    """Parse the command line, write the synthetic rows, and print `run(data, out, cache, args)`'s figures for a fresh
+    cache (cold), then for the cache that run wrote (warm)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=rows)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--max-seq-len", type=int, default=128)
     args = parser.parse_args()
@@ -75,6 +83,10 @@ def main() -> None:
         write_rows(work / "train.jsonl", args.rows)
         for label in ("cold", "warm"):
             print(label, run(work / "train.jsonl", work / "out", work / "cache", args), flush=True)
+
+
+def main() -> None:
+    cold_and_warm(run, __doc__, 300_000)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""GRPO's prompt set: flat arrays with each prompt read by index, the .npz cache of its token ids (round trip, a new
+key when the prompts change, a damaged entry rendered again), and the prompt order drawn once per epoch."""
+
+import json
+import logging
+import pickle
+
+import numpy
+import pytest
+import torch
+import transformers
+
+from config.cli import parse_args
+from config.loops import GRPOConfig
+from data import encode, prompts as prompt_data
+from data.conversations import to_conversations
+from model.tiny import ensure_tiny_checkpoint
+from trainer import grpo_sampling
+
+ROWS = [{"question": f"What is {n} + {n}?", "answer": f"#### {2 * n}", "id": n} for n in range(7)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny checkpoint's tokenizer, with its Qwen-style chat template."""
+    return transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+
+
+def prompt_set(tokenizer, rows=ROWS, cache=None):
+    """The prompts of `rows` (question/answer), each carrying its row."""
+    conversations, _ = to_conversations(rows)
+    return prompt_data.prompts_from_conversations(conversations, tokenizer, None, cache, rows)
+
+
+def as_dicts(prompts) -> list[dict]:
+    """Every field of every prompt, for comparison."""
+    return [vars(prompt) for prompt in prompts]
+
+
+def test_a_prompt_read_by_index_is_the_prompt_it_was_built_from(tokenizer):
+    prompts = prompt_set(tokenizer)
+    assert prompts.token_ids.dtype == numpy.int32 and prompts.records.dtype == numpy.uint8 and len(prompts) == 7
+    third = prompts[2]
+    assert tokenizer.decode(third.ids) == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (third.reference, third.messages, third.tools, third.row) == (
+        "#### 4", [{"role": "user", "content": "What is 2 + 2?"}], None, ROWS[2])
+    assert prompts[-1].row == ROWS[6] and [prompt.row["id"] for prompt in prompts] == list(range(7))
+    with pytest.raises(IndexError):
+        prompts[7]
+    # A slice or subset views the same arrays, in the order asked.
+    assert as_dicts(prompts[1::3]) == as_dicts([prompts[1], prompts[4]])
+    picked = prompts.subset(numpy.array([5, 0]))
+    assert picked.token_ids is prompts.token_ids and as_dicts(picked) == as_dicts([prompts[5], prompts[0]])
+    assert list(prompts.lengths()) == [len(prompt.ids) for prompt in prompts]
+    assert prompts.offering_tools() == 0 and picked.offering_tools() == 0
+
+
+def test_cache_round_trip_and_a_new_key_when_a_prompt_changes(tokenizer, tmp_path, monkeypatch):
+    fresh = as_dicts(prompt_set(tokenizer))
+    assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh  # written
+    [entry] = (tmp_path / "prompts").glob("*.npz")
+    with numpy.load(entry) as stored:
+        assert sorted(stored.files) == ["ids", "offsets"] and stored["offsets"][-1] == len(stored["ids"])
+    rendered = []
+    render = encode.chat_text
+    monkeypatch.setattr(encode, "chat_text", lambda *args, **kwargs: rendered.append(1) or render(*args, **kwargs))
+    assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh and len(rendered) == 1  # read: the key's one render
+    changed = [dict(row) for row in ROWS]
+    changed[4]["question"] = "What is 40 + 40?"
+    again = as_dicts(prompt_set(tokenizer, changed, cache=tmp_path))
+    assert len(list((tmp_path / "prompts").glob("*.npz"))) == 2
+    assert again[4]["ids"] != fresh[4]["ids"] and again[:4] == fresh[:4]
+
+
+@pytest.mark.parametrize("damage", ["cut short", "offsets disagree", "ids missing"])
+def test_a_damaged_cache_entry_is_rendered_again_and_said(tokenizer, tmp_path, caplog, damage):
+    fresh = as_dicts(prompt_set(tokenizer))
+    prompt_set(tokenizer, cache=tmp_path)
+    [entry] = (tmp_path / "prompts").glob("*.npz")
+    if damage == "cut short":
+        entry.write_bytes(entry.read_bytes()[:100])
+    else:
+        with numpy.load(entry) as stored:
+            ids, offsets = stored["ids"], stored["offsets"]
+        arrays = {"ids": ids, "offsets": offsets[:-1]} if damage == "offsets disagree" else {"offsets": offsets}
+        with open(entry, "wb") as file:
+            numpy.savez(file, **arrays)
+    with caplog.at_level(logging.WARNING, logger="data.prompts"):
+        assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh
+    assert "is damaged: its prompts are rendered again" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data.prompts"):
+        assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh  # the entry was written whole again
+    assert "read from the cache" in caplog.text and "is damaged" not in caplog.text
+
+
+def test_load_prompts_keeps_rows_in_order_and_skips_the_long_ones(tokenizer, tmp_path):
+    rows = [dict(row) for row in ROWS]
+    rows[3]["question"] = "Count the apples in this long story. " * 6 + rows[3]["question"]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config, _ = parse_args(GRPOConfig, ["--data.max_seq_len=80"], "trainer.grpo")
+    prompts = prompt_data.load_prompts(config.data, tokenizer, str(path), "train", config.grpo.max_new_tokens,
+                                       cache_dir=tmp_path / "cache")
+    assert [prompt.row["id"] for prompt in prompts] == [0, 1, 2, 4, 5, 6]
+    assert all(len(prompt.ids) <= 48 for prompt in prompts) and prompts[3].reference == "#### 8"
+
+
+def test_a_row_and_its_turns_share_their_strings_in_the_records(tokenizer):
+    """Each prompt's record pickles its row and turns together: the question is stored once, not twice."""
+    long_rows = [{"question": "x" * 5000, "answer": "y" * 3000}]
+    prompts = prompt_set(tokenizer, long_rows)
+    assert len(prompts.records) < 5000 + 3000 + 500
+    assert pickle.loads(prompts.records.tobytes())[3] == long_rows[0]
+
+
+def test_the_prompt_order_is_the_shuffle_it_always_was():
+    """The epoch's permutation is drawn once, not at every step; the indices are those the per-step shuffle gave (a
+    run's prompts, so its metrics, are unchanged), as are dynamic sampling's extra draws."""
+    def per_step_shuffle(num_prompts, prompts_per_step, step, seed):
+        orders, indices = {}, []
+        for position in range((step - 1) * prompts_per_step, step * prompts_per_step):
+            epoch, offset = divmod(position, num_prompts)
+            if epoch not in orders:
+                orders[epoch] = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            indices.append(orders[epoch][offset])
+        return indices
+
+    def listed_extra_draw(num_prompts, count, seed, step, round_index, used):
+        generator = torch.Generator().manual_seed(grpo_sampling.rollout_seed(seed, step, -1, round_index))
+        order = torch.randperm(num_prompts, generator=generator).tolist()
+        order = [index for index in order if index not in set(used)] + [index for index in order if index in set(used)]
+        return [order[position % num_prompts] for position in range(count)]
+
+    for num_prompts, per_step in ((10, 4), (7, 16), (1000, 64)):
+        for step in range(1, 25):
+            indices = grpo_sampling.step_prompt_indices(num_prompts, per_step, step, 1234)
+            assert indices == per_step_shuffle(num_prompts, per_step, step, 1234)
+            assert all(type(index) is int for index in indices)
+            for round_index in (1, 2):
+                assert (grpo_sampling.extra_prompt_indices(num_prompts, per_step, 1234, step, round_index, indices)
+                        == listed_extra_draw(num_prompts, per_step, 1234, step, round_index, indices))
+
+
+def test_a_long_cold_build_says_how_far_it_is(tokenizer, tmp_path, monkeypatch, caplog):
+    """Rendering and tokenizing 100,000 prompts takes minutes: a line at least every `PROGRESS_INTERVAL_S` (rank 0
+    prints it) says how many are done."""
+    monkeypatch.setattr(encode, "PROGRESS_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="data.encode"):
+        prompt_set(tokenizer, ROWS[:3], cache=tmp_path)
+    lines = [record.getMessage() for record in caplog.records if "prompts rendered and tokenized" in record.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == ["prompts rendered and tokenized: 1 of 3",
+                                                       "prompts rendered and tokenized: 2 of 3"]

@@ -107,9 +107,11 @@ class RotateOnceSelfAttention(SelfAttention):
     """megatron-core's `SelfAttention` whose static KV cache holds keys after the rotary embedding.
 
     megatron-core caches keys before the rotation and rotates the whole cached prefix again, in every layer,
-    at every decode step. Here each new key is rotated once, as it is written to the cache, and the caller
-    rotates only the query (it skips a key whose embedding comes back as None), as `transformers` does. The
-    numbers are the same: a key's rotation depends only on its own position. The cache keeps megatron's
+    at every decode step. Here each new key is rotated once, as it is written to the cache, and so is the query,
+    as `transformers` does: with megatron-core's unfused rotation, both here from `RotaryTables` (the caller then
+    rotates nothing, its embeddings come back as None); with its fused or interleaved ones, the key here with
+    megatron-core's function and the query by the caller. The numbers are the same: a key's rotation depends only
+    on its own position. The cache keeps megatron's
     shape ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
     can copy prompts' rows to several samples and drop finished rows. Without a static cache, or with a
     dynamic context, flash decoding or no rotary embedding, megatron-core's own path runs unchanged.

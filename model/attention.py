@@ -75,7 +75,7 @@ class SDPACoreAttention(MegatronModule):
             blocked = get_sliding_window_causal_mask(query_len, key_len, self.window_size).to(query.device)
             allowed = ~(blocked if attention_mask is None else blocked | attention_mask)
         elif attention_mask is not None:
-            allowed = ~attention_mask
+            allowed = _allowed(attention_mask)
         elif mask_type == AttnMaskType.causal and query_len == key_len:
             is_causal = True
         elif mask_type == AttnMaskType.causal and query_len > 1:
@@ -93,13 +93,25 @@ class SDPACoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(query_len, batch, -1)
 
 
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's mask (True = may attend) for megatron's `attention_mask` (True = blocked), inverted once per mask: every
+    layer of a forward is given the same mask tensor, so the first layer keeps the inverse on it for the others (one
+    operator per forward rather than one per layer, each decode step)."""
+    allowed = getattr(attention_mask, "sdpa_allowed", None)
+    if allowed is None:
+        allowed = attention_mask.sdpa_allowed = ~attention_mask
+    return allowed
+
+
 class RotateOnceSelfAttention(SelfAttention):
     """megatron-core's `SelfAttention` whose static KV cache holds keys after the rotary embedding.
 
     megatron-core caches keys before the rotation and rotates the whole cached prefix again, in every layer,
-    at every decode step. Here each new key is rotated once, as it is written to the cache, and the caller
-    rotates only the query (it skips a key whose embedding comes back as None), as `transformers` does. The
-    numbers are the same: a key's rotation depends only on its own position. The cache keeps megatron's
+    at every decode step. Here each new key is rotated once, as it is written to the cache, and so is the query,
+    as `transformers` does: with megatron-core's unfused rotation, both here from `RotaryTables` (the caller then
+    rotates nothing, its embeddings come back as None); with its fused or interleaved ones, the key here with
+    megatron-core's function and the query by the caller. The numbers are the same: a key's rotation depends only
+    on its own position. The cache keeps megatron's
     shape ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
     can copy prompts' rows to several samples and drop finished rows. Without a static cache, or with a
     dynamic context, flash decoding or no rotary embedding, megatron-core's own path runs unchanged.
@@ -117,8 +129,14 @@ class RotateOnceSelfAttention(SelfAttention):
         query_embedding, key_embedding = rotary_pos_emb  # each [max_seq, 1, 1, rotary dim]
         start, end, batch = context.sequence_len_offset, context.sequence_len_offset + key.size(0), key.size(1)
         # key/value: [new tokens, batch, groups, head dim]
-        key = apply_rotary_pos_emb(key, key_embedding[start:end], config=self.config,
-                                   mscale=self._yarn_concentration_factor, cp_group=self.pg_collection.cp)
+        if self._rotates_unfused():
+            # Query and key rotated here, from cos/sin tables the layers of a forward share (`RotaryTables`).
+            tables = RotaryTables.of(context, key_embedding, start, end, self._yarn_concentration_factor, key.dtype)
+            query, key, query_embedding = tables.rotate(query), tables.rotate(key), None
+        else:
+            key = apply_rotary_pos_emb(key, key_embedding[start:end], config=self.config,
+                                       mscale=self._yarn_concentration_factor, cp_group=self.pg_collection.cp)
+            query_embedding = query_embedding[start:end]
         if self.layer_number not in context.key_value_memory_dict:
             # megatron's [max_seq, max_batch, groups, head dim] shape over batch-major memory, so that each row's keys
             # are near each other for the attention kernel.
@@ -126,11 +144,56 @@ class RotateOnceSelfAttention(SelfAttention):
                 tensor.new_empty(context.max_batch_size, context.max_sequence_length, *tensor.shape[2:]).transpose(0, 1)
                 for tensor in (key, value))
         keys, values = context.key_value_memory_dict[self.layer_number]
-        keys[start:end, :batch] = key
-        values[start:end, :batch] = value
+        if batch != keys.size(1):  # the cache holds exactly the batch's rows (`model.generate` compacts it)
+            keys, values = keys[:, :batch], values[:, :batch]
+        keys[start:end] = key
+        values[start:end] = value
         # Past the prefill a query attends to every cached key, as in megatron-core (a given mask still applies).
         mask_type = AttnMaskType.no_mask if start > 0 else self.attn_mask_type
-        return query, keys[:end, :batch], values[:end, :batch], (query_embedding[start:end], None), mask_type, None
+        # No query embedding: the caller skips the rotation it would apply (the query is rotated already).
+        embeddings = None if query_embedding is None else (query_embedding, None)
+        return query, keys[:end], values[:end], embeddings, mask_type, None
+
+    def _rotates_unfused(self) -> bool:
+        """Whether megatron-core would rotate with its unfused half-split formula, which `RotaryTables` reproduces."""
+        config = self.config
+        return not (config.apply_rope_fusion or config.rotary_interleaved or config.multi_latent_attention)
+
+
+class RotaryTables:
+    """The cos and sin factors of one forward's positions, computed once for all of its layers (megatron-core computes
+    them in every layer, twice: for the query and for the key).
+
+    Each layer's rotation is then the unfused formula of megatron-core's `_apply_rotary_pos_emb_bshd`,
+    `t * cos + rotate_half(t) * sin` with rotate_half(t) = [-t2, t1], reordered to [t2, t1] * [-sin1, sin2]: negating
+    a factor instead of the other one changes no bit of a product, so the results are bit-identical, in three
+    element-wise operators and a `roll` where megatron-core launches about fifteen. The tables are kept on the
+    inference context (one generation) for the last span of positions.
+    """
+
+    def __init__(self, embedding: torch.Tensor, start: int, end: int, mscale: float, dtype: torch.dtype):
+        self.embedding, self.span = embedding, (start, end, mscale, dtype)
+        freqs = embedding[start:end]  # [new tokens, 1, 1, rotary dim]: the slice megatron-core rotates with
+        self.rotary_dim, self.half = freqs.size(-1), freqs.size(-1) // 2
+        self.cos = (torch.cos(freqs) * mscale).to(dtype)
+        sin = (torch.sin(freqs) * mscale).to(dtype)
+        self.sin = torch.cat((-sin[..., : self.half], sin[..., self.half :]), dim=-1)  # rotate_half's sign folded in
+
+    @classmethod
+    def of(cls, context, embedding: torch.Tensor, start: int, end: int, mscale: float, dtype) -> "RotaryTables":
+        """The context's tables for these positions, built by the first layer that asks."""
+        tables = getattr(context, "rotary_tables", None)
+        if tables is None or tables.embedding is not embedding or tables.span != (start, end, mscale, dtype):
+            tables = context.rotary_tables = cls(embedding, start, end, mscale, dtype)
+        return tables
+
+    def rotate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` ([new tokens, batch, heads, head dim]) with its first `rotary dim` channels rotated."""
+        if self.rotary_dim == tensor.size(-1):
+            return tensor * self.cos + torch.roll(tensor, self.half, dims=-1) * self.sin
+        rotated, passed = tensor[..., : self.rotary_dim], tensor[..., self.rotary_dim :]
+        rotated = rotated * self.cos + torch.roll(rotated, self.half, dims=-1) * self.sin
+        return torch.cat((rotated, passed), dim=-1)
 
 
 def _rotate_once(spec):

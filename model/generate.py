@@ -42,27 +42,34 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     held-out evaluation) no log-softmax over the vocabulary is computed and each is 0.0."""
     # logits: [batch, vocab]
     if temperature <= 0:
-        ids = logits.argmax(dim=-1)  # [batch]
+        ids = logits.argmax(dim=-1, keepdim=True)  # [batch, 1]
         if not logprobs:
-            return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-        return ids, logits.float().log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
-    logits = logits.float() / temperature
+            return ids.squeeze(1), torch.zeros(len(ids), dtype=torch.float32, device=ids.device)
+        return ids.squeeze(1), _as_fp32(logits).log_softmax(dim=-1).gather(1, ids).squeeze(1)
+    logits = _as_fp32(logits)
+    if temperature != 1.0:  # dividing by 1 changes no bit: skip the [batch, vocab] pass
+        logits = logits / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # [batch, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # [batch, vocab]
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_probabilities = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
+        drop_sorted = sorted_probabilities.cumsum(dim=-1) - sorted_probabilities >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probabilities = logits.softmax(dim=-1)  # [batch, vocab]
     # Our own generator, seeded per call, lives where the logits are (`sampling_generator`): the draws never depend on
     # the global RNG, so a run and its resume sample the same ids.
-    ids = torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)  # [batch]
+    ids = torch.multinomial(probabilities, 1, generator=generator)  # [batch, 1]
     if not logprobs:
-        return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    return ids, logits.log_softmax(dim=-1).gather(1, ids[:, None]).squeeze(1)
+        return ids.squeeze(1), torch.zeros(len(ids), dtype=torch.float32, device=ids.device)
+    return ids.squeeze(1), logits.log_softmax(dim=-1).gather(1, ids).squeeze(1)
+
+
+def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32, without an operator when it is already (`.float()` dispatches one either way)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def sampling_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -262,6 +269,8 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     columns = torch.arange(total, device=device)  # [total]
     is_pad = columns[None, :] < pads[:, None]  # [rows, total]
     any_pads = bool(is_pad.any())
+    # A decode step's mask, for every key column: its one query is past the prompts, so it sees every key but the pads.
+    pad_keys = is_pad[:, None, None, :]  # [rows, 1, 1, total]
     generator = sampling_generator(seed, device)
     context = StaticInferenceContext(len(prompts), total)
     # The output: finished rows are moved here when the batch is compacted, the rest at the end.
@@ -276,6 +285,9 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
     taken = torch.zeros(len(prompts), total, *route_shape, dtype=torch.int16, device=device)  # [rows, total, layers, k]
     output_taken = torch.zeros(len(prompts) * samples, total, *route_shape, dtype=torch.int16, device=device)
     done = torch.zeros(len(prompts) * samples, dtype=torch.bool, device=device)  # [rows]
+    # What the host knows without reading the device: how many rows have ended (read once a step), and the column up
+    # to which some row is given tokens. Past it, with no row ended, each step just writes the sampled ids.
+    finished, forced_until = 0, width
     previous, last_position = 0, total - 1
     was_training = model.training
     model.eval()
@@ -285,9 +297,11 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
         position = first_position
         while position < total:
             window = tokens[:, previous:position]  # [rows, new tokens]
-            positions = columns[previous:position].unsqueeze(0).expand(tokens.size(0), -1)
+            positions = columns[previous:position].expand(tokens.size(0), -1)  # [rows, new tokens]
             mask = None  # megatron's convention: True = may not attend
-            if any_pads or (previous > 0 and window.size(1) > 1):  # a multi-token window past the prefill: causal
+            if any_pads and previous > 0 and window.size(1) == 1:
+                mask = pad_keys[..., :position]  # [rows, 1, 1, keys]
+            elif any_pads or (previous > 0 and window.size(1) > 1):  # a multi-token window past the prefill: causal
                 queries, keys = columns[previous:position], columns[:position]
                 future = keys[None, :] > queries[:, None]  # [new tokens, keys]
                 # A real query sees no pad key; a pad query sees the pads up to itself (never an empty row).
@@ -302,6 +316,7 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             if previous == 0 and samples > 1:  # after the prefill: every prompt's row becomes its `samples` rows
                 copies = torch.arange(len(prompts), device=device).repeat_interleave(samples)  # [prompts * samples]
                 tokens, is_pad, ends = tokens[copies], is_pad[copies], ends[copies]
+                pad_keys = is_pad[:, None, None, :]
                 logits = None if logits is None else logits[copies]
                 logprobs, taken = logprobs[copies], taken[copies]
                 forced_end, stop = forced_end[copies], stop[copies]
@@ -309,15 +324,22 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
             previous = position
             next_tokens, next_logprobs = _sample(logits, stages, tokens.size(0), device, vocab_size, temperature,
                                                  top_p, top_k, generator, with_logprobs)
-            forced = position < forced_end  # [rows]
-            tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
-            logprobs[:, position] = torch.where(forced | done, 0.0, next_logprobs)
-            ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
+            if finished or position < forced_until:  # rows given a token here keep it; ended rows take the filler
+                forced = position < forced_end  # [rows]
+                tokens[:, position] = torch.where(forced, tokens[:, position], torch.where(done, filler, next_tokens))
+                logprobs[:, position] = torch.where(forced | done, 0.0, next_logprobs)
+                ended = ~forced & ~done & torch.isin(tokens[:, position], end_ids)  # [rows]
+            else:  # every row takes its sampled id (the same values as above, in fewer operators)
+                tokens[:, position], logprobs[:, position] = next_tokens, next_logprobs
+                ended = torch.isin(next_tokens, end_ids)  # [rows]
             if continue_rows is not None and bool(ended.any()):
                 ended = _continue(continue_rows, ended, tokens, ends, forced_end, output_rows, position, max_new_tokens)
+                forced_until = int(forced_end.max())
             done |= ended
-            stop[ended] = position
-            finished = int(done.sum())
+            # The step's one read of the device (besides multi-turn's): rows that ended may be compacted away.
+            ended_before, finished = finished, int(done.sum())
+            if finished > ended_before:  # `ended` rows are not done before, so some ended here
+                stop.masked_fill_(ended, position)
             if _agree(int(finished == len(done)), group, torch.distributed.ReduceOp.MIN):  # every row of every rank
                 last_position = position
                 break
@@ -326,9 +348,11 @@ def generate(chunks: list, prompts: list[list[int]], *, max_new_tokens: int, end
                 output_stop[output_rows[done]] = stop[done]
                 output_logprobs[output_rows[done]], output_taken[output_rows[done]] = logprobs[done], taken[done]
                 live = (~done).nonzero().squeeze(1)  # [live rows]
+                finished = 0 if len(live) else 1
                 if len(live) == 0:  # other ranks still generate: keep one ended row going, its output already kept
                     live = torch.zeros(1, dtype=torch.long, device=device)
                 tokens, is_pad, ends, done, output_rows = tokens[live], is_pad[live], ends[live], done[live], output_rows[live]
+                pad_keys = is_pad[:, None, None, :]
                 forced_end, stop, logprobs, taken = forced_end[live], stop[live], logprobs[live], taken[live]
                 _keep_cache_rows(context, live)
             position += 1

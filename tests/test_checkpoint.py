@@ -7,7 +7,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psutil
 import pytest

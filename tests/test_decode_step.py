@@ -46,7 +46,7 @@ def reference_sample_next(logits, temperature, top_p, top_k, generator, logprobs
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_sampler_draws_and_scores_bit_for_bit_as_the_plain_one(dtype):
-    from model.generate import sample_next
+    from model.sampling import sample_next
 
     logits = (torch.randn(16, 300, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     for temperature, top_p, top_k in [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 20),

@@ -301,7 +301,7 @@ def test_truncated_importance_weights_by_hand():
 def test_the_samplers_log_prob_is_under_the_distribution_it_drew_from():
     """Under top-k / top-p the sampler's log-prob is the truncated distribution's (vLLM's processed log-probs): the gap
     and TIS then weigh by the behaviour policy that really sampled. Before, it was the full softmax's."""
-    from model.generate import sample_next
+    from model.sampling import sample_next
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 64)  # [rows, vocab]
     generator = torch.Generator().manual_seed(0)
@@ -319,7 +319,7 @@ def test_the_samplers_log_prob_is_under_the_distribution_it_drew_from():
 def test_without_log_probs_the_sampler_draws_the_same_ids_and_computes_none():
     """Held-out evaluation reads no log-prob: the sampler then skips the log-softmax over the vocabulary, and the ids
     it draws (greedy, and sampled from the same seed) are the ones it draws with them."""
-    from model.generate import sample_next
+    from model.sampling import sample_next
 
     logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(1))  # [rows, vocab]
     for temperature, top_p, top_k in ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 50)):

@@ -19,6 +19,7 @@ from data import rewards, tool_text, tools
 from tool_runtime import runner as tool_runner, worker as tool_worker
 from data.prompts import prompts_from_conversations
 from model import generate, tiny
+from model.sampling import Sampling
 from tests import tool_fixtures
 from trainer import grpo_sampling as grpo, rollout as rollout_data
 
@@ -208,7 +209,7 @@ def run_rollout(tokenizer, turns, specs=("tests.tool_fixtures:digits",), environ
     engine = ScriptedEngine(tokenizer, turns)
     try:
         episodes, seconds = rollout.run(engine, prompts, samples=len(turns), max_new_tokens=max_new_tokens,
-                                        sampling=generate.Sampling(seed=seed))
+                                        sampling=Sampling(seed=seed))
     finally:
         rollout.close()
     return episodes, engine

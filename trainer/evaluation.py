@@ -5,7 +5,7 @@ reward function gives full marks. Beside it, `eval_format_rate` (answers in the 
 `eval_answer_accuracy` (the right number as the last number, in any form) say what moved.
 """
 
-from model import collectives, generate
+from model import collectives, sampling
 from trainer import rollout as rollout_data
 
 
@@ -23,7 +23,7 @@ def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tok
     batch = max(config.train.global_batch_size // runtime.dp_size, 1)
     episodes = []
     for start in range(0, len(mine), batch):
-        greedy = generate.Sampling(logprobs=False)  # nothing reads the sampler's log-probs here
+        greedy = sampling.Sampling(logprobs=False)  # nothing reads the sampler's log-probs here
         episodes += episode_sampler.run(policy.engine, mine[start : start + batch], samples=1,
                                         max_new_tokens=max_new_tokens, sampling=greedy)[0]
     scores = rollout_data.score(reward, episodes)

@@ -11,7 +11,8 @@ import torch
 
 from config.errors import UserError
 from data import batches, prompts as prompt_data, rewards
-from model import collectives, generate
+from model import collectives
+from model.sampling import Sampling
 from trainer import grpo_math, rollout
 from trainer.metrics import log
 
@@ -124,7 +125,7 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     and the environment's reward, plus `grpo.reward_model_weight` x a reward model's, plus the format bonus and the
     overlong penalty, which are shaping and never weighed) and compute group advantages."""
     grpo = config.grpo
-    sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
+    sampling = Sampling(grpo.temperature, grpo.top_p, grpo.top_k,
                                  rollout_seed(config.train.seed, step, runtime.dp_rank, round_index))
     start = time.perf_counter()
     episodes, tool_seconds = episode_sampler.run(policy.engine, prompts, samples=grpo.n_samples,

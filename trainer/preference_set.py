@@ -14,6 +14,7 @@ from config.errors import UserError
 from config.sections import DEFAULT_REWARD, GRPOSection
 from data import prompts as prompt_data, rewards
 from model import build, collectives, generate
+from model.sampling import Sampling
 from trainer import rollout
 from trainer.metrics import log
 
@@ -63,7 +64,7 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
         # whatever the number of processes.
         chunks = {}
         for index in range(runtime.dp_rank, -(-len(prompts) // CHUNK), runtime.dp_size):
-            sampling = generate.Sampling(grpo.temperature, grpo.top_p, grpo.top_k, seed=config.train.seed + index,
+            sampling = Sampling(grpo.temperature, grpo.top_p, grpo.top_k, seed=config.train.seed + index,
                                          logprobs=False)
             episodes, _ = sampler.run(policy.engine, prompts[index * CHUNK : (index + 1) * CHUNK], samples=samples,
                                       max_new_tokens=grpo.max_new_tokens, sampling=sampling)

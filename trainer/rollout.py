@@ -37,7 +37,8 @@ from config import console
 from config.errors import UserError
 from data import prompts as prompt_data, rewards, tool_text
 from tool_runtime import runner as tool_runner
-from model import generate, replica
+from model import replica
+from model.sampling import Sampling
 
 log = logging.getLogger(__name__)
 # A tool call's outcome (`tool_runtime.runner.Outcome.kind`) -> the counter it adds to.
@@ -121,7 +122,7 @@ class Rollout:
 
     # ---- sampling
 
-    def run(self, engine, prompts: list, *, samples: int, max_new_tokens: int, sampling: generate.Sampling,
+    def run(self, engine, prompts: list, *, samples: int, max_new_tokens: int, sampling: Sampling,
             record_routes: bool = False) -> tuple[list[Episode], float]:
         """`samples` episodes of each prompt (a prompt's consecutively) and the seconds spent in tools. Collective like
         `Engine.generate`, and over the model-parallel group with tools. `record_routes`: a Mixture-of-Experts

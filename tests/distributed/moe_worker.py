@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from config import cli
 from config.loops import GRPOConfig
-from model import build, generate, parallel
+from model import build, parallel
+from model.sampling import Sampling
 from trainer import grpo, sft
 
 SFT = ["--model.path=tiny-moe", "--model.dtype=fp32", "--train.steps=20", "--train.eval_samples=0"]
@@ -58,7 +59,7 @@ def uneven_generation(out: Path) -> dict:
     forwards = []
     hook = policy.chunks[0].register_forward_hook(lambda *_: forwards.append(1))
     prompts = [[3, 4, 5, 6], [7, 8, 9]]
-    completions = engine.generate(prompts, max_new_tokens=6, samples=2, sampling=generate.Sampling())
+    completions = engine.generate(prompts, max_new_tokens=6, samples=2, sampling=Sampling())
     hook.remove()
     parallel.shutdown(runtime)
     return {"lengths": every_rank([len(completion) for completion in completions]), "forwards": every_rank(len(forwards))}

@@ -20,7 +20,7 @@ from trainer.metrics import log
 
 DEFAULT_PREFERENCES = "outputs/preferences"
 # (split, prompts, samples per prompt)
-SPLITS = (("train", 4096, 8), ("test", 512, 8))
+SPLITS = (("train", 2048, 8), ("test", 512, 8))
 CHUNK = 128  # prompts per generation call
 
 

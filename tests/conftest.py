@@ -173,6 +173,25 @@ def uses_megatron_fsdp(command: dict) -> bool:
     return cli.parse_args(config_class, command["argv"] + command.get("smoke", []), command["module"])[0].parallel.use_megatron_fsdp
 
 
+# Megatron-FSDP runs that may end another launch (after its other runs, `megatron_fsdp_last`) rather than have one of
+# their own: a launch pays 15-20 s of imports, and a later round has one or two of them.
+FSDP_AT_A_LAUNCHS_END = 3
+
+
+def fsdp_apart(batch: list[tuple]) -> list[list[tuple]]:
+    """One round's `(module, index, command)` at one process count, as launches: the Megatron-FSDP runs at the end of
+    the others' launch when they are few (each marked `megatron_fsdp_last`: the worker runs them after every other),
+    else in one of their own (in one launch after 54 other runs, the ninth FSDP run lost a rank; alone in one launch,
+    the nine passed)."""
+    flags = [uses_megatron_fsdp(command) for _, _, command in batch]
+    fsdp = [(name, index, command | {"megatron_fsdp_last": True})
+            for (name, index, command), flag in zip(batch, flags) if flag]
+    others = [item for item, flag in zip(batch, flags) if not flag]
+    if len(fsdp) <= FSDP_AT_A_LAUNCHS_END:
+        return [others + fsdp]
+    return [others, fsdp]
+
+
 class Outcomes(dict):
     """Per module, what its `launches` generator returned; a module whose generator or launch failed gets the failure
     raised to its tests (and only to them)."""
@@ -190,12 +209,12 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
     few torchrun launches as their order allows: each generator yields `launch(...)` requests, gets their results
     back, and does what it needs between them (killing a save, copying a checkpoint) as a user's jobs would. Round by
     round, the requests of every module (its first, then its second, ...) run together, one launch per process count,
-    and the Megatron-FSDP runs in one of their own (a process cannot free Megatron-FSDP's groups for the next run: in one
-    launch after 54 other runs, the ninth FSDP run lost a rank; alone in one launch, the nine passed).
+    the Megatron-FSDP runs last (a process cannot free Megatron-FSDP's groups for the next run), in a launch of their own
+    when there are more than a few (`fsdp_apart`).
     A resumed run still gets fresh processes: it is in a later round than the run it resumes. A generator may yield
     `launch([])` to let a round pass, so that its runs share a later round's launch (each launch pays 15-20 s of
     imports): the one-process runs of every module go in the third round. `pytest tests/test_x.py`
-    alone runs only that module's commands (its FSDP runs apart from the others). Returns, per module name, what its
+    alone runs only that module's commands. Returns, per module name, what its
     generator returned."""
     import inspect
 
@@ -221,10 +240,10 @@ def joint_launches(request, tmp_path_factory) -> Outcomes:
             return outcomes
         sends, results = {}, {}  # results: (module, index of its command) -> result
         for nproc in sorted({ask["nproc"] for ask in asks.values()}):
-            for fsdp in (False, True):
-                batch = [(name, index, command) for name, ask in asks.items() if ask["nproc"] == nproc
-                         and name not in sends  # not a module whose other launch failed
-                         for index, command in enumerate(ask["commands"]) if uses_megatron_fsdp(command) == fsdp]
+            for batch in fsdp_apart([(name, index, command) for name, ask in asks.items() if ask["nproc"] == nproc
+                                     for index, command in enumerate(ask["commands"])]):
+                batch = [(name, index, command) for name, index, command in batch
+                         if name not in sends]  # not a module whose other launch failed
                 names = sorted({name for name, _, _ in batch})
                 if not batch:
                     continue

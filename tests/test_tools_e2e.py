@@ -13,7 +13,7 @@ import pytest
 
 from tests import tool_fixtures
 from data.arithmetic import generate_problems
-from tests.conftest import REPO, launch, torchrun
+from tests.conftest import REPO, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -63,8 +63,16 @@ def launches(default_sft, tmp_path_factory):
                   command("pp-split", *digits, "--parallel.pp=2", "--train.steps=4", "--resume-from-checkpoint", "latest"),
                   command("async-split", *asynchronous, "--resume-from-checkpoint", "latest")],
                  env={"PYTHONPATH": str(REPO)})
+    # One process (the third round's launch, with the other modules' one-process runs): every row's reset text is past
+    # the prompt budget.
+    rows = root / "long.jsonl"
+    rows.write_text("".join(json.dumps({**problem, "long": 40}) + "\n" for problem in generate_problems(16, seed=3)))
+    (skipped,) = yield launch([{"module": "trainer.grpo", "expect_error": True, "argv": [
+        "--model.path=tiny", f"--data.path={rows}", "--data.max_seq_len=112", "--grpo.environment=tests.tool_fixtures:Plain",
+        "--train.steps=3", "--train.global_batch_size=8", "--grpo.n_samples=4", "--train.micro_batch_size=8",
+        "--train.eval_samples=0", f"--train.out_dir={root / 'skipped'}"]}], nproc=1, env={"PYTHONPATH": str(REPO)})
     return {name: metrics(root / name) for name in ("ddp", "split", "tp2", "lora", "pp", "pp-split", "fsdp", "async",
-                                                    "async-split")} | {"root": root}
+                                                    "async-split")} | {"root": root, "skipped": skipped}
 
 
 @pytest.fixture(scope="module")
@@ -168,19 +176,15 @@ def test_continued_generation_is_a_fresh_prefill_of_the_whole_trajectory(shared_
         assert result["sdpa-padded"]["forwards"] < result["sdpa-unpadded"]["forwards"]
 
 
-def test_a_step_whose_every_prompt_is_skipped_after_reset_stops_the_run(tmp_path):
+def test_a_step_whose_every_prompt_is_skipped_after_reset_stops_the_run(runs):
     """Every row makes `Plain.reset` return a text past the prompt budget: the first skip is said with its budget, and
-    the first step, with nothing to train, stops the run with one paragraph (before, every step logged loss=0)."""
-    rows = tmp_path / "long.jsonl"
-    rows.write_text("".join(json.dumps({**problem, "long": 40}) + "\n" for problem in generate_problems(16, seed=3)))
-    result = torchrun(["-m", "trainer.grpo", "--model.path=tiny", f"--data.path={rows}", "--data.max_seq_len=112",
-                       "--grpo.environment=tests.tool_fixtures:Plain", "--train.steps=3", "--train.global_batch_size=8",
-                       "--grpo.n_samples=4", "--train.micro_batch_size=8", "--train.eval_samples=0",
-                       f"--train.out_dir={tmp_path / 'out'}"], nproc=1, check=False, env={"PYTHONPATH": str(REPO)})
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert ("error: Step 1 has nothing to train: all 2 groups of its batch were skipped. With the environment's reset "
-            "text no prompt fits the prompt budget of 80 tokens (`data.max_seq_len=112` - `grpo.max_new_tokens=32`; "
-            "each skipped prompt is counted in prompts_too_long)") in output
-    assert output.count("more than the prompt budget of 80 tokens") == 1 and "Traceback" not in result.stdout
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+    the first step, with nothing to train, stops the run with one paragraph (a `UserError`; before, every step logged
+    loss=0)."""
+    skipped = runs["skipped"]
+    assert skipped["error"].startswith(
+        "Step 1 has nothing to train: all 2 groups of its batch were skipped. With the environment's reset text no "
+        "prompt fits the prompt budget of 80 tokens (`data.max_seq_len=112` - `grpo.max_new_tokens=32`; each skipped "
+        "prompt is counted in prompts_too_long)"), skipped["error"]
+    assert skipped["log"].count("more than the prompt budget of 80 tokens") == 1, skipped["log"]
+    out = runs["root"] / "skipped"
+    assert not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()

@@ -2,7 +2,7 @@
 ARGS` would each, so a test pays torchrun's start-up once: SFT commands first (GRPO's may read their output).
 
 Each command (a JSON object: `module`, `argv`, and optionally `cwd` or `cwd_per_rank`, `env`, `world_size`, `smoke`,
-`expect_error`, `checksums`) is first validated as written (at `world_size`, default this launch's), then run with its `smoke`
+`expect_error`, `checksums`, `megatron_fsdp_last`) is first validated as written (at `world_size`, default this launch's), then run with its `smoke`
 arguments appended (the README test's two-step settings), in its own directory and environment. Rank 0 writes, per
 command and in the order listed (after each command, so a failure keeps what ran before it), the first metrics row of step 1
 it logged, what the command logged (the lines a `torchrun -m trainer.X` launch of it alone would print), with
@@ -113,9 +113,11 @@ def main() -> None:
     import_bridge()
     # The process group outlives every command (each loop keeps a group it did not create, as GRPO's default start does).
     dist.init_process_group("gloo")
-    # SFT before GRPO (GRPO's may read an SFT's output), otherwise as listed. Results are written as listed, after each
-    # command (a failure keeps those before).
-    order = sorted(range(len(commands)), key=lambda index: commands[index]["module"] != "trainer.sft")
+    # SFT before GRPO (GRPO's may read an SFT's output), otherwise as listed; the Megatron-FSDP runs conftest marks
+    # `megatron_fsdp_last` after every other (their groups cannot be freed), SFT first among them too. Results are
+    # written as listed, after each command (a failure keeps those before).
+    order = sorted(range(len(commands)), key=lambda index: (commands[index].get("megatron_fsdp_last", False),
+                                                            commands[index]["module"] != "trainer.sft"))
     results, fsdp_used = [None] * len(commands), False
     for index in order:
         started = time.perf_counter()
@@ -128,7 +130,7 @@ def main() -> None:
         fsdp_used = fsdp_used or fsdp
         dist.barrier()
         ran = time.perf_counter()
-        if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest gives FSDP runs their own launch)
+        if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest puts FSDP runs last)
             release_models()
         seconds = results[index]["seconds"] = {"run": round(ran - started, 2), "release": round(time.perf_counter() - ran, 2)}
         if dist.get_rank() == 0:

@@ -104,16 +104,19 @@ def main() -> None:
     # One group for every worker (a second gloo group in one launch fails to connect); the loops and
     # `parallel.shutdown` leave up a group they did not create.
     dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        print(f"[shared launch] the workers' prepare took {time.perf_counter() - started:.1f} s", flush=True)
+    # Where the launch's time goes, beside the listing (rank 0): seconds per worker, after each.
+    seconds = {"prepare": round(time.perf_counter() - started, 1)}
+    timings = Path(sys.argv[1]).with_name("seconds.json")
     for worker, module, args, ready in zip(workers, modules, parsed, prepared):
         started = time.perf_counter()
         if ready is not FAILED:
             attempt(worker, lambda: module.run(args, ready) if hasattr(module, "prepare") else module.run(args))
         dist.barrier()
         release_models()
+        seconds[Path(worker["out"]).name] = round(time.perf_counter() - started, 1)
         if dist.get_rank() == 0:
-            print(f"[shared launch] {worker['script']} took {time.perf_counter() - started:.1f} s", flush=True)
+            timings.write_text(json.dumps(seconds))
+            print(f"[shared launch] {worker['script']} took {seconds[Path(worker['out']).name]} s", flush=True)
     dist.destroy_process_group()
 
 

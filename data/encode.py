@@ -14,6 +14,7 @@ import platform
 import time
 import zipfile
 
+from config import console
 from config.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -100,23 +101,34 @@ def template_error(tokenizer, problem: str) -> UserError:
 def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
     """What a cache key must cover of a fast tokenizer (None for a slow one, which has no one text of its state): its
     chat template and special tokens, a sample as that template renders it now (a template that prints today's date
-    renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), and the source
-    of this module and of `data.batches` (a change to the tokenization code is a new key; callers add their own)."""
+    renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), the versions
+    of the libraries that render and encode (transformers' template functions such as `tojson`, jinja2, tokenizers:
+    an upgrade may change the rendering of rows unlike the one sample, such as a row's own tools) and the source of
+    this module and of `data.batches` (a change to the tokenization code is a new key; callers add their own)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
+    import jinja2
+    import tokenizers
+    import transformers
+
+    versions = {module.__name__: module.__version__ for module in (transformers, tokenizers, jinja2)}
     return [json.dumps({"chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
-                        "rendering": rendered_sample}, sort_keys=True, default=str),
+                        "rendering": rendered_sample, "versions": versions}, sort_keys=True, default=str),
             tokenizer.backend_tokenizer.to_str(), pathlib.Path(__file__).read_text(),
             pathlib.Path(__file__).with_name("batches.py").read_text()]
 
 
 def cache_key(state: dict, tokenizer, rendered_sample: str, *sources: str) -> str | None:
-    """A digest of `state` (JSON), the tokenizer (`tokenizer_digest_parts`) and `sources`; None for a slow tokenizer."""
+    """A digest of `state` (JSON), the tokenizer (`tokenizer_digest_parts`) and `sources`; None for a slow tokenizer.
+
+    The state's keys keep their order: a chat template prints a mapping in its order (`tojson` of a tool or a call's
+    arguments, `parameters.properties.keys()`), so a schema whose parameters were reordered renders other ids, and a
+    key that sorted them read the old ids from the cache."""
     parts = tokenizer_digest_parts(tokenizer, rendered_sample)
     if parts is None:
         return None
     digest = hashlib.sha256()
-    for part in (json.dumps(state, sort_keys=True, default=str), *parts, *sources):
+    for part in (json.dumps(state, default=str), *parts, *sources):
         digest.update(hashlib.sha256(part.encode()).digest())
     return digest.hexdigest()[:32]
 
@@ -142,7 +154,8 @@ def write_cached_arrays(cache_dir: pathlib.Path, folder: str, key: str, arrays: 
 
 def write_atomically(path: pathlib.Path, write) -> None:
     """`write(binary file)` into a staging file renamed to `path`: every process may write the same entry, and nodes
-    may share the cache. A cache that cannot be written is left out with a warning."""
+    may share the cache. A cache that cannot be written is left out with a warning from the rank that could not write
+    it (a node's own disk may be the full or read-only one: `config.console.ABOUT_THIS_RANK`)."""
     staging = path.with_name(f".{path.name}.{platform.node()}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +164,7 @@ def write_atomically(path: pathlib.Path, write) -> None:
         os.replace(staging, path)
     except OSError as error:
         log.warning("tokenized data not cached (%s); set data.cache=false or $TRAINER_CACHE_DIR to a writable "
-                    "directory to silence this", error)
+                    "directory to silence this", error, extra=console.ABOUT_THIS_RANK)
         with contextlib.suppress(OSError):
             staging.unlink(missing_ok=True)
 
@@ -174,11 +187,32 @@ def building(cache_dir: pathlib.Path, folder: str, key: str):
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 log.info("waiting for another process that is building the cache entry %s", cache_dir / folder / key)
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                wait_for_lock(handle, cache_dir / folder / key)
         except OSError:
             pass  # a file system without locks: each process builds, and the atomic write keeps the entry whole
         yield
 
+
+def wait_for_lock(handle, entry: pathlib.Path) -> None:
+    """Take `handle`'s lock once the process building `entry` lets it go, saying every `PROGRESS_INTERVAL_S` how long
+    this one has waited: the builder may be a rank other than 0, whose progress lines (`with_progress`) the console
+    drops, and rank 0, waiting, printed one line and then nothing for the minutes a cold build of a large set takes."""
+    start = last = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(LOCK_POLL_S)
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL_S:
+            last = now
+            log.info("still waiting for another process that is building the cache entry %s: %.0f s so far", entry,
+                     now - start)
+
+
+# How often a process waiting for a cache entry tries its lock: reading the entry starts at most this late.
+LOCK_POLL_S = 0.2
 
 # Texts per batched tokenizer call: fast, without holding every rendering at once.
 TOKENIZE_CHUNK = 1024

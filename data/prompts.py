@@ -14,6 +14,7 @@ import pickle
 
 import numpy
 
+from config import console
 from config.errors import UserError
 from data import conversations as conversation_data, encode
 
@@ -135,9 +136,9 @@ def prompt_ids(turns_before: list[list[dict]], offered: list, tokenizer,
         with encode.building(cache_dir, CACHE_FOLDER, key):  # one process renders; the others wait, then read its entry
             stored = stored_ids(cache_dir, key, len(turns_before))
             if stored is None:
-                if (cache_dir / CACHE_FOLDER / f"{key}.npz").exists():
+                if (cache_dir / CACHE_FOLDER / f"{key}.npz").exists():  # said by the rank that renders it again
                     log.warning("the prompt cache entry %s is damaged: its prompts are rendered again",
-                                cache_dir / CACHE_FOLDER / f"{key}.npz")
+                                cache_dir / CACHE_FOLDER / f"{key}.npz", extra=console.ABOUT_THIS_RANK)
                 token_ids, offsets = render_and_encode(len(turns_before), render, tokenizer)
                 encode.write_cached_arrays(cache_dir, CACHE_FOLDER, key, {"ids": token_ids, "offsets": offsets})
                 return token_ids, offsets

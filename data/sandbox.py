@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from config import console
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_SECONDS = 5.0
@@ -327,11 +329,12 @@ def run(code: str, *, timeout: float = TIMEOUT_SECONDS, cpu_seconds: int = CPU_S
 
 @functools.cache
 def refusal(why: str) -> str:
-    """The error of a root-run sandbox that could not switch to nobody; logged once, as every call meets it."""
+    """The error of a root-run sandbox that could not switch to nobody; logged once, as every call meets it, by every
+    rank that meets it (whether a node may switch to nobody is that node's own: `config.console.ABOUT_THIS_RANK`)."""
     message = (f"Error: the sandbox runs no program as root, and could not switch to the user nobody (uid {NOBODY}): "
                f"{why}. Run the trainer as a user other than root, or where it may switch to uid {NOBODY} (a container "
                "whose user namespace maps it).")
-    log.warning(message)
+    log.warning(message, extra=console.ABOUT_THIS_RANK)
     return message
 
 

@@ -1,5 +1,6 @@
 """GRPO's prompt set: flat arrays with each prompt read by index, the .npz cache of its token ids (round trip, a new
-key when the prompts change, a damaged entry rendered again), and the prompt order drawn once per epoch."""
+key when the prompts, a tool's parameter order or the rendering libraries change, a damaged or unwritable entry said by
+the rank that meets it), and the prompt order drawn once per epoch."""
 
 import json
 import logging
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from config import console
 from config.cli import parse_args
 from config.loops import GRPOConfig
 from data import encode, prompts as prompt_data
@@ -88,10 +90,64 @@ def test_a_damaged_cache_entry_is_rendered_again_and_said(tokenizer, tmp_path, c
     with caplog.at_level(logging.WARNING, logger="data.prompts"):
         assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh
     assert "is damaged: its prompts are rendered again" in caplog.text
+    # Said by the rank that renders it again, which need not be rank 0 (the first to take the entry's lock).
+    [damaged] = [record for record in caplog.records if "is damaged" in record.getMessage()]
+    assert console.RankFilter(2, 4).filter(damaged).getMessage().startswith("rank 2: the prompt cache entry")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="data.prompts"):
         assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh  # the entry was written whole again
     assert "read from the cache" in caplog.text and "is damaged" not in caplog.text
+
+
+def test_a_tool_schema_with_its_parameters_reordered_is_not_read_from_the_old_entry(tokenizer, tmp_path):
+    """A chat template prints a mapping in its order (here the parameters' names; Qwen's `tojson` of a tool or a call's
+    arguments): a row's tools with their parameters swapped render other ids, so they are another cache entry, not
+    the ids of the order rendered before (a key that sorted the keys). Row 0 has no tools: the key's one rendered
+    sample does not show the change."""
+    def schema(*names):
+        return [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+            "type": "object", "properties": {name: {"type": "integer"} for name in names}}}}]
+
+    def rows(*names):
+        question = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "#### 5"}]
+        return [{"messages": question}, {"messages": question, "tools": schema(*names)}]
+
+    def ids(names, cache):
+        conversations, _ = to_conversations(rows(*names), messages_field="messages")
+        return [prompt.ids for prompt in prompt_data.prompts_from_conversations(conversations, tokenizer, None, cache)]
+
+    before, after = ids(("a", "b"), None), ids(("b", "a"), None)
+    assert before[1] != after[1] and "add(b, a)" in tokenizer.decode(after[1])
+    assert ids(("a", "b"), tmp_path) == before
+    assert ids(("b", "a"), tmp_path) == after  # read the a, b entry before
+    assert len(list((tmp_path / "prompts").glob("*.npz"))) == 2
+
+
+def test_the_cache_key_follows_the_libraries_that_render_and_encode(tokenizer, monkeypatch):
+    """transformers renders the template (its `tojson`, its jinja2 environment) and tokenizers encodes: an upgrade may
+    change the ids of a prompt whose inputs are all the same, and the key's one rendered sample need not show it."""
+    import importlib
+
+    def key():
+        return encode.cache_key({"prompts": [[{"role": "user", "content": "hi"}]]}, tokenizer, "sample")
+
+    first = key()
+    assert key() == first
+    for name in ("transformers", "tokenizers", "jinja2"):
+        with monkeypatch.context() as patched:
+            patched.setattr(importlib.import_module(name), "__version__", "0.0.1")  # the module imports now find
+            assert key() != first, name
+
+
+def test_a_cache_that_cannot_be_written_is_said_by_the_rank_that_could_not(tokenizer, tmp_path, caplog):
+    """A node's own disk may be the read-only or full one: its ranks say so (`config.console`), not only rank 0,
+    and the prompts are rendered as without a cache."""
+    fresh = as_dicts(prompt_set(tokenizer))
+    (tmp_path / "prompts").write_text("a file where the cache's folder would go")
+    with caplog.at_level(logging.WARNING, logger="data.encode"):
+        assert as_dicts(prompt_set(tokenizer, cache=tmp_path)) == fresh
+    [record] = [record for record in caplog.records if "not cached" in record.getMessage()]
+    assert console.RankFilter(1, 2).filter(record).getMessage().startswith("rank 1: tokenized data not cached")
 
 
 def test_load_prompts_keeps_rows_in_order_and_skips_the_long_ones(tokenizer, tmp_path):
@@ -151,3 +207,31 @@ def test_a_long_cold_build_says_how_far_it_is(tokenizer, tmp_path, monkeypatch, 
     lines = [record.getMessage() for record in caplog.records if "prompts rendered and tokenized" in record.getMessage()]
     assert [line.split(" (")[0] for line in lines] == ["prompts rendered and tokenized: 1 of 3",
                                                        "prompts rendered and tokenized: 2 of 3"]
+
+
+def test_a_process_waiting_for_another_to_build_the_entry_says_how_long_it_has_waited(tmp_path, monkeypatch, caplog):
+    """The process that builds a cold entry may be a rank other than 0, whose progress lines the console drops: rank 0,
+    waiting for it, says every `PROGRESS_INTERVAL_S` how long it has waited instead of nothing for minutes."""
+    import threading
+    import time
+
+    monkeypatch.setattr(encode, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(encode, "LOCK_POLL_S", 0.02)
+    entered = []
+
+    def waiting_rank():
+        with encode.building(tmp_path, "prompts", "entry"):
+            entered.append(time.monotonic())
+
+    with caplog.at_level(logging.INFO, logger="data.encode"):
+        with encode.building(tmp_path, "prompts", "entry"):  # the rank that builds
+            waiting = threading.Thread(target=waiting_rank)
+            waiting.start()
+            time.sleep(0.3)
+            assert waiting.is_alive() and not entered
+            released = time.monotonic()
+        waiting.join(5)
+    assert entered and entered[0] >= released
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0].startswith("waiting for another process that is building the cache entry")
+    assert sum(line.startswith("still waiting for another process") for line in lines) >= 2

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from transformers.utils import get_json_schema
 
+from config import console
 from data import sandbox
 from data.sandbox import python, run
 
@@ -305,6 +306,8 @@ def test_a_root_sandbox_that_cannot_become_nobody_refuses_and_warns_once(monkeyp
         "[Errno 22] Invalid argument. Run the trainer as a user other than root, or where it may switch to uid "
         "4294967295 (a container whose user namespace maps it).")
     assert [record.getMessage() for record in caplog.records] == [results[0].error]
+    # Whether a node may switch to nobody is its own: a rank other than 0 (under grpo.tool_isolation=thread) says it.
+    assert console.RankFilter(3, 4).filter(caplog.records[0]).getMessage().startswith("rank 3: Error: the sandbox")
 
 
 def test_a_tool_worker_killed_mid_program_leaves_no_process_and_no_directory(no_leftovers):

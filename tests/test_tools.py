@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from config import console
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig
@@ -420,6 +421,18 @@ def test_a_hung_tool_times_out_and_in_a_process_is_killed(tokenizer, isolation):
             assert runner.leaked_threads == 1
     finally:
         runner.close()
+
+
+def test_a_thread_left_running_past_its_timeout_is_said_by_the_rank_whose_call_it_was(caplog):
+    """Each rank runs its own episodes' calls: the warning is about this rank's threads, so ranks other than 0 print it
+    too (`config.console`), where an untagged warning was dropped and its leaked thread went unsaid."""
+    runner = tool_runner.ToolRunner(timeout=0.1, workers=1, isolation="thread")
+    slow = tool_runner.Job([("slow", lambda: time.sleep(0.5) or "late", None, {})], stateful=False, tool_names=["slow"])
+    with caplog.at_level("WARNING", logger="tool_runtime.runner"):
+        [[outcome]] = runner.run([slow])
+    assert outcome.kind == "timeout" and runner.leaked_threads == 1
+    [record] = [record for record in caplog.records if "cannot be stopped" in record.getMessage()]
+    assert console.RankFilter(3, 4).filter(record).getMessage().startswith("rank 3: a call ran past grpo.tool_timeout")
 
 
 def test_a_worker_numbered_past_1024_descriptors_answers_and_a_failing_call_thread_never_hangs(monkeypatch):

@@ -9,7 +9,8 @@ Where a call runs (`grpo.tool_isolation`):
   hung or CPU-bound tool neither holds the trainer's GIL nor outlives its call. The worker imports the tool by its
   `module:function` name and sends back only text.
 - `thread`: in a thread of the trainer. Cheapest, but a call past its timeout cannot be stopped: its thread runs on
-  (a daemon: it never holds the process at exit), counted in `leaked_tool_threads`.
+  (a daemon: it never holds the process at exit), counted in `ToolRunner.leaked_threads` and said once, by the rank
+  whose call it was (its threads hold its GIL: `config.console.ABOUT_THIS_RANK`).
 An environment's methods always run in threads: the instance lives in the trainer. A call of one past its timeout
 ends the episode's use of that instance: the rest of its calls are not run, the episode ends, and its `reward()` is
 never called while the call may still be running against the state it reads. Its `reward()` runs on the trainer's
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from config import console
 from tool_runtime.worker import Outcome, Worker, call_tool
 
 log = logging.getLogger(__name__)
@@ -203,7 +205,7 @@ class ToolRunner:
                     log.warning("a call ran past grpo.tool_timeout in a thread (an environment's method, or a tool under "
                                 "grpo.tool_isolation=thread): its thread cannot be stopped and runs on beside training, "
                                 "holding the GIL while it computes; a plain function's call under "
-                                "`--grpo.tool_isolation=process` is killed instead")
+                                "`--grpo.tool_isolation=process` is killed instead", extra=console.ABOUT_THIS_RANK)
         elif timed_out or not worker.alive():
             worker.kill()
         else:

@@ -1,6 +1,7 @@
-"""What each process prints on the console: rank 0 everything we log; every other rank only its errors and the
-warnings about its own state, each tagged `rank N:`; the libraries' notices once, on rank 0, where they are not
-silenced outright. Set up once, at the top of each loop's `main`, before any check can warn.
+"""What each process prints on the console: rank 0 everything we log; every other rank only its errors, the
+warnings about its own state and those of the user's own code (a reward, tools, an environment), each tagged
+`rank N:`; the libraries' notices once, on rank 0, where they are not silenced outright. Set up once, at the top of
+each loop's `main`, before any check can warn.
 
 At 8 processes a warning every rank raised for the same reason (a run-wide setting, a data set without a held-out
 split) printed 8 times, and so did each library's start-up notice. A rank's errors still reach the console from every
@@ -15,6 +16,11 @@ import warnings
 # `log.warning(..., extra=ABOUT_THIS_RANK)`: a warning about this rank's own state (its episodes, its shard), printed
 # by every rank that meets it, tagged with the rank. Every other warning is a run-wide one, printed by rank 0.
 ABOUT_THIS_RANK = {"about_this_rank": True}
+
+# The files of the user's own code the config names (a reward, tools, an environment: `config.user_code.load`). Their
+# warnings, logged or Python's, are about what that rank ran (its episodes' calls, its rewards): every rank prints them,
+# tagged, as a reward run in a worker process does (the worker's own stderr).
+USER_FILES: set[str] = set()
 
 # Our packages print at INFO on rank 0 (the loops' progress lines); the libraries below only errors, on every rank.
 OUR_PACKAGES = ("trainer", "config", "model", "data", "ckpt")
@@ -31,7 +37,7 @@ class RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool | logging.LogRecord:
         """The record to print (tagged where it is one rank's), or False to drop it."""
-        own = record.levelno >= logging.ERROR or getattr(record, "about_this_rank", False)
+        own = record.levelno >= logging.ERROR or getattr(record, "about_this_rank", False) or from_user_code(record)
         if self.rank != 0 and not own:
             return False
         if not own or self.world_size == 1 or getattr(record, "rank_tagged", False):
@@ -39,6 +45,17 @@ class RankFilter(logging.Filter):
         tagged = logging.makeLogRecord(record.__dict__)  # a copy: other handlers keep the record as logged
         tagged.msg, tagged.args, tagged.rank_tagged = f"rank {self.rank}: {record.getMessage()}", None, True
         return tagged
+
+
+def from_user_code(record: logging.LogRecord) -> bool:
+    """Whether `record` is a warning the user's own code raised: logged from one of `USER_FILES`, or a Python warning
+    (`py.warnings`, whose text starts with the file that warned) from one."""
+    if record.levelno < logging.WARNING or not USER_FILES:
+        return False
+    if record.name == "py.warnings":
+        text = str(record.args[0]) if record.args else str(record.msg)
+        return any(text.startswith(f"{path}:") for path in USER_FILES)
+    return record.pathname in USER_FILES
 
 
 def setup(rank: int | None = None, world_size: int | None = None) -> None:

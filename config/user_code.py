@@ -2,6 +2,7 @@
 
 import importlib
 
+from config import console
 from config.errors import UserError
 
 
@@ -14,8 +15,12 @@ def load(spec: str, key: str, hint: str) -> object:
     if not colon or not module_name or not name:
         raise UserError(f"`{key}={spec}` is not of the form `module:name`. {hint} Change `--{key}`.")
     try:
-        return getattr(importlib.import_module(module_name), name)
+        module = importlib.import_module(module_name)
+        found = getattr(module, name)
     except Exception as error:  # a user's module may fail to import in any way
         raise UserError(f"`{key}={spec}`: cannot load `{name}` from module `{module_name}` "
                         f"({type(error).__name__}: {error}). Put the module on PYTHONPATH (or run from its folder) "
                         f"and check it imports. {hint} Change `--{key}`.") from None
+    if getattr(module, "__file__", None):
+        console.USER_FILES.add(module.__file__)  # its warnings print on every rank that meets them
+    return found

@@ -104,3 +104,45 @@ def test_an_uncaught_exception_names_its_rank_before_the_traceback(restored_logg
         sys.excepthook(*sys.exc_info())
     stderr = capsys.readouterr().err
     assert stderr.startswith("rank 6: ValueError (its traceback follows)\n") and "ValueError: boom" in stderr
+
+
+def test_the_users_own_codes_warnings_print_on_every_rank_that_meets_them(tmp_path, monkeypatch):
+    """A reward, tool or environment module the config names (`config.user_code.load`): its logged warnings and its
+    Python warnings print on a rank other than 0 too, tagged (they are about that rank's episodes); its info lines do
+    not, and a warning from a module it did not name stays rank 0's."""
+    from config import user_code
+
+    (tmp_path / "my_reward.py").write_text(
+        "import logging, warnings\n"
+        "log = logging.getLogger('my_reward')\n"
+        "def reward(completion, reference):\n"
+        "    log.info('scoring')\n"
+        "    log.warning('a reference without a number')\n"
+        "    warnings.warn('a slow path')\n"
+        "    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(console, "USER_FILES", set())
+    reward = user_code.load("my_reward:reward", "grpo.reward", "")
+    assert console.USER_FILES == {str(tmp_path / "my_reward.py")}
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(console.RankFilter(3, 4))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            logging.captureWarnings(True)
+            reward("1", "2")
+            logging.getLogger("someone_else").warning("not the user's")
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        root.setLevel(level)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "rank 3: a reference without a number"
+    assert lines[1].startswith(f"rank 3: {tmp_path / 'my_reward.py'}:6: UserWarning: a slow path"), lines
+    # (the Python warning's text goes on with its source line) no info line, and no other module's warning
+    assert not any("scoring" in line or "not the user's" in line for line in lines), lines

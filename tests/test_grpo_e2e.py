@@ -648,8 +648,9 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_p
     assert (tmp_path / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()
     # Asynchronous GRPO from the default start: the SFT runs on both processes first, then one trains, one samples.
     (tmp_path / "async").mkdir()
-    torchrun([*command, "--grpo.rollout_processes=1"], nproc=2, cwd=tmp_path / "async",
-             env={"TRAINER_DEFAULT_SFT_ARGS": sft_args.replace(" --train.exit_interval=10", "")})
+    result = torchrun([*command, "--grpo.rollout_processes=1"], nproc=2, cwd=tmp_path / "async",
+                      env={"TRAINER_DEFAULT_SFT_ARGS": sft_args.replace(" --train.exit_interval=10", "")})
+    assert "from step 1, rollout process 0 samples for data-parallel ranks [0]" in result.stdout  # said by rank 0
     async_rows = metrics(tmp_path / "async" / "outputs" / "grpo")
     assert [row["step"] for row in metrics(tmp_path / "async" / "outputs" / "sft")] == list(range(1, 21))
     assert [row.get("staleness") for row in async_rows] == [None, 0, 1] and async_rows[0]["step"] == 0

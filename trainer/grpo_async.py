@@ -42,6 +42,11 @@ def sampling_settings(config) -> dict:
     return {"grpo": settings["grpo"], "data": settings["data"]}
 
 
+def served_by(process: int, rollouts: int, trainer_dp: int) -> range:
+    """The data-parallel ranks rollout process `process` samples for: rank d is served by process d mod `rollouts`."""
+    return range(process, trainer_dp, rollouts)
+
+
 class RemoteRollouts:
     """The trainers' side: the batches the rollout processes send, the weights pushed to them, and the batches
     received ahead of their step (a checkpoint part: `state_dict` / `load_state_dict`)."""
@@ -91,6 +96,12 @@ class RemoteRollouts:
         the trainers."""
         self.received = start + len(self.pending)
         dp_ranks = collectives.world_gather(self.runtime.dp_rank)
+        if self.runtime.is_main:  # a rollout process is never rank 0, and prints only its errors and own warnings
+            rollouts, trainer_dp = self.link.rollouts, max(dp_ranks) + 1
+            served = [list(served_by(process, rollouts, trainer_dp)) for process in range(rollouts)]
+            log.info("from step %d, %s", self.received + 1, "; ".join(
+                f"rollout process {process} samples for data-parallel ranks {ranks}"
+                for process, ranks in enumerate(served)))
         self._push(start, {"first": self.received + 1, "start": start, "dp_ranks": dp_ranks})
 
     def take(self, step: int, timer) -> StepBatch:
@@ -149,9 +160,7 @@ def serve(config, runtime, replica, episode_sampler, prompts, reward) -> None:
     links.receive_weights(replica, link)
     version, start, dp_ranks = header["version"], header["start"], header["dp_ranks"]
     trainer_dp = max(dp_ranks) + 1
-    served = range(runtime.dp_rank, trainer_dp, link.rollouts)
-    log.info("rollout process %d samples for data-parallel ranks %s, from step %d", runtime.dp_rank, list(served),
-             header["first"])
+    served = served_by(runtime.dp_rank, link.rollouts, trainer_dp)
     blocked = 0.0  # the last step's sends, blocked until the trainers took the batches: idle, told with the next
     for step in range(header["first"], config.train.steps + 1):
         idle, waited = blocked, time.perf_counter()

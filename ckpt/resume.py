@@ -115,8 +115,8 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
         fingerprint.update({"parallel.ep": parallel.ep, "parallel.etp": parallel.expert_tensor_parallel_size,
                             "model.moe_freeze_router": freeze_router})
     if peft is not None and peft.method == "lora":
-        fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "dropout": peft.dropout,
-                               "target_modules": sorted(peft.target_modules),
+        # Not `peft.dropout`: it holds no state, so a resume may change it (said with the other changed settings).
+        fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "target_modules": sorted(peft.target_modules),
                                "base": sorted((path.name, path.stat().st_size) for path in Path(model_path).glob("*.safetensors"))}
     return fingerprint
 
@@ -154,6 +154,8 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
         raise UserError(f"Checkpoint file `{path / STATE_FILE}` cannot be read ({error}). It is corrupted; "
                         "resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
     saved = state.get("fingerprint") or {}
+    if saved.get("lora"):  # checkpoints saved before the adapters' dropout was left out of the fingerprint
+        saved = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "dropout"}}
     if saved.get("megatron_fsdp", False) != fingerprint["megatron_fsdp"]:
         saved_by, this_run = ("Megatron-FSDP", "DDP") if saved.get("megatron_fsdp") else ("DDP", "Megatron-FSDP")
         raise UserError(f"Checkpoint `{path}` was saved by a {saved_by} run and this run uses {this_run}; the two keep "
@@ -190,5 +192,5 @@ def _describe_lora(fingerprint: dict) -> str:
     if settings is None:
         return "full fine-tuning (no LoRA)"
     base = ", ".join(f"{name} {size} B" for name, size in settings["base"])
-    return (f"LoRA rank {settings['rank']}, alpha {settings['alpha']:g}, dropout {settings['dropout']:g} on "
+    return (f"LoRA rank {settings['rank']}, alpha {settings['alpha']:g} on "
             f"{', '.join(settings['target_modules'])} over a base of {base}")

@@ -66,6 +66,34 @@ def test_a_resume_that_changes_what_the_checkpoint_holds_is_refused(tmp_path, ca
     assert "train.log_interval 20 -> 1" in caplog.text and "optim.betas" not in caplog.text
 
 
+def test_a_resume_may_change_the_lora_dropout_but_not_the_adapters(tmp_path, caplog):
+    """LoRA's dropout holds no state: a resume with another `peft.dropout` goes on, saying so (it was refused, as a
+    change of the adapters is); a checkpoint whose fingerprint still records the dropout (saved before) resumes too;
+    another rank is refused by name."""
+    from config.cli import parse_args, to_dict
+    from config.loops import SFTConfig
+    from model.tiny import ensure_tiny_checkpoint
+
+    base = ensure_tiny_checkpoint()
+
+    def run(*argv: str):
+        config = parse_args(SFTConfig, ["--peft.method=lora", *argv], "trainer.sft")[0]
+        return config, checkpoint.model_fingerprint({"model_type": "qwen2"}, DDP_LAYOUT, config.peft, base)
+
+    saved_config, saved = run()
+    path = fake_checkpoint(tmp_path, 4)
+    for recorded in (saved, {**saved, "lora": {**saved["lora"], "dropout": 0.0}}):  # as saved now, and before
+        torch.save({"step": 4, "fingerprint": recorded, "config": to_dict(saved_config)}, path / checkpoint.STATE_FILE)
+        config, fingerprint = run("--peft.dropout=0.1")
+        with caplog.at_level("INFO"):
+            assert checkpoint.resolve_resume("latest", tmp_path, fingerprint, to_dict(config)) == (path, 4)
+        assert "peft.dropout 0.0 -> 0.1" in caplog.text
+    config, fingerprint = run("--peft.rank=4")
+    with pytest.raises(UserError, match="was saved with LoRA rank 8, alpha 16 on .* and this run uses LoRA rank 4, "
+                                        "alpha 16 on"):
+        checkpoint.resolve_resume("latest", tmp_path, fingerprint, to_dict(config))
+
+
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     assert checkpoint.resolve_resume("latest", tmp_path / "none", FINGERPRINT) == (None, 0)
     assert checkpoint.resolve_resume("", tmp_path, FINGERPRINT) == (None, 0)

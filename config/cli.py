@@ -105,8 +105,11 @@ def _flatten(mapping: dict, prefix: str = "") -> dict:
 
 def help_text(config_class, program: str) -> str:
     """`--help`: every key with its default and meaning."""
-    lines = [f"usage: torchrun --nproc-per-node N -m {program} [--config FILE.yaml] [--KEY=VALUE ...] "
-             "[--resume-from-checkpoint latest|PATH]", "", "keys (default: meaning):"]
+    recipes = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml")))
+    lines = [f"usage: torchrun --nproc-per-node N -m {program} [--config FILE.yaml|RECIPE] [--KEY=VALUE ...] "
+             "[--resume-from-checkpoint latest|PATH]",
+             f"  RECIPE: a bundled recipe by name, recipes/RECIPE.yaml ({recipes}); command-line keys win over it",
+             "", "keys (default: meaning):"]
     defaults = config_class()  # a loop's own defaults override the shared sections'
     for key, item in flat_keys(config_class).items():
         section, name = key.split(".")

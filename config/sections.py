@@ -56,7 +56,7 @@ def have_wandb() -> bool:
 
 @dataclass
 class ModelConfig:
-    path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or an embedded model built offline on first use: `tiny` (a ~1M parameter Qwen2: SFT's default; GRPO and trainer.rm start from the default SFT's output, built first when missing) | `tiny-moe` (a Qwen3-MoE, 8 experts, top-2)"})
+    path: str = field(default="tiny", metadata={"help": "HF checkpoint directory, or an embedded model built offline on first use: `tiny` (a 0.8M-parameter Qwen2: SFT's default; GRPO and trainer.rm start from the default SFT's output, built first when missing) | `tiny-moe` (a Qwen3-MoE, 8 experts, top-2)"})
     dtype: str = field(default="fp32", metadata={"help": "parameter dtype: bf16 | fp16 | fp32 (use bf16 on GPUs)"})
     attention: str = field(default="auto", metadata={"help": "core attention: auto (Transformer Engine when installed, else sdpa) | sdpa | local | transformer_engine"})
     recompute: str = field(default="none", metadata={"help": "activation recomputation: none | selective (model.recompute_modules) | full (whole layers)"})

@@ -225,7 +225,7 @@ def _refuse_family_specific_layer_spec(bridge, provider) -> None:
         "megatron-core's standard GPT layers (Transformer Engine's, or the local/SDPA ones without it), which lack that "
         "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "
         "windows, norms scaled by 1 + weight), so it would train a different model and refuses the checkpoint. Point "
-        "`--model.path` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (README: Model families verified).")
+        "`--model.path` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: Model families verified).")
 
 
 # Fusions a Bridge provider may switch on whose only implementation is Transformer Engine's. The rest

@@ -1,5 +1,5 @@
-"""The embedded default models, built offline with their own arithmetic tokenizer: `tiny`, a ~1M parameter Qwen2, and
-`tiny-moe`, a ~2M parameter Qwen3-MoE (8 experts, top-2, every layer sparse) for expert parallelism and routing replay.
+"""The embedded default models, built offline with their own arithmetic tokenizer: `tiny`, a 0.8M-parameter Qwen2, and
+`tiny-moe`, a 1.5M-parameter Qwen3-MoE (8 experts, top-2, every layer sparse) for expert parallelism and routing replay.
 
 The same recipe also builds a random-weight model of Qwen2.5-0.5B's shape for the GPU check.
 

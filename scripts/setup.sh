@@ -34,7 +34,7 @@ start=$(date +%s)
 # uv resolves and installs exactly what uv.lock records (it is pinned in the lock itself too).
 # --compile-bytecode writes every module's .pyc now: where PYTHONDONTWRITEBYTECODE is set (as on this project's
 # machines) Python would otherwise compile torch, megatron and transformers from source in every process, which
-# was 37 of a run's 69.5 CPU-seconds of start-up (README, Start-up time).
+# was 37 of a run's 69.5 CPU-seconds of start-up (docs/figures.md, Start-up time).
 [ -x .venv/bin/uv ] || .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.9
 # The project itself is reinstalled every time: its editable install lists its packages, and a pull that adds one
 # (as tool_runtime/ was) would otherwise not be importable outside the checkout's directory.

@@ -129,6 +129,7 @@ def test_help_without_torchrun():
     for key in SFT_KEYS:
         assert f"--{key}=" in result.stdout
     assert "--resume-from-checkpoint" in result.stdout
+    assert "[--config FILE.yaml|RECIPE]" in result.stdout and "dapo, dr_grpo, grpo, gspo, rloo" in result.stdout
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -387,6 +387,29 @@ print(json.dumps([scores[0::2].mean().item(), scores[1::2].mean().item()]))
     assert continued[0]["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
 
 
+def test_an_embedded_set_sampled_from_a_model_since_changed_is_said(tmp_path, monkeypatch, caplog):
+    """The embedded set is kept once built (whoever wrote it): one sampled from the model as it is now passes without
+    a word; after the model's weights change (the default SFT run again), a run is told the pairs are the earlier
+    model's and how to sample them again. A set without the record (the user's own) is not judged."""
+    from trainer import preference_set
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "outputs" / "sft" / "hf"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights")
+    folder = write_pairs(tmp_path / preference_set.DEFAULT_PREFERENCES)
+    with caplog.at_level("WARNING"):
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model)  # no record: the user's set
+        (folder / preference_set.SOURCE).write_text(json.dumps(preference_set.model_stamp(model)))
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model)
+        assert caplog.text == ""
+        (model / "model.safetensors").write_bytes(b"retrained weights")
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model)
+    assert (f"outputs/preferences was sampled from {model} as its weights were then, and they have changed since"
+            in caplog.text and "Delete outputs/preferences to sample it again" in caplog.text)
+    assert [path.name for path in sorted(folder.iterdir())] == [".sampled_from.json", "test.jsonl", "train.jsonl"]
+
+
 @pytest.mark.distributed
 def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(runs):
     """`torchrun -m trainer.rm` with no arguments, where the default SFT's output is: the preference set is sampled
@@ -396,6 +419,8 @@ def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(
     assert "does not exist yet: sampling it from outputs/sft/hf" in runs["default_log"]
     pairs = [len((home / "outputs" / "preferences" / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "test")]
     assert pairs[0] > 1000 and pairs[1] > 250, pairs
+    sampled_from = json.loads((home / "outputs" / "preferences" / ".sampled_from.json").read_text())
+    assert sampled_from["model"] == str((home / "outputs" / "sft" / "hf").resolve()) and sampled_from["weights"]
     rows = metrics_rows(home / "outputs" / "rm")
     evaluated = [row for row in rows if "eval_accuracy" in row]
     print("embedded reward model:", evaluated)

@@ -19,6 +19,8 @@ from trainer import rollout
 from trainer.metrics import log
 
 DEFAULT_PREFERENCES = "outputs/preferences"
+# In the set's folder (hidden: the data loaders skip it): the model its completions were sampled from, as it was then.
+SOURCE = ".sampled_from.json"
 # (split, prompts, samples per prompt)
 SPLITS = (("train", 2048, 8), ("test", 512, 8))
 CHUNK = 128  # prompts per generation call
@@ -27,6 +29,29 @@ CHUNK = 128  # prompts per generation call
 def missing(path: str) -> bool:
     """Whether `data.path` is the embedded set and it is not built yet (a directory there, whoever wrote it, is kept)."""
     return path == DEFAULT_PREFERENCES and not Path(path).exists()
+
+
+def model_stamp(model_path: Path) -> dict:
+    """The model's directory and its weight files (names, sizes, modification times): a retrained or re-exported model
+    (the default SFT run again, say) has another."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    return {"model": str(Path(model_path).resolve()),
+            "weights": [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
+
+
+def warn_if_stale(path: str, model_path: Path) -> None:
+    """Warn (a run-wide warning) when the embedded set at `path` was sampled from another model than `model_path` as
+    it is now: it is kept, whoever wrote it, and a reward model would learn the earlier model's pairs without a word."""
+    if path != DEFAULT_PREFERENCES or not (Path(path) / SOURCE).is_file():
+        return
+    try:
+        sampled_from = json.loads((Path(path) / SOURCE).read_text())
+    except (OSError, ValueError):
+        return
+    if sampled_from != model_stamp(model_path):
+        log.warning("%s was sampled from %s as its weights were then, and they have changed since (the default SFT "
+                    "run again, say): the reward model trains on the earlier model's pairs. Delete %s to sample it "
+                    "again from the current %s.", path, sampled_from.get("model"), path, model_path)
 
 
 def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int) -> list[dict]:
@@ -96,6 +121,7 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
             staged.mkdir(parents=True)
             for split, rows in written.items():
                 (staged / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            (staged / SOURCE).write_text(json.dumps(model_stamp(model_path)))
             os.replace(staged, out)
         except OSError as error:
             shutil.rmtree(staged, ignore_errors=True)

@@ -164,6 +164,8 @@ def prepare_start(config, world_size: int, startup):
         log.info("%s does not exist yet: sampling it from %s", config.data.path, config.model.path)
         preference_set.build_preference_set(config, build.resolve_model_path(config), runtime)
         startup.mark("preference set")
+    elif runtime.is_main:
+        preference_set.warn_if_stale(config.data.path, build.resolve_model_path(config))
     return runtime
 
 

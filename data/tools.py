@@ -132,7 +132,7 @@ def check_turn_fits_collective_timeout(config, world_size: int) -> None:
     workers = grpo.tool_workers or tool_runner.default_workers()
     worst = math.ceil(episodes / workers) * grpo.tool_timeout
     if worst > parallel.timeout_minutes * 60:
-        raise UserError(f"With tools, one turn of a rank's {episodes} episodes on {workers} tool workers could take "
+        raise UserError(f"With tools, one turn of a rank's {episodes} episodes on {workers} tool worker{'s' * (workers != 1)} could take "
                         f"{worst:g} s (one call each, each at `grpo.tool_timeout={grpo.tool_timeout:g}`), longer than the "
                         f"collective timeout its peers wait in meanwhile, `parallel.timeout_minutes="
                         f"{parallel.timeout_minutes}` ({parallel.timeout_minutes * 60} s): on NCCL the watchdog would end "

@@ -177,9 +177,9 @@ def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime
         if side_link is not None:
             backend += (f"; {side_link.trainers} of them train, the last {side_link.rollouts} only sample (each a whole "
                         "replica of the policy), joined by gloo")
-        log.info("distributed: %d processes, %s; TP=%d PP=%d VPP=%s EP=%d ETP=%d DP=%d (expert DP=%d)", world_size,
-                 backend, parallel.tp, parallel.pp, vpp, parallel.ep, parallel.expert_tensor_parallel_size,
-                 runtime.dp_size, parallel_state.get_expert_data_parallel_world_size())
+        log.info("distributed: %d process%s, %s; TP=%d PP=%d VPP=%s EP=%d ETP=%d DP=%d (expert DP=%d)", world_size,
+                 "" if world_size == 1 else "es", backend, parallel.tp, parallel.pp, vpp, parallel.ep,
+                 parallel.expert_tensor_parallel_size, runtime.dp_size, parallel_state.get_expert_data_parallel_world_size())
     return runtime
 
 

@@ -158,8 +158,8 @@ def warmup_cosine_schedule(optimizer, config):
 
     warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
     if warmup < config.optim.warmup_steps:
-        log.info("optim.warmup_steps=%d is cut to %d: the run has %d steps (the rate reaches optim.lr at the last)",
-                 config.optim.warmup_steps, warmup, config.train.steps)
+        log.info("optim.warmup_steps=%d is cut to %d: the run has %d step%s (the rate reaches optim.lr at the last)",
+                 config.optim.warmup_steps, warmup, config.train.steps, "" if config.train.steps == 1 else "s")
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

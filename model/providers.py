@@ -4,10 +4,12 @@ sizes, Mixture-of-Experts routing and the fusions a machine without Transformer 
 """
 
 import collections
+import contextlib
 import functools
 import gc
 import importlib
 import importlib.util
+import io
 import json
 import logging
 import sys
@@ -256,9 +258,21 @@ def disable_fusions_needing_transformer_engine(provider) -> None:
         log.info("Transformer Engine is not installed: turned off %s", ", ".join(turned_off))
 
 
+# What Megatron-Bridge prints after every export that wrote every tensor: our own line says where the export went.
+EXPORT_SUCCESS = "Success: All tensors from the original checkpoint were written."
+
+
 def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
-    """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it."""
-    bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
+    """Write the model as a Hugging Face checkpoint (safetensors, config, tokenizer). Collective: every rank calls it.
+    Bridge's printed lines pass through, but for its success line."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
+    finally:
+        kept = [line for line in printed.getvalue().splitlines() if line.strip() and not line.startswith(EXPORT_SUCCESS)]
+        if kept:
+            print("\n".join(kept), flush=True)
 
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}

@@ -8,6 +8,7 @@ split) printed 8 times, and so did each library's start-up notice. A rank's erro
 rank, with its number: a failure only rank 5 meets is never hidden behind rank 0.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -78,6 +79,11 @@ def setup(rank: int | None = None, world_size: int | None = None) -> None:
     # $TRANSFORMERS_VERBOSITY: the level set above would be undone (its "`torch_dtype` is deprecated" line, which
     # Megatron-Bridge 0.6.2 itself triggers, printed once per rank). Where it has set them already, the level stays.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if not sys.stdout.isatty():  # a log file: Megatron-Bridge's weight-loading bar prints once there, cut to 80 columns
+        with contextlib.suppress(ImportError):
+            import rich
+
+            rich.get_console().quiet = True
     rank_filter = RankFilter(rank, world_size)
     # The root logger's console handler (ours), and torch's own, which does not propagate ("No CUDA runtime is found").
     for handler in (*logging.getLogger().handlers, *logging.getLogger("torch").handlers):

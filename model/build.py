@@ -114,6 +114,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     kind = Policy if score_head is None else score_heads.Classifier
+    log.info("loading %s (%s)", model_path, ", ".join(hf_config.get("architectures") or [hf_config.get("model_type", "")]))
 
     def bare_chunks():
         chunks = build_chunks(provider)

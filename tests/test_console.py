@@ -96,6 +96,18 @@ def test_setup_filters_the_console_once_however_often_it_runs(restored_logging):
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"  # transformers' own set-up, later, keeps errors only
 
 
+def test_the_libraries_progress_bars_are_silent_in_a_log_file_only(restored_logging, monkeypatch):
+    """Megatron-Bridge's weight-loading bar (rich's console) prints once into a log file, cut to 80 columns ("Loading
+    from /root/.cache/megatron-trai… … (30/… Qwen2Br…"): off there, kept on a terminal."""
+    import rich
+
+    monkeypatch.setattr(rich.get_console(), "quiet", False)
+    for terminal in (True, False):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal, raising=False)
+        console.setup(rank=0, world_size=1)
+        assert rich.get_console().quiet is not terminal
+
+
 def test_an_uncaught_exception_names_its_rank_before_the_traceback(restored_logging, capsys):
     console.setup(rank=6, world_size=8)
     try:

@@ -134,6 +134,8 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
     import datasets
 
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
     try:
         return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
     except UnicodeDecodeError as error:
@@ -143,6 +145,9 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
         reason = first_bad_file(files) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def first_bad_file(files: list[pathlib.Path]) -> str | None:

@@ -344,6 +344,11 @@ class TrainingChecks:
                    f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:
             require(holds, f"`{key}` must be {rule}, got {value_of(self, key)}. Change `--{key}`.")
+        # An empty path is the current directory to the loaders: its JSON files (a tokenizer's, say) read as rows.
+        require(self.data.path.strip(),
+                f"`data.path` is empty{f' ({self.data.path!r})' if self.data.path else ''}: the data would be read "
+                "from the current directory. Set `--data.path` to a json/jsonl/parquet file or a folder of them, a hub "
+                "dataset name, or a bundled set (`arithmetic`).")
         require(self.data.eval_path or self.data.train_split != self.data.eval_split,
                  f"`data.train_split` and `data.eval_split` are both `{self.data.eval_split}`: the held-out figures "
                  "would be measured on the training rows. Set `--data.eval_split` to another split, or point "

@@ -58,16 +58,23 @@ def _coerce(key: str, value, annotation):
         raise UserError(f"`{key}` must be a finite number, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one
-        value = [value]
+    if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one; `--grpo.tools=`: none
+        value = [value] if value.strip() else []
     if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:
-        return [_coerce(key, item, typing.get_args(annotation)[0]) for item in value]
+        item_type = typing.get_args(annotation)[0]
+        try:
+            return [_coerce(key, item, item_type) for item in value]
+        except UserError:  # said of the whole list, not of the item (`optim.betas` is a list, not "a number")
+            raise UserError(f"`{key}` must be a list of {LIST_ITEMS[item_type]}, got {value!r}. Change `--{key}` (or "
+                            f"`{key}` in the YAML file).") from None
     if origin is dict:  # megatron-core's fields: `1e-5` inside a mapping is a number there too
         return _numbers_in(value)
     return value
 
+
+LIST_ITEMS = {float: "finite numbers", int: "integers", str: "strings"}  # what a list key holds, in its error
 
 SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # a number YAML 1.1 reads as a string
 

@@ -254,3 +254,35 @@ def test_a_second_config_is_refused_rather_than_replacing_the_first():
         parse_args(GRPOConfig, ["--config", "tools", "--config=dapo"], "trainer.grpo")
     config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.dynamic_sampling=true"], "trainer.grpo")
     assert config.grpo.tools and config.grpo.dynamic_sampling  # a recipe, and another's keys on the command line
+
+
+@pytest.mark.parametrize("loop, program", [(SFTConfig, "trainer.sft"), (GRPOConfig, "trainer.grpo"), (RMConfig, "trainer.rm")])
+def test_an_empty_data_path_is_refused_rather_than_reading_the_current_directory(loop, program):
+    """`--data.path=` was the current directory to the loaders: its JSON files (a tokenizer's, in a run's folder) were
+    read as rows, or a hub error about a repository id for a blank one."""
+    for value in ("", " "):
+        config, _ = parse_args(loop, [f"--data.path={value}", "--model.path=tiny"], program)
+        with pytest.raises(UserError, match=r"`data.path` is empty.*Set `--data.path`"):
+            config.validate(world_size=1)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--optim.betas=[nonsense, 0.9]"], "`optim.betas` must be a list of finite numbers, got ['nonsense', 0.9]"),
+    (["--optim.betas=[.nan, 0.9]"], "`optim.betas` must be a list of finite numbers, got [nan, 0.9]"),
+    (["--grpo.tools=[[a, b]]"], "`grpo.tools` must be a list of strings, got [['a', 'b']]"),
+])
+def test_a_list_key_with_a_bad_item_names_the_list(argv, expected):
+    """They said "`optim.betas` must be a number, got 'nonsense'" of a key that is a list."""
+    with pytest.raises(UserError) as error:
+        parse_args(GRPOConfig, argv, "trainer.grpo")
+    assert expected in str(error.value)
+
+
+def test_an_empty_list_key_is_the_empty_list():
+    """`--grpo.tools=` (no tools, over a recipe's) was the list of one empty name, refused as "not of the form
+    `module:name`"."""
+    config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.tools="], "trainer.grpo")
+    assert config.grpo.tools == []
+    config, _ = parse_args(SFTConfig, ["--model.recompute=selective", "--model.recompute_modules="], "trainer.sft")
+    with pytest.raises(UserError, match="must name one or more of"):
+        config.validate(world_size=1)

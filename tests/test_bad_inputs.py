@@ -101,6 +101,33 @@ def test_a_bad_data_file_is_said_before_the_default_sft_runs(tmp_path, monkeypat
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_column_the_data_lacks_is_said_before_the_default_sft_runs(tmp_path, monkeypatch):
+    """From the default start, a `data.*_field` naming no column of GRPO's or `trainer.rm`'s own data (local, or the
+    bundled arithmetic) is said at once; it was said after the default SFT's 600 steps."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig, RMConfig
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}) + "\n")
+    for config_class, program, argv, expected in (
+            (GRPOConfig, "trainer.grpo", ["--data.path=rows.jsonl", "--data.prompt_field=prompt"],
+             "data.prompt_field is 'prompt', but `rows.jsonl` (train) has no such column"),
+            (GRPOConfig, "trainer.grpo", ["--data.response_field=solution"],
+             "data.response_field is 'solution', but `arithmetic` (train) has no such column"),
+            (RMConfig, "trainer.rm", ["--data.path=pairs.jsonl", "--data.chosen_field=better"],
+             "`data.chosen_field` is 'better', but `pairs.jsonl` (train) has no such column")):
+        config, _ = parse_args(config_class, argv, program)
+        assert config.starts_from_default_sft()
+        with pytest.raises(UserError) as error:
+            default_start.validate(2, config.model.path, config.data, program)
+        assert expected in str(error.value)
+    config, _ = parse_args(RMConfig, ["--data.path=pairs.jsonl"], "trainer.rm")
+    default_start.validate(2, config.model.path, config.data, "trainer.rm")
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_a_checkpoint_without_weight_files_is_named(tmp_path):
     """A config.json without its safetensors (a partial copy, or .bin weights) is a paragraph, not Bridge's
     FileNotFoundError after the process group is up."""

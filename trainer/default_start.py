@@ -14,7 +14,8 @@ from pathlib import Path
 from config import cli, outputs
 from config.errors import UserError
 from config.loops import BUNDLED_STARTS, SFTConfig
-from data import conversations as conversation_data
+from config.sections import PreferenceDataConfig
+from data import conversations as conversation_data, preferences
 from model import parallel
 from trainer import sft
 from trainer.metrics import log
@@ -30,11 +31,17 @@ def sft_arguments(start: str) -> list[str]:
 
 def validate(world_size: int, start: str, data=None, program: str = "GRPO") -> None:
     """Every check of the default SFT that needs no model, before GRPO (or `trainer.rm`, `program`) or that SFT does
-    any work; with `data` (the loop's own section), its local data read once, so an empty or unreadable file is said
-    now, not after the default SFT's run."""
-    if data is not None:
-        if Path(data.path).expanduser().exists() or conversation_data.looks_local(data.path):
-            conversation_data.load_split(data, data.path, data.train_split)
+    any work; with `data` (the loop's own section), its local (or bundled arithmetic) data read once, so an empty or
+    unreadable file, or a `data.*_field` naming no column, is said now, not after the default SFT's run."""
+    if data is not None and (Path(data.path).expanduser().exists() or conversation_data.looks_local(data.path)
+                             or data.path == "arithmetic"):
+        rows = conversation_data.load_split(data, data.path, data.train_split)
+        source = f"`{data.path}` ({data.train_split})"
+        if isinstance(data, PreferenceDataConfig):  # trainer.rm's pairs
+            preferences.check_columns(rows, data, data.path, data.train_split)
+        else:
+            conversation_data.check_columns(rows, prompt_field=data.prompt_field, response_field=data.response_field,
+                                            messages_field=data.messages_field or None, source=source)
     try:
         config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")
         config.validate(world_size)

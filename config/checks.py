@@ -359,6 +359,14 @@ class TrainingChecks:
         require(peft.method in PEFT_METHODS, f"`peft.method={peft.method}` is not one of {', '.join(PEFT_METHODS)}. "
                  "Change `--peft.method`.")
         if peft.method != "lora":
+            defaults = type(self)().peft
+            changed = [f"`peft.{key}`" for key in ("rank", "alpha", "dropout", "target_modules")
+                       if getattr(peft, key) != getattr(defaults, key)]
+            require(not changed,
+                     f"{', '.join(changed)} {'sets' if len(changed) == 1 else 'set'} LoRA's adapters, and "
+                     f"`peft.method={peft.method}` trains every weight without adapters, so "
+                     f"{'it' if len(changed) == 1 else 'they'} would do nothing. Set `--peft.method=lora`, or remove "
+                     f"{'it' if len(changed) == 1 else 'them'}.")
             return
         unknown = [name for name in peft.target_modules if name not in LORA_TARGET_MODULES]
         require(peft.target_modules and not unknown,

@@ -4,6 +4,7 @@ parallel layout and the model settings (`ModelChecks`), the optimizer, schedule,
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from config import sections
@@ -389,6 +390,17 @@ class TrainingChecks:
                  "`log.wandb=true` needs Weights & Biases, which is not installed in this environment. Install the "
                  "project's `wandb` extra (`.venv/bin/uv sync --extra wandb`; `scripts/setup.sh` installs it with the "
                  "test dependencies), or use `--log.wandb=false` (`--log.tensorboard=true` needs nothing extra).")
+        project = self.log.wandb_project or os.environ.get("WANDB_PROJECT", "")
+        if self.log.wandb and project:
+            import wandb
+
+            # W&B checks the name only in `wandb.init`, which the loops call once the model is built.
+            where = "`log.wandb_project`" if self.log.wandb_project else "$WANDB_PROJECT (`log.wandb_project` unset)"
+            try:
+                wandb.Settings(project=project)
+            except (wandb.errors.UsageError, ValueError) as error:
+                raise UserError(f"{where} is not a project name W&B takes: {error}. Change `--log.wandb_project` (it "
+                                "wins over $WANDB_PROJECT).") from None
 
     def _validate_batch(self, world_size: int) -> None:
         train = self.train

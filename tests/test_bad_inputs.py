@@ -228,3 +228,16 @@ def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
     with pytest.raises(UserError, match=expected.replace("(", r"\(")):
         make(**{"optim.override_optimizer_config": override}).validate(world_size=1)
     make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2}}).validate(world_size=1)
+
+
+def test_a_project_name_wandb_refuses_is_said_before_the_model_is_built(monkeypatch):
+    """W&B checks the project name in `wandb.init`, which the metrics writer calls after the model is built; the
+    message then said to log in."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    with pytest.raises(UserError, match=r"`log.wandb_project` is not a project name W&B takes: Invalid project name 'team/run'"):
+        make(**{"log.wandb": True, "log.wandb_project": "team/run"}).validate(world_size=1)
+    monkeypatch.setenv("WANDB_PROJECT", "a:b")
+    with pytest.raises(UserError, match=r"\$WANDB_PROJECT \(`log.wandb_project` unset\) is not a project name"):
+        make(**{"log.wandb": True}).validate(world_size=1)
+    make(**{"log.wandb": True, "log.wandb_project": "team-run"}).validate(world_size=1)

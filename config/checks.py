@@ -4,6 +4,7 @@ parallel layout and the model settings (`ModelChecks`), the optimizer, schedule,
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -26,6 +27,18 @@ def require(holds: bool, message: str) -> None:
         raise UserError(message)
 
 
+# OptimizerConfig fields whose values torch's optimizers check only when they are built, after the model (a
+# ValueError then); `lr` and `min_lr` default to None, so no kind is read from their default. field: (holds, rule).
+OPTIMIZER_VALUES = {
+    "lr": (lambda value: value >= 0, "a number, 0 or more"), "min_lr": (lambda value: value >= 0, "a number, 0 or more"),
+    "weight_decay": (lambda value: value >= 0, "a number, 0 or more"),
+    "adam_beta1": (lambda value: 0 <= value < 1, "a number in [0, 1)"),
+    "adam_beta2": (lambda value: 0 <= value < 1, "a number in [0, 1)"),
+    "adam_eps": (lambda value: value > 0, "a positive number"), "sgd_momentum": (lambda value: value >= 0, "a number, 0 or more"),
+    "clip_grad": (lambda value: value >= 0, "a number, 0 (off) or more"),
+}
+
+
 def check_override_keys(overrides: dict, config_class, key: str) -> None:
     """Reject override keys the megatron-core class does not have, and values of another kind than its default's (a
     number for a number, true/false for a flag, text for text), naming our config key; an optimizer it cannot build."""
@@ -42,6 +55,12 @@ def check_override_keys(overrides: dict, config_class, key: str) -> None:
                         f"`{key}` sets `{name}` to {value!r}, and megatron-core's {config_class.__name__}.{name} takes "
                         f"{kind} (its default: {default!r}). Change it in `{key}`.")
                 break
+    for name, (holds, rule) in (OPTIMIZER_VALUES if config_class.__name__ == "OptimizerConfig" else {}).items():
+        value = overrides.get(name)
+        require(name not in overrides or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and holds(value)),
+                f"`{key}` sets `{name}` to {value!r}, and megatron-core's OptimizerConfig.{name} must be {rule}. "
+                f"Change it in `{key}`.")
     if config_class.__name__ == "OptimizerConfig" and overrides.get("optimizer", "adam") not in ("adam", "sgd"):
         from megatron.core import optimizer as megatron_optimizer
 

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -222,12 +223,16 @@ def test_a_folder_of_shards_names_the_shard_that_breaks_it(tmp_path):
     ({"adam_beta1": "high"}, "sets `adam_beta1` to 'high', and megatron-core's OptimizerConfig.adam_beta1 takes a number"),
     ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer takes true or false"),
     ({"optimizer": "lion"}, "sets `optimizer` to 'lion'; without the emerging_optimizers package megatron-core builds adam and sgd only"),
+    # torch's AdamW raised these ("Invalid beta parameter at index 0") once the model was built.
+    ({"adam_beta1": 5.0}, "sets `adam_beta1` to 5.0, and megatron-core's OptimizerConfig.adam_beta1 must be a number in [0, 1)"),
+    ({"lr": -1.0}, "sets `lr` to -1.0, and megatron-core's OptimizerConfig.lr must be a number, 0 or more"),
+    ({"lr": "fast"}, "sets `lr` to 'fast', and megatron-core's OptimizerConfig.lr must be a number, 0 or more"),
 ])
 def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
     """They were a TypeError inside megatron-core's optimizer build, or its "lion optimizer requires ..."."""
-    with pytest.raises(UserError, match=expected.replace("(", r"\(")):
+    with pytest.raises(UserError, match=re.escape(expected)):
         make(**{"optim.override_optimizer_config": override}).validate(world_size=1)
-    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2}}).validate(world_size=1)
+    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2, "lr": 1e-5}}).validate(world_size=1)
 
 
 def test_a_project_name_wandb_refuses_is_said_before_the_model_is_built(monkeypatch):

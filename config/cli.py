@@ -162,6 +162,12 @@ def parse_args(config_class, argv: list[str], program: str):
             raise UserError(f"Config file `{config_file}` is not valid YAML ({error}). Fix it or change `--config`.") from None
         if not isinstance(loaded, dict):
             raise UserError(f"Config file `{config_file}` must hold a mapping of sections (model:, train:, ...).")
+        sections = {section.name for section in dataclasses.fields(config_class)}
+        for name, value in loaded.items():  # a section whose keys are all commented out is empty, not a key
+            if name in sections and value is not None and not isinstance(value, dict):
+                raise UserError(f"`{name}:` in config file `{config_file}` must be a section: its keys indented below "
+                                f"it (`{name}:` then `  key: value` lines), got {value!r}. Fix it or change `--config`.")
+        loaded = {name: value for name, value in loaded.items() if not (name in sections and value is None)}
         for key, value in _flatten(loaded).items():
             _set(config, key, value, keys)
     for key, value in pairs:

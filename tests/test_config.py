@@ -286,3 +286,13 @@ def test_an_empty_list_key_is_the_empty_list():
     config, _ = parse_args(SFTConfig, ["--model.recompute=selective", "--model.recompute_modules="], "trainer.sft")
     with pytest.raises(UserError, match="must name one or more of"):
         config.validate(world_size=1)
+
+
+def test_a_yaml_section_that_is_not_a_mapping_is_named_and_an_empty_one_is_empty(tmp_path):
+    """`train: 5` was "Unknown config key `train`", and so was a section whose keys are all commented out."""
+    (tmp_path / "scalar.yaml").write_text("train: 5\n")
+    with pytest.raises(UserError, match=r"`train:` in config file `.*scalar.yaml` must be a section: its keys indented"):
+        parse_args(SFTConfig, ["--config", str(tmp_path / "scalar.yaml")], "trainer.sft")
+    (tmp_path / "commented.yaml").write_text("train:\n#  steps: 5\nmodel:\n  dtype: bf16\n")
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "commented.yaml")], "trainer.sft")
+    assert config.train.steps == SFTConfig().train.steps and config.model.dtype == "bf16"

@@ -33,6 +33,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
     out_dir = Path(config.train.out_dir)
     _check_writable_directories(config)
+    _check_checkpoints_survive_exports(config)
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
     foreign = resume and _resumes_another_run(config, resume)
@@ -92,6 +93,19 @@ def _check_writable_directories(config) -> None:
         except OSError as error:
             raise UserError(f"`{key}={value}`: the run cannot write in `{blocking}` ({error.strerror}). Point "
                             f"`--{key}` at a directory you can write to.") from None
+
+
+def _check_checkpoints_survive_exports(config) -> None:
+    """Refuse a `ckpt.dir` inside an export's directory (`<train.out_dir>/hf`, ...): the export replaces that directory
+    whole after the last step, and the checkpoints went with it (the run ended with status 0, nothing to resume)."""
+    out_dir, directory = Path(config.train.out_dir).expanduser(), checkpoint_dir(config).expanduser()
+    for name in outputs.EXPORTS:
+        for export in (out_dir / name, out_dir / f"{outputs.PARTIAL}{name}", out_dir / f"{REPLACED}{name}"):
+            if _inside(directory, export):
+                raise UserError(f"`ckpt.dir={config.ckpt.dir}` lies inside `{export}`, the directory of the run's "
+                                f"`{name}` export, which is replaced whole after the last step: every checkpoint would "
+                                "be deleted with it. Point `--ckpt.dir` elsewhere, or leave it unset "
+                                "(`<train.out_dir>/checkpoints`).")
 
 
 def _earlier_run(config) -> list[Path]:

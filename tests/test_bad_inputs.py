@@ -246,3 +246,15 @@ def test_a_project_name_wandb_refuses_is_said_before_the_model_is_built(monkeypa
     with pytest.raises(UserError, match=r"\$WANDB_PROJECT \(`log.wandb_project` unset\) is not a project name"):
         make(**{"log.wandb": True}).validate(world_size=1)
     make(**{"log.wandb": True, "log.wandb_project": "team-run"}).validate(world_size=1)
+
+
+def test_a_checkpoint_directory_inside_an_export_is_refused(tmp_path):
+    """`--ckpt.dir=<train.out_dir>/hf`: the final export replaced the directory whole and every checkpoint went with
+    it, in a run that ended with status 0."""
+    from ckpt.output_dir import check_output_dir
+
+    out_dir = tmp_path / "run"
+    for ckpt_dir in (out_dir / "hf", out_dir / "hf" / "saves", out_dir / "hf_adapter"):
+        with pytest.raises(UserError, match=rf"`ckpt.dir={re.escape(str(ckpt_dir))}` lies inside .* every checkpoint would be deleted"):
+            check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(ckpt_dir)}), "", True)
+    check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(out_dir)}), "", True)

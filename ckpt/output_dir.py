@@ -127,11 +127,12 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
-    """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` on disk and GRPO's
-    `grpo.teacher` and `grpo.reward_model` (a `~` expanded, as the loaders expand it)."""
+    """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` or `data.eval_path` on
+    disk and GRPO's `grpo.teacher` and `grpo.reward_model` (a `~` expanded, as the loaders expand it)."""
     grpo = getattr(config, "grpo", None)
     for key, value in (("model.path", config.model.path), ("data.path", config.data.path),
-                       ("grpo.teacher", getattr(grpo, "teacher", "")), ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
+                       ("data.eval_path", config.data.eval_path), ("grpo.teacher", getattr(grpo, "teacher", "")),
+                       ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
         if not value or not Path(value).expanduser().exists():  # `tiny`, a bundled task or a hub dataset name
             continue
         hit = next((path for path in replaced if _inside(Path(value).expanduser(), path)), None)

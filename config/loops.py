@@ -315,6 +315,14 @@ class RMConfig(TrainerConfig):
 
     STARTS_FROM_A_CLASSIFIER = True  # a reward model's export trains on
 
+    def _embedded_pairs_renamed(self) -> list[str]:
+        """The column keys (`data.*_field`) set to other names while the embedded set, not built yet, is the data."""
+        data, default = self.data, PreferenceDataConfig
+        if data.path != default.path or Path(data.path).exists():
+            return []
+        return [f"`data.{key}={getattr(data, key)}`" for key in ("prompt_field", "chosen_field", "rejected_field")
+                if getattr(data, key) != getattr(default, key)]
+
     def validate(self, world_size: int) -> None:
         """The shared checks, and what a scalar head over pairs of rows cannot take."""
         super().validate(world_size)
@@ -331,6 +339,15 @@ class RMConfig(TrainerConfig):
                  "head must train whole. Set `--peft.method=none`."),
                 (not self.train.micro_batch_tokens, "`train.micro_batch_tokens` groups rows by length, which would "
                  "split a pair's sides. Use `--train.micro_batch_size` (pairs per micro-batch) instead."),
+                (self.data.chosen_field != self.data.rejected_field,
+                 f"`data.chosen_field` and `data.rejected_field` are both `{self.data.chosen_field}`: every pair would "
+                 "set a response against itself (each is dropped as alike). Set them to the two columns of each pair."),
+                (not self._embedded_pairs_renamed(),
+                 f"`data.path={self.data.path}` is the embedded preference set, built on first use with the columns "
+                 f"{PreferenceDataConfig.prompt_field}, {PreferenceDataConfig.chosen_field} and "
+                 f"{PreferenceDataConfig.rejected_field}: {', '.join(self._embedded_pairs_renamed())} names no column "
+                 "of it (found only once the set is sampled, after the default SFT's run). Leave the `data.*_field` "
+                 "keys unset, or point `--data.path` at your own preference set."),
                 (not (self.model.moe_aux_loss_coeff or self.model.moe_z_loss_coeff),
                  "`model.moe_aux_loss_coeff` / `model.moe_z_loss_coeff`: megatron-core scales a Mixture-of-Experts "
                  "router's losses for a loss averaged over tokens, and a reward model's is averaged over pairs, so the "

@@ -14,8 +14,8 @@ from config.errors import UserError
 from config.hf import architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
     ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, LORA_TARGET_MODULES, MOE_AUX_LOSS_TYPES,
-    MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
-    RECOMPUTE_NAMES
+    MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, PreferenceDataConfig, RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES, RECOMPUTE_NAMES
 )
 
 log = logging.getLogger(__name__)
@@ -364,6 +364,11 @@ class TrainingChecks:
                    f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:
             require(holds, f"`{key}` must be {rule}, got {value_of(self, key)}. Change `--{key}`.")
+        data = self.data
+        require(data.messages_field or isinstance(data, PreferenceDataConfig) or data.prompt_field != data.response_field,
+                 f"`data.prompt_field` and `data.response_field` are both `{data.prompt_field}`: every prompt would "
+                 "hold its own answer. Set them to the prompt's and the response's columns (or `--data.messages_field` "
+                 "for chat messages).")
         # An empty path is the current directory to the loaders: its JSON files (a tokenizer's, say) read as rows.
         require(self.data.path.strip(),
                 f"`data.path` is empty{f' ({self.data.path!r})' if self.data.path else ''}: the data would be read "

@@ -33,6 +33,8 @@ def make(**changes) -> SFTConfig:
     ({"data.max_seq_len": 0}, "`data.max_seq_len` must be at least 2 (one input and one label token), got 0"),
     ({"train.log_interval": 0}, "`train.log_interval` must be at least 1"),
     ({"ckpt.keep_last": 0}, "`ckpt.keep_last` must be at least 1"),
+    # Trained on (and for GRPO, rewarded against) the prompt's own text.
+    ({"data.prompt_field": "answer"}, "`data.prompt_field` and `data.response_field` are both `answer`: every prompt would hold its own answer"),
 ])
 def test_settings_are_checked_before_anything_runs(changes, expected):
     with pytest.raises(UserError) as error:

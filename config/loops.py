@@ -75,6 +75,11 @@ class SFTConfig(TrainerConfig):
                  "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
 
 
+# The longest a tool or reward call may be given: a queue's wait (threading.TIMEOUT_MAX, 9.2e9 s) and a SIGALRM timer
+# (time_t) raise OverflowError beyond it, at the first call, once the model is built.
+LONGEST_TIMER_S = 1e9
+TIMER_WHY = "about 31 years; Python's timers overflow beyond it"
+
 # GRPO's default starting policy: the default SFT's output, trained first when missing.
 DEFAULT_GRPO_START = "outputs/sft/hf"
 # Starting policies a bundled SFT writes, each trained first when missing: model.path -> that SFT's `--config`
@@ -147,8 +152,9 @@ class GRPOConfig(TrainerConfig):
             "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
                           "at least 1, and at least 2 with tools (a call is answered in the next turn)"),
             "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
-            "tool_timeout": (grpo.tool_timeout > 0, "positive"),
-            "reward_timeout": (grpo.reward_timeout >= 0, "0 (no limit, in the trainer's process) or more"),
+            "tool_timeout": (0 < grpo.tool_timeout <= LONGEST_TIMER_S, f"positive, at most {LONGEST_TIMER_S:g} s ({TIMER_WHY})"),
+            "reward_timeout": (0 <= grpo.reward_timeout <= LONGEST_TIMER_S,
+                               f"0 (no limit, in the trainer's process) or more, at most {LONGEST_TIMER_S:g} s ({TIMER_WHY})"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
         for name, (holds, rule) in rules.items():

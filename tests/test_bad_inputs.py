@@ -260,3 +260,19 @@ def test_a_checkpoint_directory_inside_an_export_is_refused(tmp_path):
         with pytest.raises(UserError, match=rf"`ckpt.dir={re.escape(str(ckpt_dir))}` lies inside .* every checkpoint would be deleted"):
             check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(ckpt_dir)}), "", True)
     check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(out_dir)}), "", True)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--grpo.reward_timeout=1e30"], "`grpo.reward_timeout` must be 0 (no limit, in the trainer's process) or more, at most 1e+09 s"),
+    (["--grpo.tool_timeout=1e12"], "`grpo.tool_timeout` must be positive, at most 1e+09 s"),
+])
+def test_a_timeout_beyond_what_python_can_wait_is_refused(argv, expected):
+    """A module:function reward at `grpo.reward_timeout=1e30` raised OverflowError ("timestamp out of range for platform
+    time_t") at the first rollout's scoring, after the model was built; an environment's reward() from 1e12 s."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=1)
+    assert expected in str(error.value)

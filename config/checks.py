@@ -265,6 +265,11 @@ class ModelChecks:
         parallel = self.parallel
         for key in ("tp", "pp", "vpp", "timeout_minutes"):
             require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
+        # torch's rendezvous store counts its timeout in int64 nanoseconds: from about 1.5e8 minutes it wraps, and the
+        # first connection "timed out" at once (measured at 1e10: DistNetworkError, after the data was tokenized).
+        require(parallel.timeout_minutes <= 10**7,
+                 f"`parallel.timeout_minutes` must be at most 10000000 (about 19 years; torch's process-group clock "
+                 f"overflows beyond about 1.5e8), got {parallel.timeout_minutes}. Change `--parallel.timeout_minutes`.")
         require(world_size % (parallel.tp * parallel.pp) == 0,
                  f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
                  f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")

@@ -94,6 +94,7 @@ def test_validate_startup_errors(tmp_path):
         (make(model={"path": str(qwen_like)}, parallel={"pp": 5}), 5, "must divide the model's 24 layers"),
         (make(parallel={"vpp": 2}), 1, "`parallel.vpp` > 1 needs pipeline parallelism"),
         (make(parallel={"timeout_minutes": 0}), 1, "`parallel.timeout_minutes` must be at least 1, got 0."),
+        (make(parallel={"timeout_minutes": 10**10}), 1, "`parallel.timeout_minutes` must be at most 10000000"),
         (make(parallel={"pp": 2, "use_megatron_fsdp": True}), 2, "`parallel.use_megatron_fsdp=true` does not work with pipeline"),
         (make(train={"global_batch_size": 6, "micro_batch_size": 4}), 1, "`train.global_batch_size=6` must be a multiple"),
         (make(train={"micro_batch_tokens": 100}), 1, "`train.micro_batch_tokens` must be 0 (off) or at least `data.max_seq_len=128`"),

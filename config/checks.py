@@ -261,15 +261,21 @@ class ModelChecks:
         """Whether `model.path` must already be an HF directory at start-up (the embedded models are built on first use)."""
         return self.model.path not in EMBEDDED_MODELS
 
-    def _validate_parallel(self, world_size: int) -> None:
+    def _validate_parallel_sizes(self) -> None:
+        """The parallel degrees every other layout rule divides by, and the collective timeout, in range."""
         parallel = self.parallel
         for key in ("tp", "pp", "vpp", "timeout_minutes"):
-            require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
+            require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}. "
+                     f"Change `--parallel.{key}`.")
         # torch's rendezvous store counts its timeout in int64 nanoseconds: from about 1.5e8 minutes it wraps, and the
         # first connection "timed out" at once (measured at 1e10: DistNetworkError, after the data was tokenized).
         require(parallel.timeout_minutes <= 10**7,
                  f"`parallel.timeout_minutes` must be at most 10000000 (about 19 years; torch's process-group clock "
                  f"overflows beyond about 1.5e8), got {parallel.timeout_minutes}. Change `--parallel.timeout_minutes`.")
+
+    def _validate_parallel(self, world_size: int) -> None:
+        parallel = self.parallel
+        self._validate_parallel_sizes()
         require(world_size % (parallel.tp * parallel.pp) == 0,
                  f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
                  f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")

@@ -119,6 +119,7 @@ class GRPOConfig(TrainerConfig):
     def validate(self, world_size: int) -> None:
         """The shared checks and GRPO's own (the default start's SFT is checked by `trainer.default_start`)."""
         parallel, grpo, data = self.parallel, self.grpo, self.data
+        self._validate_parallel_sizes()  # first: the rollout processes' and frozen models' rules divide by them
         require(parallel.vpp == 1,
                  f"GRPO samples its rollouts with the policy itself, one forward at a time through the pipeline stages, "
                  f"and that runs one model chunk per rank: `parallel.vpp={parallel.vpp}` (interleaved virtual stages) would "

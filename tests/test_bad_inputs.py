@@ -276,3 +276,21 @@ def test_a_timeout_beyond_what_python_can_wait_is_refused(argv, expected):
     with pytest.raises(UserError) as error:
         config.validate(world_size=1)
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("argv, world_size, expected", [
+    (["--parallel.tp=0", "--grpo.rollout_processes=1"], 2, "`parallel.tp` must be at least 1, got 0"),
+    (["--parallel.pp=0", "--grpo.rollout_processes=1"], 2, "`parallel.pp` must be at least 1, got 0"),
+    (["--parallel.vpp=0", "--grpo.teacher=TEACHER"], 1, "`parallel.vpp` must be at least 1, got 0"),
+])
+def test_a_zero_parallel_degree_is_named_before_grpo_divides_by_it(argv, world_size, expected, tmp_path):
+    """GRPO's rules for rollout processes and frozen models ran before the degrees' own check: a ZeroDivisionError."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 4}')
+    argv = [argument.replace("TEACHER", str(tmp_path)) for argument in argv]
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size)
+    assert expected in str(error.value)

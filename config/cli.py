@@ -156,6 +156,7 @@ def parse_args(config_class, argv: list[str], program: str):
     config = config_class()
     if config_file:
         path = config_path(config_file)
+        check_recipe_program(path, config_file, program)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -188,6 +189,24 @@ def config_path(value: str) -> Path:
     names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml")))
     raise UserError(f"Config file `{value}` does not exist, and it is not one of the bundled recipes ({names}). "
                     "Change `--config`.")
+
+
+def recipe_program(name: str) -> str:
+    """The entry point a bundled recipe is written for: `rm` is trainer.rm's, `sft_*` trainer.sft's, the rest GRPO's."""
+    return "trainer.rm" if name == "rm" else "trainer.sft" if name.startswith("sft_") else "trainer.grpo"
+
+
+def check_recipe_program(path: Path, value: str, program: str) -> None:
+    """Refuse a bundled recipe given to another entry point (`trainer.grpo --config sft_moe` trained GRPO from the bare
+    tiny-moe into the MoE SFT's `train.out_dir`, where GRPO on the MoE then found a finished "SFT")."""
+    if path.resolve().parent != RECIPES.resolve():
+        return
+    owner = recipe_program(path.stem)
+    if owner != program:
+        names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml") if recipe_program(item.stem) == program))
+        raise UserError(f"`--config {value}` is the recipe of `{owner}`, not of `{program}`: its keys set up a run of "
+                        f"`{owner}`. Run `torchrun -m {owner} --config {path.stem}`, or "
+                        f"give `{program}` {f'one of its own recipes ({names})' if names else 'your own YAML file'}.")
 
 
 def to_dict(config) -> dict:

@@ -297,3 +297,17 @@ def test_a_yaml_section_that_is_not_a_mapping_is_named_and_an_empty_one_is_empty
     (tmp_path / "commented.yaml").write_text("train:\n#  steps: 5\nmodel:\n  dtype: bf16\n")
     config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "commented.yaml")], "trainer.sft")
     assert config.train.steps == SFTConfig().train.steps and config.model.dtype == "bf16"
+
+
+@pytest.mark.parametrize("loop, program, recipe, owner", [
+    (GRPOConfig, "trainer.grpo", "sft_moe", "trainer.sft"), (GRPOConfig, "trainer.grpo", "rm", "trainer.rm"),
+    (SFTConfig, "trainer.sft", "dapo", "trainer.grpo"), (RMConfig, "trainer.rm", "sft_tools", "trainer.sft"),
+])
+def test_a_recipe_of_another_entry_point_is_refused(loop, program, recipe, owner):
+    """`trainer.grpo --config sft_moe` trained GRPO from the bare tiny-moe into the MoE SFT's `train.out_dir`, where a
+    later GRPO on `outputs/sft-moe/hf` found a finished SFT; `trainer.grpo --config rm` was accepted too."""
+    with pytest.raises(UserError, match=rf"`--config {recipe}` is the recipe of `{owner}`, not of `{program}`"):
+        parse_args(loop, ["--config", recipe], program)
+    for name in sorted(path.stem for path in cli.RECIPES.glob("*.yaml")):  # each recipe parses in its own loop
+        owner_class = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}[cli.recipe_program(name)]
+        parse_args(owner_class, ["--config", name], cli.recipe_program(name))

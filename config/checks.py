@@ -327,6 +327,12 @@ class TrainingChecks:
                                  ("clip_grad", optim.clip_grad >= 0, "0 (off) or more"),
                                  ("warmup_steps", optim.warmup_steps >= 0, "0 or more")):
             require(holds, f"`optim.{key}` must be {rule}, got {getattr(optim, key)}. Change `--optim.{key}`.")
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay at each step: from 1 on, the weights
+        # are zeroed or change sign every step.
+        require(optim.lr * optim.weight_decay < 1,
+                 f"`optim.weight_decay={optim.weight_decay}` x `optim.lr={optim.lr}` is {optim.lr * optim.weight_decay:g}: "
+                 "the decoupled weight decay multiplies every weight by 1 - lr x weight_decay each step, which would "
+                 "zero the weights or flip their sign. Lower `--optim.weight_decay` (0.01 and 0.1 are usual).")
         require(optim.final_lr <= optim.lr,
                  f"`optim.min_lr={optim.min_lr}` is above `optim.lr={optim.lr}`: the learning rate decays from optim.lr down "
                  "to optim.min_lr. Lower `--optim.min_lr`, or leave it unset (it then follows optim.lr: optim.lr x "

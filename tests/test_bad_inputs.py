@@ -30,6 +30,7 @@ def make(**changes) -> SFTConfig:
     ({"optim.betas": [0.9, 0.95, 0.99]}, "got [0.9, 0.95, 0.99]. Change `--optim.betas`"),
     ({"optim.eps": 0.0}, "`optim.eps` must be positive, got 0.0"),
     ({"optim.lr": -1.0}, "`optim.lr` must be 0 or more"),
+    ({"optim.weight_decay": 1000.0}, "`optim.weight_decay=1000.0` x `optim.lr=0.002` is 2: the decoupled weight decay"),
     ({"data.max_seq_len": 0}, "`data.max_seq_len` must be at least 2 (one input and one label token), got 0"),
     ({"train.log_interval": 0}, "`train.log_interval` must be at least 1"),
     ({"ckpt.keep_last": 0}, "`ckpt.keep_last` must be at least 1"),

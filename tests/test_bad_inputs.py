@@ -295,3 +295,23 @@ def test_a_zero_parallel_degree_is_named_before_grpo_divides_by_it(argv, world_s
     with pytest.raises(UserError) as error:
         config.validate(world_size)
     assert expected in str(error.value)
+
+
+def test_a_run_writing_where_its_default_sft_writes_is_refused(tmp_path, monkeypatch):
+    """GRPO (or `trainer.rm`) from the default start with `train.out_dir` or `ckpt.dir` at the default SFT's passed every
+    check (nothing was there yet), then after that SFT ran wrote over it: its metrics added to the SFT's, the SFT's
+    checkpoints pruned as its own, the SFT's `hf/` (its own start) replaced by its export."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig, RMConfig
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    for config_class, program, argv, expected in (
+            (GRPOConfig, "GRPO", ["--train.out_dir=./outputs/sft/"], "`train.out_dir=outputs/sft` is where the default SFT"),
+            (RMConfig, "trainer.rm", ["--ckpt.dir=outputs/sft/checkpoints"], "`ckpt.dir=outputs/sft/checkpoints` is where")):
+        config, _ = parse_args(config_class, argv, "trainer.grpo" if program == "GRPO" else program)
+        sft = default_start.validate(2, config.model.path, program=program)
+        with pytest.raises(UserError, match=re.escape(expected)):
+            default_start.check_outputs_apart(config, sft, program)
+    config, _ = parse_args(GRPOConfig, ["--train.out_dir=outputs/sft/grpo"], "trainer.grpo")
+    default_start.check_outputs_apart(config, default_start.validate(2, config.model.path), "GRPO")

@@ -34,6 +34,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     out_dir = Path(config.train.out_dir)
     _check_writable_directories(config)
     _check_checkpoints_survive_exports(config)
+    _check_outputs_outside_data(config)
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
     foreign = resume and _resumes_another_run(config, resume)
@@ -106,6 +107,22 @@ def _check_checkpoints_survive_exports(config) -> None:
                                 f"`{name}` export, which is replaced whole after the last step: every checkpoint would "
                                 "be deleted with it. Point `--ckpt.dir` elsewhere, or leave it unset "
                                 "(`<train.out_dir>/checkpoints`).")
+
+
+def _check_outputs_outside_data(config) -> None:
+    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`): the folder's loader
+    reads every json/jsonl/parquet file under it, so the run's metrics.jsonl and its export's JSON files became rows
+    (or a mix of formats it refuses) from the next start on, a resume included."""
+    for data_key, value in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
+        folder = Path(value).expanduser() if value else None
+        if folder is None or not folder.is_dir():  # a file, a bundled set or a hub name: nothing read from beside it
+            continue
+        for key, directory in (("train.out_dir", Path(config.train.out_dir).expanduser()),
+                               ("ckpt.dir", checkpoint_dir(config).expanduser())):
+            if _inside(directory, folder):
+                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose every "
+                                "json/jsonl/parquet file is read as data: the run's metrics and export would be read "
+                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}`.")
 
 
 def _earlier_run(config) -> list[Path]:

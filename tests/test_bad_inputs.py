@@ -315,3 +315,19 @@ def test_a_run_writing_where_its_default_sft_writes_is_refused(tmp_path, monkeyp
             default_start.check_outputs_apart(config, sft, program)
     config, _ = parse_args(GRPOConfig, ["--train.out_dir=outputs/sft/grpo"], "trainer.grpo")
     default_start.check_outputs_apart(config, default_start.validate(2, config.model.path), "GRPO")
+
+
+def test_outputs_inside_a_data_folder_are_refused(tmp_path):
+    """A data folder's loader reads every json/jsonl/parquet file under it: a `train.out_dir` there made the run's
+    metrics.jsonl (and its export's JSON files) rows of the next start, a resume included."""
+    from ckpt.output_dir import check_output_dir
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/data/run` lies inside `data.path=.*/data`, a data folder"):
+        check_output_dir(make(**{"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / "run")}), "", True)
+    with pytest.raises(UserError, match=r"`ckpt.dir=.*/data/saves` lies inside `data.eval_path=.*/data`"):
+        check_output_dir(make(**{"data.eval_path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "run"),
+                                 "ckpt.dir": str(tmp_path / "data" / "saves")}), "", True)
+    beside_a_file = {"data.path": str(tmp_path / "data" / "rows.jsonl"), "train.out_dir": str(tmp_path / "data" / "run")}
+    check_output_dir(make(**beside_a_file), "", True)  # a data file: nothing else is read from its folder

@@ -127,6 +127,12 @@ class ModelChecks:
                  f"`model.recompute_method={model.recompute_method}` that recomputes no more than {per_chunk}. "
                  f"Set `--model.recompute_num_layers` between 1 and {per_chunk}.")
         self._validate_experts(hf)
+        expert_modules = [name for name in ("moe", "shared_experts") if name in model.recompute_modules]
+        require(model.recompute != "selective" or hf_expert_count(hf) or not expert_modules,
+                 f"`model.recompute_modules` names {', '.join(f'`{name}`' for name in expert_modules)}, the layers of a "
+                 f"Mixture-of-Experts model, and `model.path={model.path}` is a dense model (its config.json names no "
+                 f"experts: none of {', '.join(HF_EXPERT_KEYS)}), so nothing would be recomputed for them and no memory "
+                 "saved. Name its dense layers instead (`[core_attn,mlp]`), or point `--model.path` at an MoE checkpoint.")
         router_keys = self._moe_router_keys_set()
         require(hf_expert_count(hf) or not router_keys,
                  f"{', '.join(f'`{key}`' for key in router_keys)} {'sets' if len(router_keys) == 1 else 'set'} the router "

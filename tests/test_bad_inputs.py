@@ -331,3 +331,12 @@ def test_outputs_inside_a_data_folder_are_refused(tmp_path):
                                  "ckpt.dir": str(tmp_path / "data" / "saves")}), "", True)
     beside_a_file = {"data.path": str(tmp_path / "data" / "rows.jsonl"), "train.out_dir": str(tmp_path / "data" / "run")}
     check_output_dir(make(**beside_a_file), "", True)  # a data file: nothing else is read from its folder
+
+
+def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):
+    """`model.recompute_modules=[moe]` on a dense checkpoint recomputed nothing and saved no memory, without a word."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 4}')
+    config = make(**{"model.path": str(tmp_path), "model.recompute": "selective", "model.recompute_modules": ["moe", "mlp"]})
+    with pytest.raises(UserError, match="`model.recompute_modules` names `moe`, the layers of a Mixture-of-Experts model"):
+        config.validate_model_shape(tmp_path)
+    make(**{"model.path": str(tmp_path), "model.recompute_modules": ["moe"]}).validate_model_shape(tmp_path)  # not selective: unread

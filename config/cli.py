@@ -93,6 +93,11 @@ def _set(config, key: str, value, keys: dict) -> None:
     if key not in keys:
         close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
         hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
+        sections = list(dict.fromkeys(known.split(".")[0] for known in keys))
+        if key in sections:
+            hint = f" `{key}` is a section: set its keys, `--{key}.KEY=VALUE`."
+        elif not close and key.split(".")[0] not in sections:  # `grpo.*` given to trainer.sft, say
+            hint = f" This entry point has no `{key.split('.')[0]}` section (its sections: {', '.join(sections)})."
         raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")
     section, name = key.split(".")
     setattr(getattr(config, section), name, _coerce(key, value, keys[key].type))

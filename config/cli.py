@@ -60,6 +60,8 @@ def _coerce(key: str, value, annotation):
         return str(value)
     if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one; `--grpo.tools=`: none
         value = [value] if value.strip() else []
+    if origin is list and value is None:  # YAML `tools:` with every item commented out
+        value = []
     if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:

@@ -283,9 +283,10 @@ def test_a_list_key_with_a_bad_item_names_the_list(argv, expected):
 
 def test_an_empty_list_key_is_the_empty_list():
     """`--grpo.tools=` (no tools, over a recipe's) was the list of one empty name, refused as "not of the form
-    `module:name`"."""
+    `module:name`"; a YAML list whose items are all commented out (null) was "must be a list, got None"."""
     config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.tools="], "trainer.grpo")
     assert config.grpo.tools == []
+    assert parse_args(GRPOConfig, ["--grpo.tools=null"], "trainer.grpo")[0].grpo.tools == []  # YAML `tools:`, items commented out
     config, _ = parse_args(SFTConfig, ["--model.recompute=selective", "--model.recompute_modules="], "trainer.sft")
     with pytest.raises(UserError, match="must name one or more of"):
         config.validate(world_size=1)

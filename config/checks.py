@@ -401,6 +401,11 @@ class TrainingChecks:
                  f"`data.train_split` and `data.eval_split` are both `{self.data.eval_split}`: the held-out figures "
                  "would be measured on the training rows. Set `--data.eval_split` to another split, or point "
                  "`--data.eval_path` at held-out data.")
+        eval_file = Path(self.data.eval_path).expanduser() if self.data.eval_path else None
+        require(not (eval_file and eval_file.is_file() and eval_file.resolve() == Path(self.data.path).expanduser().resolve()),
+                 f"`data.eval_path={self.data.eval_path}` is the file `data.path` trains on: the held-out figures would "
+                 "be measured on the training rows. Point `--data.eval_path` at held-out rows, or leave it unset (a "
+                 "folder's `data.eval_split` files, or a hub set's split).")
 
     def _validate_peft(self) -> None:
         peft, parallel = self.peft, self.parallel

@@ -314,3 +314,12 @@ def test_a_recipe_of_another_entry_point_is_refused(loop, program, recipe, owner
     for name in sorted(path.stem for path in cli.RECIPES.glob("*.yaml")):  # each recipe parses in its own loop
         owner_class = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}[cli.recipe_program(name)]
         parse_args(owner_class, ["--config", name], cli.recipe_program(name))
+
+
+def test_held_out_data_that_is_the_training_file_is_refused(tmp_path):
+    """`--data.eval_path` naming `data.path`'s own file measured the held-out figures on the training rows, silently."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    config, _ = parse_args(SFTConfig, [f"--data.path={rows}", f"--data.eval_path={tmp_path}/./rows.jsonl"], "trainer.sft")
+    with pytest.raises(UserError, match="`data.eval_path=.*rows.jsonl` is the file `data.path` trains on"):
+        config.validate(world_size=1)

@@ -33,6 +33,8 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
     out_dir = Path(config.train.out_dir)
     _check_writable_directories(config)
+    _check_checkpoints_survive_exports(config)
+    _check_outputs_outside_data(config)
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
     foreign = resume and _resumes_another_run(config, resume)
@@ -94,6 +96,35 @@ def _check_writable_directories(config) -> None:
                             f"`--{key}` at a directory you can write to.") from None
 
 
+def _check_checkpoints_survive_exports(config) -> None:
+    """Refuse a `ckpt.dir` inside an export's directory (`<train.out_dir>/hf`, ...): the export replaces that directory
+    whole after the last step, and the checkpoints went with it (the run ended with status 0, nothing to resume)."""
+    out_dir, directory = Path(config.train.out_dir).expanduser(), checkpoint_dir(config).expanduser()
+    for name in outputs.EXPORTS:
+        for export in (out_dir / name, out_dir / f"{outputs.PARTIAL}{name}", out_dir / f"{REPLACED}{name}"):
+            if _inside(directory, export):
+                raise UserError(f"`ckpt.dir={config.ckpt.dir}` lies inside `{export}`, the directory of the run's "
+                                f"`{name}` export, which is replaced whole after the last step: every checkpoint would "
+                                "be deleted with it. Point `--ckpt.dir` elsewhere, or leave it unset "
+                                "(`<train.out_dir>/checkpoints`).")
+
+
+def _check_outputs_outside_data(config) -> None:
+    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`): the folder's loader
+    reads every json/jsonl/parquet file under it, so the run's metrics.jsonl and its export's JSON files became rows
+    (or a mix of formats it refuses) from the next start on, a resume included."""
+    for data_key, value in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
+        folder = Path(value).expanduser() if value else None
+        if folder is None or not folder.is_dir():  # a file, a bundled set or a hub name: nothing read from beside it
+            continue
+        for key, directory in (("train.out_dir", Path(config.train.out_dir).expanduser()),
+                               ("ckpt.dir", checkpoint_dir(config).expanduser())):
+            if _inside(directory, folder):
+                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose every "
+                                "json/jsonl/parquet file is read as data: the run's metrics and export would be read "
+                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}`.")
+
+
 def _earlier_run(config) -> list[Path]:
     """What an earlier run left in `train.out_dir` and `ckpt.dir` that this run would write over or delete: its
     checkpoints (complete, partial, replaced, the pointer) and every run output (`config.outputs.RUN_OUTPUTS`, and
@@ -113,11 +144,12 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
-    """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` on disk and GRPO's
-    `grpo.teacher` and `grpo.reward_model` (a `~` expanded, as the loaders expand it)."""
+    """Refuse a run that would delete or overwrite its own inputs: `model.path`, a `data.path` or `data.eval_path` on
+    disk and GRPO's `grpo.teacher` and `grpo.reward_model` (a `~` expanded, as the loaders expand it)."""
     grpo = getattr(config, "grpo", None)
     for key, value in (("model.path", config.model.path), ("data.path", config.data.path),
-                       ("grpo.teacher", getattr(grpo, "teacher", "")), ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
+                       ("data.eval_path", config.data.eval_path), ("grpo.teacher", getattr(grpo, "teacher", "")),
+                       ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
         if not value or not Path(value).expanduser().exists():  # `tiny`, a bundled task or a hub dataset name
             continue
         hit = next((path for path in replaced if _inside(Path(value).expanduser(), path)), None)

@@ -4,6 +4,8 @@ parallel layout and the model settings (`ModelChecks`), the optimizer, schedule,
 
 import dataclasses
 import logging
+import math
+import os
 from pathlib import Path
 
 from config import sections
@@ -12,8 +14,8 @@ from config.errors import UserError
 from config.hf import architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
     ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, LORA_TARGET_MODULES, MOE_AUX_LOSS_TYPES,
-    MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
-    RECOMPUTE_NAMES
+    MOE_DISPATCHERS, MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, PEFT_METHODS, PreferenceDataConfig, RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES, RECOMPUTE_NAMES
 )
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,18 @@ def require(holds: bool, message: str) -> None:
     """Raise `message` as a UserError unless `holds`."""
     if not holds:
         raise UserError(message)
+
+
+# OptimizerConfig fields whose values torch's optimizers check only when they are built, after the model (a
+# ValueError then); `lr` and `min_lr` default to None, so no kind is read from their default. field: (holds, rule).
+OPTIMIZER_VALUES = {
+    "lr": (lambda value: value >= 0, "a number, 0 or more"), "min_lr": (lambda value: value >= 0, "a number, 0 or more"),
+    "weight_decay": (lambda value: value >= 0, "a number, 0 or more"),
+    "adam_beta1": (lambda value: 0 <= value < 1, "a number in [0, 1)"),
+    "adam_beta2": (lambda value: 0 <= value < 1, "a number in [0, 1)"),
+    "adam_eps": (lambda value: value > 0, "a positive number"), "sgd_momentum": (lambda value: value >= 0, "a number, 0 or more"),
+    "clip_grad": (lambda value: value >= 0, "a number, 0 (off) or more"),
+}
 
 
 def check_override_keys(overrides: dict, config_class, key: str) -> None:
@@ -41,6 +55,12 @@ def check_override_keys(overrides: dict, config_class, key: str) -> None:
                         f"`{key}` sets `{name}` to {value!r}, and megatron-core's {config_class.__name__}.{name} takes "
                         f"{kind} (its default: {default!r}). Change it in `{key}`.")
                 break
+    for name, (holds, rule) in (OPTIMIZER_VALUES if config_class.__name__ == "OptimizerConfig" else {}).items():
+        value = overrides.get(name)
+        require(name not in overrides or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and holds(value)),
+                f"`{key}` sets `{name}` to {value!r}, and megatron-core's OptimizerConfig.{name} must be {rule}. "
+                f"Change it in `{key}`.")
     if config_class.__name__ == "OptimizerConfig" and overrides.get("optimizer", "adam") not in ("adam", "sgd"):
         from megatron.core import optimizer as megatron_optimizer
 
@@ -107,6 +127,12 @@ class ModelChecks:
                  f"`model.recompute_method={model.recompute_method}` that recomputes no more than {per_chunk}. "
                  f"Set `--model.recompute_num_layers` between 1 and {per_chunk}.")
         self._validate_experts(hf)
+        expert_modules = [name for name in ("moe", "shared_experts") if name in model.recompute_modules]
+        require(model.recompute != "selective" or hf_expert_count(hf) or not expert_modules,
+                 f"`model.recompute_modules` names {', '.join(f'`{name}`' for name in expert_modules)}, the layers of a "
+                 f"Mixture-of-Experts model, and `model.path={model.path}` is a dense model (its config.json names no "
+                 f"experts: none of {', '.join(HF_EXPERT_KEYS)}), so nothing would be recomputed for them and no memory "
+                 "saved. Name its dense layers instead (`[core_attn,mlp]`), or point `--model.path` at an MoE checkpoint.")
         router_keys = self._moe_router_keys_set()
         require(hf_expert_count(hf) or not router_keys,
                  f"{', '.join(f'`{key}`' for key in router_keys)} {'sets' if len(router_keys) == 1 else 'set'} the router "
@@ -241,10 +267,21 @@ class ModelChecks:
         """Whether `model.path` must already be an HF directory at start-up (the embedded models are built on first use)."""
         return self.model.path not in EMBEDDED_MODELS
 
-    def _validate_parallel(self, world_size: int) -> None:
+    def _validate_parallel_sizes(self) -> None:
+        """The parallel degrees every other layout rule divides by, and the collective timeout, in range."""
         parallel = self.parallel
         for key in ("tp", "pp", "vpp", "timeout_minutes"):
-            require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}.")
+            require(getattr(parallel, key) >= 1, f"`parallel.{key}` must be at least 1, got {getattr(parallel, key)}. "
+                     f"Change `--parallel.{key}`.")
+        # torch's rendezvous store counts its timeout in int64 nanoseconds: from about 1.5e8 minutes it wraps, and the
+        # first connection "timed out" at once (measured at 1e10: DistNetworkError, after the data was tokenized).
+        require(parallel.timeout_minutes <= 10**7,
+                 f"`parallel.timeout_minutes` must be at most 10000000 (about 19 years; torch's process-group clock "
+                 f"overflows beyond about 1.5e8), got {parallel.timeout_minutes}. Change `--parallel.timeout_minutes`.")
+
+    def _validate_parallel(self, world_size: int) -> None:
+        parallel = self.parallel
+        self._validate_parallel_sizes()
         require(world_size % (parallel.tp * parallel.pp) == 0,
                  f"`parallel.tp={parallel.tp}` x `parallel.pp={parallel.pp}` must divide the number of processes "
                  f"({world_size}). Change `--parallel.tp`/`--parallel.pp` or `--nproc-per-node`.")
@@ -296,6 +333,12 @@ class TrainingChecks:
                                  ("clip_grad", optim.clip_grad >= 0, "0 (off) or more"),
                                  ("warmup_steps", optim.warmup_steps >= 0, "0 or more")):
             require(holds, f"`optim.{key}` must be {rule}, got {getattr(optim, key)}. Change `--optim.{key}`.")
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay at each step: from 1 on, the weights
+        # are zeroed or change sign every step.
+        require(optim.lr * optim.weight_decay < 1,
+                 f"`optim.weight_decay={optim.weight_decay}` x `optim.lr={optim.lr}` is {optim.lr * optim.weight_decay:g}: "
+                 "the decoupled weight decay multiplies every weight by 1 - lr x weight_decay each step, which would "
+                 "zero the weights or flip their sign. Lower `--optim.weight_decay` (0.01 and 0.1 are usual).")
         require(optim.final_lr <= optim.lr,
                  f"`optim.min_lr={optim.min_lr}` is above `optim.lr={optim.lr}`: the learning rate decays from optim.lr down "
                  "to optim.min_lr. Lower `--optim.min_lr`, or leave it unset (it then follows optim.lr: optim.lr x "
@@ -344,16 +387,39 @@ class TrainingChecks:
                    f"0 (off) or at least `data.max_seq_len={self.data.max_seq_len}` (a micro-batch holds one row at least)"))
         for key, holds, rule in checks:
             require(holds, f"`{key}` must be {rule}, got {value_of(self, key)}. Change `--{key}`.")
+        data = self.data
+        require(data.messages_field or isinstance(data, PreferenceDataConfig) or data.prompt_field != data.response_field,
+                 f"`data.prompt_field` and `data.response_field` are both `{data.prompt_field}`: every prompt would "
+                 "hold its own answer. Set them to the prompt's and the response's columns (or `--data.messages_field` "
+                 "for chat messages).")
+        # An empty path is the current directory to the loaders: its JSON files (a tokenizer's, say) read as rows.
+        require(self.data.path.strip(),
+                f"`data.path` is empty{f' ({self.data.path!r})' if self.data.path else ''}: the data would be read "
+                "from the current directory. Set `--data.path` to a json/jsonl/parquet file or a folder of them, a hub "
+                "dataset name, or a bundled set (`arithmetic`).")
         require(self.data.eval_path or self.data.train_split != self.data.eval_split,
                  f"`data.train_split` and `data.eval_split` are both `{self.data.eval_split}`: the held-out figures "
                  "would be measured on the training rows. Set `--data.eval_split` to another split, or point "
                  "`--data.eval_path` at held-out data.")
+        eval_file = Path(self.data.eval_path).expanduser() if self.data.eval_path else None
+        require(not (eval_file and eval_file.is_file() and eval_file.resolve() == Path(self.data.path).expanduser().resolve()),
+                 f"`data.eval_path={self.data.eval_path}` is the file `data.path` trains on: the held-out figures would "
+                 "be measured on the training rows. Point `--data.eval_path` at held-out rows, or leave it unset (a "
+                 "folder's `data.eval_split` files, or a hub set's split).")
 
     def _validate_peft(self) -> None:
         peft, parallel = self.peft, self.parallel
         require(peft.method in PEFT_METHODS, f"`peft.method={peft.method}` is not one of {', '.join(PEFT_METHODS)}. "
                  "Change `--peft.method`.")
         if peft.method != "lora":
+            defaults = type(self)().peft
+            changed = [f"`peft.{key}`" for key in ("rank", "alpha", "dropout", "target_modules")
+                       if getattr(peft, key) != getattr(defaults, key)]
+            require(not changed,
+                     f"{', '.join(changed)} {'sets' if len(changed) == 1 else 'set'} LoRA's adapters, and "
+                     f"`peft.method={peft.method}` trains every weight without adapters, so "
+                     f"{'it' if len(changed) == 1 else 'they'} would do nothing. Set `--peft.method=lora`, or remove "
+                     f"{'it' if len(changed) == 1 else 'them'}.")
             return
         unknown = [name for name in peft.target_modules if name not in LORA_TARGET_MODULES]
         require(peft.target_modules and not unknown,
@@ -376,6 +442,17 @@ class TrainingChecks:
                  "`log.wandb=true` needs Weights & Biases, which is not installed in this environment. Install the "
                  "project's `wandb` extra (`.venv/bin/uv sync --extra wandb`; `scripts/setup.sh` installs it with the "
                  "test dependencies), or use `--log.wandb=false` (`--log.tensorboard=true` needs nothing extra).")
+        project = self.log.wandb_project or os.environ.get("WANDB_PROJECT", "")
+        if self.log.wandb and project:
+            import wandb
+
+            # W&B checks the name only in `wandb.init`, which the loops call once the model is built.
+            where = "`log.wandb_project`" if self.log.wandb_project else "$WANDB_PROJECT (`log.wandb_project` unset)"
+            try:
+                wandb.Settings(project=project)
+            except (wandb.errors.UsageError, ValueError) as error:
+                raise UserError(f"{where} is not a project name W&B takes: {error}. Change `--log.wandb_project` (it "
+                                "wins over $WANDB_PROJECT).") from None
 
     def _validate_batch(self, world_size: int) -> None:
         train = self.train

@@ -58,16 +58,25 @@ def _coerce(key: str, value, annotation):
         raise UserError(f"`{key}` must be a finite number, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one
-        value = [value]
+    if origin is list and isinstance(value, str):  # `--grpo.tools=module:function`: a list of one; `--grpo.tools=`: none
+        value = [value] if value.strip() else []
+    if origin is list and value is None:  # YAML `tools:` with every item commented out
+        value = []
     if (origin is int and isinstance(value, bool)) or not isinstance(value, origin):
         raise UserError(f"`{key}` must be {expected}, got {value!r}. Change `--{key}` (or `{key}` in the YAML file).")
     if origin is list:
-        return [_coerce(key, item, typing.get_args(annotation)[0]) for item in value]
+        item_type = typing.get_args(annotation)[0]
+        try:
+            return [_coerce(key, item, item_type) for item in value]
+        except UserError:  # said of the whole list, not of the item (`optim.betas` is a list, not "a number")
+            raise UserError(f"`{key}` must be a list of {LIST_ITEMS[item_type]}, got {value!r}. Change `--{key}` (or "
+                            f"`{key}` in the YAML file).") from None
     if origin is dict:  # megatron-core's fields: `1e-5` inside a mapping is a number there too
         return _numbers_in(value)
     return value
 
+
+LIST_ITEMS = {float: "finite numbers", int: "integers", str: "strings"}  # what a list key holds, in its error
 
 SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # a number YAML 1.1 reads as a string
 
@@ -86,6 +95,11 @@ def _set(config, key: str, value, keys: dict) -> None:
     if key not in keys:
         close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
         hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
+        sections = list(dict.fromkeys(known.split(".")[0] for known in keys))
+        if key in sections:
+            hint = f" `{key}` is a section: set its keys, `--{key}.KEY=VALUE`."
+        elif not close and key.split(".")[0] not in sections:  # `grpo.*` given to trainer.sft, say
+            hint = f" This entry point has no `{key.split('.')[0]}` section (its sections: {', '.join(sections)})."
         raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")
     section, name = key.split(".")
     setattr(getattr(config, section), name, _coerce(key, value, keys[key].type))
@@ -152,12 +166,19 @@ def parse_args(config_class, argv: list[str], program: str):
     config = config_class()
     if config_file:
         path = config_path(config_file)
+        check_recipe_program(path, config_file, program)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             raise UserError(f"Config file `{config_file}` is not valid YAML ({error}). Fix it or change `--config`.") from None
         if not isinstance(loaded, dict):
             raise UserError(f"Config file `{config_file}` must hold a mapping of sections (model:, train:, ...).")
+        sections = {section.name for section in dataclasses.fields(config_class)}
+        for name, value in loaded.items():  # a section whose keys are all commented out is empty, not a key
+            if name in sections and value is not None and not isinstance(value, dict):
+                raise UserError(f"`{name}:` in config file `{config_file}` must be a section: its keys indented below "
+                                f"it (`{name}:` then `  key: value` lines), got {value!r}. Fix it or change `--config`.")
+        loaded = {name: value for name, value in loaded.items() if not (name in sections and value is None)}
         for key, value in _flatten(loaded).items():
             _set(config, key, value, keys)
     for key, value in pairs:
@@ -178,6 +199,24 @@ def config_path(value: str) -> Path:
     names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml")))
     raise UserError(f"Config file `{value}` does not exist, and it is not one of the bundled recipes ({names}). "
                     "Change `--config`.")
+
+
+def recipe_program(name: str) -> str:
+    """The entry point a bundled recipe is written for: `rm` is trainer.rm's, `sft_*` trainer.sft's, the rest GRPO's."""
+    return "trainer.rm" if name == "rm" else "trainer.sft" if name.startswith("sft_") else "trainer.grpo"
+
+
+def check_recipe_program(path: Path, value: str, program: str) -> None:
+    """Refuse a bundled recipe given to another entry point (`trainer.grpo --config sft_moe` trained GRPO from the bare
+    tiny-moe into the MoE SFT's `train.out_dir`, where GRPO on the MoE then found a finished "SFT")."""
+    if path.resolve().parent != RECIPES.resolve():
+        return
+    owner = recipe_program(path.stem)
+    if owner != program:
+        names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml") if recipe_program(item.stem) == program))
+        raise UserError(f"`--config {value}` is the recipe of `{owner}`, not of `{program}`: its keys set up a run of "
+                        f"`{owner}`. Run `torchrun -m {owner} --config {path.stem}`, or "
+                        f"give `{program}` {f'one of its own recipes ({names})' if names else 'your own YAML file'}.")
 
 
 def to_dict(config) -> dict:

@@ -75,6 +75,11 @@ class SFTConfig(TrainerConfig):
                  "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
 
 
+# The longest a tool or reward call may be given: a queue's wait (threading.TIMEOUT_MAX, 9.2e9 s) and a SIGALRM timer
+# (time_t) raise OverflowError beyond it, at the first call, once the model is built.
+LONGEST_TIMER_S = 1e9
+TIMER_WHY = "about 31 years; Python's timers overflow beyond it"
+
 # GRPO's default starting policy: the default SFT's output, trained first when missing.
 DEFAULT_GRPO_START = "outputs/sft/hf"
 # Starting policies a bundled SFT writes, each trained first when missing: model.path -> that SFT's `--config`
@@ -114,6 +119,7 @@ class GRPOConfig(TrainerConfig):
     def validate(self, world_size: int) -> None:
         """The shared checks and GRPO's own (the default start's SFT is checked by `trainer.default_start`)."""
         parallel, grpo, data = self.parallel, self.grpo, self.data
+        self._validate_parallel_sizes()  # first: the rollout processes' and frozen models' rules divide by them
         require(parallel.vpp == 1,
                  f"GRPO samples its rollouts with the policy itself, one forward at a time through the pipeline stages, "
                  f"and that runs one model chunk per rank: `parallel.vpp={parallel.vpp}` (interleaved virtual stages) would "
@@ -147,8 +153,9 @@ class GRPOConfig(TrainerConfig):
             "max_turns": (grpo.max_turns >= 1 and (grpo.max_turns >= 2 or not (grpo.tools or grpo.environment)),
                           "at least 1, and at least 2 with tools (a call is answered in the next turn)"),
             "max_tool_response_tokens": (grpo.max_tool_response_tokens >= 1, "at least 1"),
-            "tool_timeout": (grpo.tool_timeout > 0, "positive"),
-            "reward_timeout": (grpo.reward_timeout >= 0, "0 (no limit, in the trainer's process) or more"),
+            "tool_timeout": (0 < grpo.tool_timeout <= LONGEST_TIMER_S, f"positive, at most {LONGEST_TIMER_S:g} s ({TIMER_WHY})"),
+            "reward_timeout": (0 <= grpo.reward_timeout <= LONGEST_TIMER_S,
+                               f"0 (no limit, in the trainer's process) or more, at most {LONGEST_TIMER_S:g} s ({TIMER_WHY})"),
             "tool_workers": (grpo.tool_workers >= 0, "0 (this rank's share of the cores) or more"),
         }
         for name, (holds, rule) in rules.items():
@@ -315,6 +322,14 @@ class RMConfig(TrainerConfig):
 
     STARTS_FROM_A_CLASSIFIER = True  # a reward model's export trains on
 
+    def _embedded_pairs_renamed(self) -> list[str]:
+        """The column keys (`data.*_field`) set to other names while the embedded set, not built yet, is the data."""
+        data, default = self.data, PreferenceDataConfig
+        if data.path != default.path or Path(data.path).exists():
+            return []
+        return [f"`data.{key}={getattr(data, key)}`" for key in ("prompt_field", "chosen_field", "rejected_field")
+                if getattr(data, key) != getattr(default, key)]
+
     def validate(self, world_size: int) -> None:
         """The shared checks, and what a scalar head over pairs of rows cannot take."""
         super().validate(world_size)
@@ -331,6 +346,15 @@ class RMConfig(TrainerConfig):
                  "head must train whole. Set `--peft.method=none`."),
                 (not self.train.micro_batch_tokens, "`train.micro_batch_tokens` groups rows by length, which would "
                  "split a pair's sides. Use `--train.micro_batch_size` (pairs per micro-batch) instead."),
+                (self.data.chosen_field != self.data.rejected_field,
+                 f"`data.chosen_field` and `data.rejected_field` are both `{self.data.chosen_field}`: every pair would "
+                 "set a response against itself (each is dropped as alike). Set them to the two columns of each pair."),
+                (not self._embedded_pairs_renamed(),
+                 f"`data.path={self.data.path}` is the embedded preference set, built on first use with the columns "
+                 f"{PreferenceDataConfig.prompt_field}, {PreferenceDataConfig.chosen_field} and "
+                 f"{PreferenceDataConfig.rejected_field}: {', '.join(self._embedded_pairs_renamed())} names no column "
+                 "of it (found only once the set is sampled, after the default SFT's run). Leave the `data.*_field` "
+                 "keys unset, or point `--data.path` at your own preference set."),
                 (not (self.model.moe_aux_loss_coeff or self.model.moe_z_loss_coeff),
                  "`model.moe_aux_loss_coeff` / `model.moe_z_loss_coeff`: megatron-core scales a Mixture-of-Experts "
                  "router's losses for a loss averaged over tokens, and a reward model's is averaged over pairs, so the "

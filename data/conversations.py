@@ -242,6 +242,21 @@ class DropReport:
                 f"{self.truncated} truncated" + (f"; first dropped: {first}" if first else ""))
 
 
+def check_columns(rows: list[dict], *, prompt_field: str, response_field: str, messages_field: str | None,
+                  source: str) -> None:
+    """Refuse rows without the columns the `data` section names (`data.messages_field`, else `data.prompt_field` and
+    `data.response_field`), naming the key; `source` names the file and split."""
+    if not rows:
+        raise UserError(f"{source} holds no rows; point data.path (or data.eval_path) at a non-empty data set.")
+    columns = sorted({key for row in rows for key in row})
+    wanted = {"data.messages_field": messages_field} if messages_field else {
+        "data.prompt_field": prompt_field, "data.response_field": response_field}
+    for key, field in wanted.items():
+        if field not in columns:
+            raise UserError(f"{key} is {field!r}, but {source} has no such column; its columns are {columns}. "
+                            f"Set {key} to one of them (it names the column of the training and held-out data alike).")
+
+
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
                      messages_field: str | None = None, source: str = "data.path") -> tuple[list[Conversation], DropReport]:
     """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`; errors name the rows'
@@ -252,15 +267,8 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
     before it (more `tool` messages than calls since the last assistant turn) is skipped and counted under that
     reason, like every malformed row, so none of it is trained on; the callers log `report.summary()`, which names
     the first rows skipped and why. Only when no row is left is it a UserError."""
-    if not rows:
-        raise UserError(f"{source} holds no rows; point data.path (or data.eval_path) at a non-empty data set.")
-    columns = sorted({key for row in rows for key in row})
-    wanted = {"data.messages_field": messages_field} if messages_field else {
-        "data.prompt_field": prompt_field, "data.response_field": response_field}
-    for key, field in wanted.items():
-        if field not in columns:
-            raise UserError(f"{key} is {field!r}, but {source} has no such column; its columns are {columns}. "
-                            f"Set {key} to one of them (it names the column of the training and held-out data alike).")
+    check_columns(rows, prompt_field=prompt_field, response_field=response_field, messages_field=messages_field,
+                  source=source)
     report = DropReport(rows_read=len(rows))
     conversations = []
     for index, row in enumerate(rows):

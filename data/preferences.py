@@ -45,10 +45,9 @@ def render(prompt, response, tokenizer) -> list[int] | None:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
-    """The rows of `path` (`data.path`'s forms) as tokenized pairs; rows whose sides are missing, malformed, alike or
-    longer than `data.max_seq_len` are dropped and counted (a UserError when none is left)."""
-    rows = conversation_data.load_split(data, path, split)
+def check_columns(rows: list[dict], data, path: str, split: str) -> bool:
+    """Refuse rows without the columns `data.chosen_field` and `data.rejected_field` name, or without a
+    `data.prompt_field` the user set; whether the rows have a prompt column."""
     if not rows:
         raise UserError(f"`{path}` ({split}) holds no rows; point `--data.path` at a preference set.")
     columns = sorted({key for row in rows for key in row})
@@ -61,6 +60,14 @@ def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], Drop
         raise UserError(f"`data.prompt_field` is {data.prompt_field!r}, but `{path}` ({split}) has no such column; its "
                         f"columns are {columns}. Set `--data.prompt_field` to the column holding each pair's prompt, or "
                         "leave it unset when each side is a whole conversation.")
+    return has_prompt
+
+
+def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
+    """The rows of `path` (`data.path`'s forms) as tokenized pairs; rows whose sides are missing, malformed, alike or
+    longer than `data.max_seq_len` are dropped and counted (a UserError when none is left)."""
+    rows = conversation_data.load_split(data, path, split)
+    has_prompt = check_columns(rows, data, path, split)
     report, pairs = DropReport(rows_read=len(rows)), []
     for index, row in enumerate(rows):
         prompt = row.get(data.prompt_field) if has_prompt else None

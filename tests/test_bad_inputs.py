@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -29,9 +30,12 @@ def make(**changes) -> SFTConfig:
     ({"optim.betas": [0.9, 0.95, 0.99]}, "got [0.9, 0.95, 0.99]. Change `--optim.betas`"),
     ({"optim.eps": 0.0}, "`optim.eps` must be positive, got 0.0"),
     ({"optim.lr": -1.0}, "`optim.lr` must be 0 or more"),
+    ({"optim.weight_decay": 1000.0}, "`optim.weight_decay=1000.0` x `optim.lr=0.002` is 2: the decoupled weight decay"),
     ({"data.max_seq_len": 0}, "`data.max_seq_len` must be at least 2 (one input and one label token), got 0"),
     ({"train.log_interval": 0}, "`train.log_interval` must be at least 1"),
     ({"ckpt.keep_last": 0}, "`ckpt.keep_last` must be at least 1"),
+    # Trained on (and for GRPO, rewarded against) the prompt's own text.
+    ({"data.prompt_field": "answer"}, "`data.prompt_field` and `data.response_field` are both `answer`: every prompt would hold its own answer"),
 ])
 def test_settings_are_checked_before_anything_runs(changes, expected):
     with pytest.raises(UserError) as error:
@@ -98,6 +102,33 @@ def test_a_bad_data_file_is_said_before_the_default_sft_runs(tmp_path, monkeypat
         assert config.starts_from_default_sft()
         with pytest.raises(UserError, match="empty.jsonl.*is empty"):
             default_start.validate(2, config.model.path, config.data, program)
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_column_the_data_lacks_is_said_before_the_default_sft_runs(tmp_path, monkeypatch):
+    """From the default start, a `data.*_field` naming no column of GRPO's or `trainer.rm`'s own data (local, or the
+    bundled arithmetic) is said at once; it was said after the default SFT's 600 steps."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig, RMConfig
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}) + "\n")
+    for config_class, program, argv, expected in (
+            (GRPOConfig, "trainer.grpo", ["--data.path=rows.jsonl", "--data.prompt_field=prompt"],
+             "data.prompt_field is 'prompt', but `rows.jsonl` (train) has no such column"),
+            (GRPOConfig, "trainer.grpo", ["--data.response_field=solution"],
+             "data.response_field is 'solution', but `arithmetic` (train) has no such column"),
+            (RMConfig, "trainer.rm", ["--data.path=pairs.jsonl", "--data.chosen_field=better"],
+             "`data.chosen_field` is 'better', but `pairs.jsonl` (train) has no such column")):
+        config, _ = parse_args(config_class, argv, program)
+        assert config.starts_from_default_sft()
+        with pytest.raises(UserError) as error:
+            default_start.validate(2, config.model.path, config.data, program)
+        assert expected in str(error.value)
+    config, _ = parse_args(RMConfig, ["--data.path=pairs.jsonl"], "trainer.rm")
+    default_start.validate(2, config.model.path, config.data, "trainer.rm")
     assert not (tmp_path / "outputs").exists()
 
 
@@ -195,9 +226,117 @@ def test_a_folder_of_shards_names_the_shard_that_breaks_it(tmp_path):
     ({"adam_beta1": "high"}, "sets `adam_beta1` to 'high', and megatron-core's OptimizerConfig.adam_beta1 takes a number"),
     ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer takes true or false"),
     ({"optimizer": "lion"}, "sets `optimizer` to 'lion'; without the emerging_optimizers package megatron-core builds adam and sgd only"),
+    # torch's AdamW raised these ("Invalid beta parameter at index 0") once the model was built.
+    ({"adam_beta1": 5.0}, "sets `adam_beta1` to 5.0, and megatron-core's OptimizerConfig.adam_beta1 must be a number in [0, 1)"),
+    ({"lr": -1.0}, "sets `lr` to -1.0, and megatron-core's OptimizerConfig.lr must be a number, 0 or more"),
+    ({"lr": "fast"}, "sets `lr` to 'fast', and megatron-core's OptimizerConfig.lr must be a number, 0 or more"),
 ])
 def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
     """They were a TypeError inside megatron-core's optimizer build, or its "lion optimizer requires ..."."""
-    with pytest.raises(UserError, match=expected.replace("(", r"\(")):
+    with pytest.raises(UserError, match=re.escape(expected)):
         make(**{"optim.override_optimizer_config": override}).validate(world_size=1)
-    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2}}).validate(world_size=1)
+    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2, "lr": 1e-5}}).validate(world_size=1)
+
+
+def test_a_project_name_wandb_refuses_is_said_before_the_model_is_built(monkeypatch):
+    """W&B checks the project name in `wandb.init`, which the metrics writer calls after the model is built; the
+    message then said to log in."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    with pytest.raises(UserError, match=r"`log.wandb_project` is not a project name W&B takes: Invalid project name 'team/run'"):
+        make(**{"log.wandb": True, "log.wandb_project": "team/run"}).validate(world_size=1)
+    monkeypatch.setenv("WANDB_PROJECT", "a:b")
+    with pytest.raises(UserError, match=r"\$WANDB_PROJECT \(`log.wandb_project` unset\) is not a project name"):
+        make(**{"log.wandb": True}).validate(world_size=1)
+    make(**{"log.wandb": True, "log.wandb_project": "team-run"}).validate(world_size=1)
+
+
+def test_a_checkpoint_directory_inside_an_export_is_refused(tmp_path):
+    """`--ckpt.dir=<train.out_dir>/hf`: the final export replaced the directory whole and every checkpoint went with
+    it, in a run that ended with status 0."""
+    from ckpt.output_dir import check_output_dir
+
+    out_dir = tmp_path / "run"
+    for ckpt_dir in (out_dir / "hf", out_dir / "hf" / "saves", out_dir / "hf_adapter"):
+        with pytest.raises(UserError, match=rf"`ckpt.dir={re.escape(str(ckpt_dir))}` lies inside .* every checkpoint would be deleted"):
+            check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(ckpt_dir)}), "", True)
+    check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(out_dir)}), "", True)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--grpo.reward_timeout=1e30"], "`grpo.reward_timeout` must be 0 (no limit, in the trainer's process) or more, at most 1e+09 s"),
+    (["--grpo.tool_timeout=1e12"], "`grpo.tool_timeout` must be positive, at most 1e+09 s"),
+])
+def test_a_timeout_beyond_what_python_can_wait_is_refused(argv, expected):
+    """A module:function reward at `grpo.reward_timeout=1e30` raised OverflowError ("timestamp out of range for platform
+    time_t") at the first rollout's scoring, after the model was built; an environment's reward() from 1e12 s."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=1)
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("argv, world_size, expected", [
+    (["--parallel.tp=0", "--grpo.rollout_processes=1"], 2, "`parallel.tp` must be at least 1, got 0"),
+    (["--parallel.pp=0", "--grpo.rollout_processes=1"], 2, "`parallel.pp` must be at least 1, got 0"),
+    (["--parallel.vpp=0", "--grpo.teacher=TEACHER"], 1, "`parallel.vpp` must be at least 1, got 0"),
+])
+def test_a_zero_parallel_degree_is_named_before_grpo_divides_by_it(argv, world_size, expected, tmp_path):
+    """GRPO's rules for rollout processes and frozen models ran before the degrees' own check: a ZeroDivisionError."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 4}')
+    argv = [argument.replace("TEACHER", str(tmp_path)) for argument in argv]
+    config, _ = parse_args(GRPOConfig, ["--model.path=tiny", *argv], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size)
+    assert expected in str(error.value)
+
+
+def test_a_run_writing_where_its_default_sft_writes_is_refused(tmp_path, monkeypatch):
+    """GRPO (or `trainer.rm`) from the default start with `train.out_dir` or `ckpt.dir` at the default SFT's passed every
+    check (nothing was there yet), then after that SFT ran wrote over it: its metrics added to the SFT's, the SFT's
+    checkpoints pruned as its own, the SFT's `hf/` (its own start) replaced by its export."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig, RMConfig
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    for config_class, program, argv, expected in (
+            (GRPOConfig, "GRPO", ["--train.out_dir=./outputs/sft/"], "`train.out_dir=outputs/sft` is where the default SFT"),
+            (RMConfig, "trainer.rm", ["--ckpt.dir=outputs/sft/checkpoints"], "`ckpt.dir=outputs/sft/checkpoints` is where")):
+        config, _ = parse_args(config_class, argv, "trainer.grpo" if program == "GRPO" else program)
+        sft = default_start.validate(2, config.model.path, program=program)
+        with pytest.raises(UserError, match=re.escape(expected)):
+            default_start.check_outputs_apart(config, sft, program)
+    config, _ = parse_args(GRPOConfig, ["--train.out_dir=outputs/sft/grpo"], "trainer.grpo")
+    default_start.check_outputs_apart(config, default_start.validate(2, config.model.path), "GRPO")
+
+
+def test_outputs_inside_a_data_folder_are_refused(tmp_path):
+    """A data folder's loader reads every json/jsonl/parquet file under it: a `train.out_dir` there made the run's
+    metrics.jsonl (and its export's JSON files) rows of the next start, a resume included."""
+    from ckpt.output_dir import check_output_dir
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/data/run` lies inside `data.path=.*/data`, a data folder"):
+        check_output_dir(make(**{"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / "run")}), "", True)
+    with pytest.raises(UserError, match=r"`ckpt.dir=.*/data/saves` lies inside `data.eval_path=.*/data`"):
+        check_output_dir(make(**{"data.eval_path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "run"),
+                                 "ckpt.dir": str(tmp_path / "data" / "saves")}), "", True)
+    beside_a_file = {"data.path": str(tmp_path / "data" / "rows.jsonl"), "train.out_dir": str(tmp_path / "data" / "run")}
+    check_output_dir(make(**beside_a_file), "", True)  # a data file: nothing else is read from its folder
+
+
+def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):
+    """`model.recompute_modules=[moe]` on a dense checkpoint recomputed nothing and saved no memory, without a word."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 4}')
+    config = make(**{"model.path": str(tmp_path), "model.recompute": "selective", "model.recompute_modules": ["moe", "mlp"]})
+    with pytest.raises(UserError, match="`model.recompute_modules` names `moe`, the layers of a Mixture-of-Experts model"):
+        config.validate_model_shape(tmp_path)
+    make(**{"model.path": str(tmp_path), "model.recompute_modules": ["moe"]}).validate_model_shape(tmp_path)  # not selective: unread

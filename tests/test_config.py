@@ -60,6 +60,8 @@ def test_yaml_then_overrides_in_both_spellings(tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--train.stpes=3"], "Unknown config key `train.stpes`. Did you mean `train.steps`?"),
+    (["--grpo.n_samples=4"], "Unknown config key `grpo.n_samples`. This entry point has no `grpo` section (its sections: model,"),
+    (["--train=3"], "Unknown config key `train`. `train` is a section: set its keys, `--train.KEY=VALUE`."),
     (["--train.steps=many"], "`train.steps` must be an integer, got 'many'"),
     (["--parallel.use_megatron_fsdp=3"], "`parallel.use_megatron_fsdp` must be true or false"),
     (["--optim.betas=0.9"], "`optim.betas` must be a list"),
@@ -94,6 +96,7 @@ def test_validate_startup_errors(tmp_path):
         (make(model={"path": str(qwen_like)}, parallel={"pp": 5}), 5, "must divide the model's 24 layers"),
         (make(parallel={"vpp": 2}), 1, "`parallel.vpp` > 1 needs pipeline parallelism"),
         (make(parallel={"timeout_minutes": 0}), 1, "`parallel.timeout_minutes` must be at least 1, got 0."),
+        (make(parallel={"timeout_minutes": 10**10}), 1, "`parallel.timeout_minutes` must be at most 10000000"),
         (make(parallel={"pp": 2, "use_megatron_fsdp": True}), 2, "`parallel.use_megatron_fsdp=true` does not work with pipeline"),
         (make(train={"global_batch_size": 6, "micro_batch_size": 4}), 1, "`train.global_batch_size=6` must be a multiple"),
         (make(train={"micro_batch_tokens": 100}), 1, "`train.micro_batch_tokens` must be 0 (off) or at least `data.max_seq_len=128`"),
@@ -255,3 +258,69 @@ def test_a_second_config_is_refused_rather_than_replacing_the_first():
         parse_args(GRPOConfig, ["--config", "tools", "--config=dapo"], "trainer.grpo")
     config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.dynamic_sampling=true"], "trainer.grpo")
     assert config.grpo.tools and config.grpo.dynamic_sampling  # a recipe, and another's keys on the command line
+
+
+@pytest.mark.parametrize("loop, program", [(SFTConfig, "trainer.sft"), (GRPOConfig, "trainer.grpo"), (RMConfig, "trainer.rm")])
+def test_an_empty_data_path_is_refused_rather_than_reading_the_current_directory(loop, program):
+    """`--data.path=` was the current directory to the loaders: its JSON files (a tokenizer's, in a run's folder) were
+    read as rows, or a hub error about a repository id for a blank one."""
+    for value in ("", " "):
+        config, _ = parse_args(loop, [f"--data.path={value}", "--model.path=tiny"], program)
+        with pytest.raises(UserError, match=r"`data.path` is empty.*Set `--data.path`"):
+            config.validate(world_size=1)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--optim.betas=[nonsense, 0.9]"], "`optim.betas` must be a list of finite numbers, got ['nonsense', 0.9]"),
+    (["--optim.betas=[.nan, 0.9]"], "`optim.betas` must be a list of finite numbers, got [nan, 0.9]"),
+    (["--grpo.tools=[[a, b]]"], "`grpo.tools` must be a list of strings, got [['a', 'b']]"),
+])
+def test_a_list_key_with_a_bad_item_names_the_list(argv, expected):
+    """They said "`optim.betas` must be a number, got 'nonsense'" of a key that is a list."""
+    with pytest.raises(UserError) as error:
+        parse_args(GRPOConfig, argv, "trainer.grpo")
+    assert expected in str(error.value)
+
+
+def test_an_empty_list_key_is_the_empty_list():
+    """`--grpo.tools=` (no tools, over a recipe's) was the list of one empty name, refused as "not of the form
+    `module:name`"; a YAML list whose items are all commented out (null) was "must be a list, got None"."""
+    config, _ = parse_args(GRPOConfig, ["--config", "tools", "--grpo.tools="], "trainer.grpo")
+    assert config.grpo.tools == []
+    assert parse_args(GRPOConfig, ["--grpo.tools=null"], "trainer.grpo")[0].grpo.tools == []  # YAML `tools:`, items commented out
+    config, _ = parse_args(SFTConfig, ["--model.recompute=selective", "--model.recompute_modules="], "trainer.sft")
+    with pytest.raises(UserError, match="must name one or more of"):
+        config.validate(world_size=1)
+
+
+def test_a_yaml_section_that_is_not_a_mapping_is_named_and_an_empty_one_is_empty(tmp_path):
+    """`train: 5` was "Unknown config key `train`", and so was a section whose keys are all commented out."""
+    (tmp_path / "scalar.yaml").write_text("train: 5\n")
+    with pytest.raises(UserError, match=r"`train:` in config file `.*scalar.yaml` must be a section: its keys indented"):
+        parse_args(SFTConfig, ["--config", str(tmp_path / "scalar.yaml")], "trainer.sft")
+    (tmp_path / "commented.yaml").write_text("train:\n#  steps: 5\nmodel:\n  dtype: bf16\n")
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "commented.yaml")], "trainer.sft")
+    assert config.train.steps == SFTConfig().train.steps and config.model.dtype == "bf16"
+
+
+@pytest.mark.parametrize("loop, program, recipe, owner", [
+    (GRPOConfig, "trainer.grpo", "sft_moe", "trainer.sft"), (GRPOConfig, "trainer.grpo", "rm", "trainer.rm"),
+    (SFTConfig, "trainer.sft", "dapo", "trainer.grpo"), (RMConfig, "trainer.rm", "sft_tools", "trainer.sft"),
+])
+def test_a_recipe_of_another_entry_point_is_refused(loop, program, recipe, owner):
+    """`trainer.grpo --config sft_moe` trained GRPO from the bare tiny-moe into the MoE SFT's `train.out_dir`, where a
+    later GRPO on `outputs/sft-moe/hf` found a finished SFT; `trainer.grpo --config rm` was accepted too."""
+    with pytest.raises(UserError, match=rf"`--config {recipe}` is the recipe of `{owner}`, not of `{program}`"):
+        parse_args(loop, ["--config", recipe], program)
+    for name in sorted(path.stem for path in cli.RECIPES.glob("*.yaml")):  # each recipe parses in its own loop
+        owner_class = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}[cli.recipe_program(name)]
+        parse_args(owner_class, ["--config", name], cli.recipe_program(name))
+
+
+def test_held_out_data_that_is_the_training_file_is_refused(tmp_path):
+    """`--data.eval_path` naming `data.path`'s own file measured the held-out figures on the training rows, silently."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    config, _ = parse_args(SFTConfig, [f"--data.path={rows}", f"--data.eval_path={tmp_path}/./rows.jsonl"], "trainer.sft")
+    with pytest.raises(UserError, match="`data.eval_path=.*rows.jsonl` is the file `data.path` trains on"):
+        config.validate(world_size=1)

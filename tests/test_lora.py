@@ -16,6 +16,9 @@ from tests.conftest import metrics_rows, worker_output
     (["--peft.method=lora", "--peft.target_modules=[linear_qkv,q_proj]"], "unknown: ['q_proj']"),
     (["--peft.method=lora", "--peft.dropout=1"], "`peft.dropout` must be in [0, 1)"),
     (["--peft.method=lora", "--parallel.use_megatron_fsdp=true"], "with `parallel.use_megatron_fsdp=true` is not supported"),
+    # Without `peft.method=lora` the adapters' settings trained every weight without a word (and skipped any check).
+    (["--peft.rank=16"], "`peft.rank` sets LoRA's adapters, and `peft.method=none` trains every weight without adapters"),
+    (["--peft.alpha=32", "--peft.target_modules=[q_proj]"], "`peft.alpha`, `peft.target_modules` set LoRA's adapters"),
 ])
 def test_bad_lora_settings_are_refused_before_any_model_is_built(argv, expected):
     loops = ((SFTConfig, "trainer.sft"), (GRPOConfig, "trainer.grpo"))

@@ -133,6 +133,10 @@ def test_overwrite_never_touches_the_inputs_and_deletes_every_output(tmp_path):
                                        f"--train.out_dir={run}", "--train.overwrite_output_dir=true"], "trainer.sft")
     with pytest.raises(UserError, match=r"`data.path=.*` lies inside `.*step_00000002`, which this run deletes first"):
         checkpoint.check_output_dir(config, "", is_main=True)
+    config, _ = parse_args(SFTConfig, [f"--data.eval_path={run / 'checkpoints' / 'step_00000002' / 'data.jsonl'}",
+                                       f"--train.out_dir={run}", "--train.overwrite_output_dir=true"], "trainer.sft")
+    with pytest.raises(UserError, match=r"`data.eval_path=.*` lies inside `.*step_00000002`, which this run deletes"):
+        checkpoint.check_output_dir(config, "", is_main=True)  # the held-out rows were deleted with the checkpoints
     # Inputs elsewhere: every output of the earlier run goes, the LoRA adapter and a half-written export included.
     (run / "checkpoints" / "step_00000002" / "data.jsonl").unlink()
     (run / ".partial-hf").mkdir()

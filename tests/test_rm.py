@@ -428,3 +428,22 @@ def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(
     assert evaluated[-1]["eval_accuracy"] >= 0.93 and evaluated[0]["eval_accuracy"] < 0.85
     grpo = metrics_rows(home / "outputs" / "grpo-rm")
     assert [row["step"] for row in grpo] == [1, 2] and all(row["reward_model_score"] != 0 for row in grpo)
+
+
+def test_columns_that_cannot_be_the_pairs_are_refused_at_start_up(tmp_path, monkeypatch):
+    """The same column for both sides (every pair dropped as alike, after tokenizing), and another column name with
+    the embedded set not built yet (said only after the default SFT and the set's sampling)."""
+    from config.cli import parse_args
+    from config.errors import UserError
+    from config.loops import RMConfig
+
+    monkeypatch.chdir(tmp_path)
+    config, _ = parse_args(RMConfig, ["--data.path=pairs.jsonl", "--data.chosen_field=text", "--data.rejected_field=text"],
+                           "trainer.rm")
+    with pytest.raises(UserError, match="`data.chosen_field` and `data.rejected_field` are both `text`"):
+        config.validate(world_size=1)
+    config, _ = parse_args(RMConfig, ["--data.chosen_field=better"], "trainer.rm")
+    with pytest.raises(UserError, match="`data.chosen_field=better` names no column of it"):
+        config.validate(world_size=1)
+    (tmp_path / "outputs" / "preferences").mkdir(parents=True)  # a set there, whoever wrote it: its columns are read
+    config.validate(world_size=1)

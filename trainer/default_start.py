@@ -11,10 +11,12 @@ import os
 import shlex
 from pathlib import Path
 
+from ckpt.layout import checkpoint_dir
 from config import cli, outputs
 from config.errors import UserError
 from config.loops import BUNDLED_STARTS, SFTConfig
-from data import conversations as conversation_data
+from config.sections import PreferenceDataConfig
+from data import conversations as conversation_data, preferences
 from model import parallel
 from trainer import sft
 from trainer.metrics import log
@@ -28,13 +30,20 @@ def sft_arguments(start: str) -> list[str]:
     return (["--config", recipe] if recipe else []) + shlex.split(os.environ.get(ARGS_VARIABLE, ""))
 
 
-def validate(world_size: int, start: str, data=None, program: str = "GRPO") -> None:
+def validate(world_size: int, start: str, data=None, program: str = "GRPO"):
     """Every check of the default SFT that needs no model, before GRPO (or `trainer.rm`, `program`) or that SFT does
-    any work; with `data` (the loop's own section), its local data read once, so an empty or unreadable file is said
-    now, not after the default SFT's run."""
-    if data is not None:
-        if Path(data.path).expanduser().exists() or conversation_data.looks_local(data.path):
-            conversation_data.load_split(data, data.path, data.train_split)
+    any work; with `data` (the loop's own section), its local (or bundled arithmetic) data read once, so an empty or
+    unreadable file, or a `data.*_field` naming no column, is said now, not after the default SFT's run. Returns that
+    SFT's config."""
+    if data is not None and (Path(data.path).expanduser().exists() or conversation_data.looks_local(data.path)
+                             or data.path == "arithmetic"):
+        rows = conversation_data.load_split(data, data.path, data.train_split)
+        source = f"`{data.path}` ({data.train_split})"
+        if isinstance(data, PreferenceDataConfig):  # trainer.rm's pairs
+            preferences.check_columns(rows, data, data.path, data.train_split)
+        else:
+            conversation_data.check_columns(rows, prompt_field=data.prompt_field, response_field=data.response_field,
+                                            messages_field=data.messages_field or None, source=source)
     try:
         config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")
         config.validate(world_size)
@@ -47,6 +56,22 @@ def validate(world_size: int, start: str, data=None, program: str = "GRPO") -> N
         raise UserError(f"${ARGS_VARIABLE} moves the default SFT's output to `{config.train.out_dir}`, but {program}'s "
                         f"default start reads `{start}`. Leave `train.out_dir` out of ${ARGS_VARIABLE}, or set "
                         f"`--model.path` for {program}.")
+    return config
+
+
+def check_outputs_apart(run, sft, program: str) -> None:
+    """Refuse a run (GRPO's, `trainer.rm`'s) writing where the default SFT it starts from writes: that SFT runs first in
+    the same processes, after the output checks, and the run then appended its metrics to the SFT's, pruned the SFT's
+    checkpoints with its own and replaced the SFT's `hf/` (its own starting model) with its export."""
+    export = Path(sft.train.out_dir) / outputs.HF
+    for key, mine, theirs, harm in (
+            ("train.out_dir", Path(run.train.out_dir), Path(sft.train.out_dir),
+             f"add its metrics to the SFT's and replace the SFT's export `{export}`, {program}'s own start, with its own"),
+            ("ckpt.dir", checkpoint_dir(run), checkpoint_dir(sft),
+             "delete the SFT's checkpoints as its own oldest and point their `latest` at its own")):
+        if mine.expanduser().resolve() == theirs.expanduser().resolve():
+            raise UserError(f"`{key}={mine}` is where the default SFT that {program} starts from writes (that SFT runs "
+                            f"first, into `{theirs}`): {program} would {harm}. Set `--{key}` to another directory.")
 
 
 def train_default_sft(grpo_config, rejoin: bool = True, program: str = "GRPO") -> bool:

@@ -95,7 +95,8 @@ def validated_world_size(config) -> int:
     # process's wait on the link is its own (`model.link.WAIT`).
     tool_data.check_turn_fits_collective_timeout(config, world_size - config.grpo.rollout_processes)
     if config.starts_from_default_sft():
-        default_start.validate(world_size, config.model.path, config.data)
+        sft = default_start.validate(world_size, config.model.path, config.data)
+        default_start.check_outputs_apart(config, sft, "GRPO")
     return world_size - config.grpo.rollout_processes
 
 

@@ -153,7 +153,8 @@ def prepare_start(config, world_size: int, startup):
     """The process group; the default SFT when the run starts from it and it is missing; the embedded preference set
     when it is the data and is missing. The runtime, or None when the default SFT stopped on a signal (saved)."""
     if config.starts_from_default_sft():
-        default_start.validate(world_size, config.model.path, config.data, "trainer.rm")
+        sft = default_start.validate(world_size, config.model.path, config.data, "trainer.rm")
+        default_start.check_outputs_apart(config, sft, "trainer.rm")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     checkpoint.check_shared_directories(config)
     startup.mark("process group")

@@ -161,6 +161,7 @@ parallel.shutdown(runtime)
 """
 
 
+@pytest.mark.slow
 def test_a_decode_step_launches_few_operators_and_the_shortcuts_change_no_bit():
     """One process as a group of one (no torchrun): the outermost aten operators of each decode step stay under the
     measured bound, cos/sin are computed once a step (not per layer), the mask inverted once; and generation equals,

@@ -185,6 +185,7 @@ def test_transformer_engine_fusions_are_off_without_it_and_untouched_with_it(mon
     assert vars(with_te) == vars(provider())
 
 
+@pytest.mark.slow
 def test_only_the_checkpoints_family_bridge_is_imported_and_the_rest_on_first_use(tmp_path):
     """`model.providers.auto_bridge` imports the Qwen2 family's bridge alone (Megatron-Bridge's package `__init__`, which
     imports every family's, runs only when a name it defines is used). A later call in the same process brings its own

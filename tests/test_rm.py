@@ -129,6 +129,7 @@ def test_metrics_png_names_a_reward_models_panels_by_pairs(tmp_path):
                                                                                "held-out margin"]
 
 
+@pytest.mark.slow
 def test_the_pair_kinds_script_scores_an_export_in_transformers(tmp_path):
     """scripts/reward_model_pairs.py, the command behind docs/rewards.md's split by pair kind, on a transformers-made
     reward model and the small set (16 pairs of each kind)."""

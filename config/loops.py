@@ -8,8 +8,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config.checks import ModelChecks, TrainingChecks, require
+from config.checks import TrainingChecks, require
 from config.hf import architecture, check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
+from config.model_checks import ModelChecks
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,

@@ -80,7 +80,7 @@ def test_good_expert_layouts_pass_the_start_up_checks(tmp_path):
     ({}, ["--parallel.ep=2"], 8, "`parallel.ep=2` and `parallel.etp=0` split the experts of a Mixture-of-Experts model, "
                                  "and `model.path="),
     ({}, ["--parallel.etp=2"], 8, "is a dense model"),
-    # Bridge's expert adapters split over ETP ranks train another model (config/checks.py); whole experts, or a dense
+    # Bridge's expert adapters split over ETP ranks train another model (config/model_checks.py); whole experts, or a dense
     # model at TP=2, train the TP=1 model.
     ({"num_experts": 8, "moe_intermediate_size": 96}, ["--parallel.tp=2", "--peft.method=lora"], 2,
      "`peft.method=lora` on a Mixture-of-Experts model with each expert split over 2 ranks (`parallel.etp=0`, which "

@@ -144,9 +144,14 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
         raise UserError(f"Checkpoint `{path}` does not exist. Check `--resume-from-checkpoint` (a checkpoint "
                         "directory, its parent `ckpt.dir`, or `latest`).")
     # `.metadata` is the index torch.distributed.checkpoint writes under megatron-core's torch_dist format.
-    for required in (STATE_FILE, f"{SHARDED_DIR}/.metadata", "rng"):
-        if not (path / required).exists():
-            raise UserError(f"Checkpoint `{path}` is incomplete or corrupted: `{path / required}` is missing. "
+    required = (STATE_FILE, f"{SHARDED_DIR}/.metadata", "rng")
+    if not any((path / name).exists() for name in (STATE_FILE, SHARDED_DIR, "rng")):
+        raise UserError(f"`{path}` is not a checkpoint (it has none of {', '.join(required)}, and no `{LATEST}` "
+                        "pointer). Check `--resume-from-checkpoint` (a checkpoint directory such as "
+                        "`<train.out_dir>/checkpoints/step_00000100`, its parent `ckpt.dir`, or `latest`).")
+    for name in required:
+        if not (path / name).exists():
+            raise UserError(f"Checkpoint `{path}` is incomplete or corrupted: `{path / name}` is missing. "
                             "Resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.")
     try:
         state = torch.load(path / STATE_FILE, weights_only=False)

@@ -168,7 +168,7 @@ def parse_args(config_class, argv: list[str], program: str):
         path = config_path(config_file)
         check_recipe_program(path, config_file, program)
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = load_yaml(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             raise UserError(f"Config file `{config_file}` is not valid YAML ({error}). Fix it or change `--config`.") from None
         if not isinstance(loaded, dict):
@@ -219,6 +219,32 @@ def check_recipe_program(path: Path, value: str, program: str) -> None:
                         f"give `{program}` {f'one of its own recipes ({names})' if names else 'your own YAML file'}.")
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that gives one key twice: plain YAML keeps the last and drops the first without a word (a second
+    `train:` section replaced the whole first one)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` refusing a key given twice in one mapping (`DuplicateKey`)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key != "<<" and key in seen:
+                raise DuplicateKey(f"`{key}` is given twice, on lines {seen[key]} and {line}: the second would "
+                                   "replace the first without a word")
+            if isinstance(key, typing.Hashable):
+                seen.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str):
+    """`text` read as YAML (safe), refusing a key given twice in one mapping."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def to_dict(config) -> dict:
     """The config as a plain nested dict (for logs and checkpoints)."""
     return dataclasses.asdict(config)
@@ -229,7 +255,7 @@ def _parse_value(name: str, text: str):
     if text == "":
         return ""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         raise UserError(f"`--{name}={text}` is not a valid value (numbers, true/false, strings, lists as `[a,b]`, "
                         f"mappings as `{{key: value}}`). Change `--{name}`.") from None

@@ -125,6 +125,7 @@ def test_prune_keeps_the_newest_and_never_the_one_just_written(tmp_path):
 
 @pytest.mark.parametrize("damage, expected", [
     ("missing_path", "does not exist"),
+    ("not_a_checkpoint", "`{path}` is not a checkpoint (it has none of trainer_state.pt, model_and_optimizer/.metadata, rng"),
     ("no_metadata", "is incomplete or corrupted: `{path}/model_and_optimizer/.metadata` is missing"),
     ("garbage_state", "cannot be read"),
     ("other_model", "was saved for a different model or parallel layout: the model's `hidden_size` 256 (this run's: "),
@@ -137,6 +138,9 @@ def test_unusable_checkpoints_name_the_file(tmp_path, damage, expected):
     path = fake_checkpoint(tmp_path, 5, fingerprint=other if damage.startswith("other") else FINGERPRINT)
     if damage == "missing_path":
         path = tmp_path / "step_99999999"
+    elif damage == "not_a_checkpoint":  # a directory of something else (`--resume-from-checkpoint=/tmp`, say)
+        path = tmp_path / "elsewhere"
+        (path / "notes").mkdir(parents=True)
     elif damage == "no_metadata":
         (path / checkpoint.SHARDED_DIR / ".metadata").unlink()
     elif damage == "garbage_state":

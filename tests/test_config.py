@@ -303,6 +303,20 @@ def test_a_yaml_section_that_is_not_a_mapping_is_named_and_an_empty_one_is_empty
     assert config.train.steps == SFTConfig().train.steps and config.model.dtype == "bf16"
 
 
+def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
+    """YAML keeps the last of two equal keys: a second `train:` section dropped the whole first one without a word (its
+    `steps: 100` ran as the default). A section's key given twice, or a mapping's on the command line, likewise."""
+    (tmp_path / "twice.yaml").write_text("train:\n  steps: 100\noptim:\n  lr: 1e-4\ntrain:\n  global_batch_size: 8\n")
+    with pytest.raises(UserError, match=r"`.*twice.yaml` is not valid YAML \(`train` is given twice, on lines 1 and 5: "
+                                        "the second would replace the first without a word\)"):
+        parse_args(SFTConfig, ["--config", str(tmp_path / "twice.yaml")], "trainer.sft")
+    (tmp_path / "key.yaml").write_text("train:\n  steps: 100\n  steps: 200\n")
+    with pytest.raises(UserError, match=r"`steps` is given twice, on lines 2 and 3"):
+        parse_args(SFTConfig, ["--config", str(tmp_path / "key.yaml")], "trainer.sft")
+    with pytest.raises(UserError, match=r"`--optim.override_optimizer_config=\{lr: 1, lr: 2\}` is not a valid value"):
+        parse_args(SFTConfig, ["--optim.override_optimizer_config={lr: 1, lr: 2}"], "trainer.sft")
+
+
 @pytest.mark.parametrize("loop, program, recipe, owner", [
     (GRPOConfig, "trainer.grpo", "sft_moe", "trainer.sft"), (GRPOConfig, "trainer.grpo", "rm", "trainer.rm"),
     (SFTConfig, "trainer.sft", "dapo", "trainer.grpo"), (RMConfig, "trainer.rm", "sft_tools", "trainer.sft"),

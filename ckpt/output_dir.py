@@ -23,6 +23,7 @@ from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, checkpoint_dir
 from config import outputs
 from config.errors import UserError
 from config.process import is_global_rank_zero, nearest_existing
+from config.sections import BUNDLED_DATA, EMBEDDED_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +115,16 @@ def _check_outputs_outside_data(config) -> None:
     reads every json/jsonl/parquet file under it, so the run's metrics.jsonl and its export's JSON files became rows
     (or a mix of formats it refuses) from the next start on, a resume included."""
     for data_key, value in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
-        folder = Path(value).expanduser() if value else None
+        folder = _on_disk(data_key, value)
         if folder is None or not folder.is_dir():  # a file, a bundled set or a hub name: nothing read from beside it
             continue
         for key, directory in (("train.out_dir", Path(config.train.out_dir).expanduser()),
                                ("ckpt.dir", checkpoint_dir(config).expanduser())):
-            if _inside(directory, folder):
+            if _inside(directory, folder) and not _hidden_in(directory, folder):
                 raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose every "
                                 "json/jsonl/parquet file is read as data: the run's metrics and export would be read "
-                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}`.")
+                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}` (or into a hidden "
+                                "folder of it, `.runs/`, which the loader skips).")
 
 
 def _earlier_run(config) -> list[Path]:
@@ -135,6 +137,21 @@ def _earlier_run(config) -> list[Path]:
     run_outputs = [out_dir / name for name in outputs.RUN_OUTPUTS] + [out_dir / f"{outputs.PARTIAL}{name}"
                                                                       for name in outputs.EXPORTS]
     return sorted(path for path in saves + run_outputs if path.exists())
+
+
+def _on_disk(key: str, value: str) -> Path | None:
+    """What `value`, an input key's (`model.path`, `data.path`, ...), names on disk, or None: not there (yet), or a name
+    the loaders read as the embedded model or a bundled data set even where a folder so named exists."""
+    bundled = EMBEDDED_MODELS if key == "model.path" else BUNDLED_DATA if key.startswith("data.") else ()
+    if not value or value in bundled or not Path(value).expanduser().exists():
+        return None
+    return Path(value).expanduser()
+
+
+def _hidden_in(path: Path, folder: Path) -> bool:
+    """Whether `path`, inside `folder`, lies in a hidden folder of it (`.runs/`), which the data loaders skip."""
+    path, folder = path.resolve(), folder.resolve()
+    return any(part.startswith(".") for part in path.relative_to(folder).parts)
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -150,9 +167,9 @@ def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
     for key, value in (("model.path", config.model.path), ("data.path", config.data.path),
                        ("data.eval_path", config.data.eval_path), ("grpo.teacher", getattr(grpo, "teacher", "")),
                        ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
-        if not value or not Path(value).expanduser().exists():  # `tiny`, a bundled task or a hub dataset name
+        if (on_disk := _on_disk(key, value)) is None:  # `tiny`, a bundled task or a hub dataset name
             continue
-        hit = next((path for path in replaced if _inside(Path(value).expanduser(), path)), None)
+        hit = next((path for path in replaced if _inside(on_disk, path)), None)
         if hit is not None:
             raise UserError(f"`{key}={value}` lies inside `{hit}`, which this run {action}, so it would destroy its "
                             f"own input. Copy the input elsewhere and point `--{key}` at the copy, or write this run to "

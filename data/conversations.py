@@ -18,6 +18,7 @@ import pathlib
 import re
 
 from config.errors import UserError
+from config.sections import BUNDLED_DATA
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
     `ARITHMETIC_SFT_PLAIN_SHARE` answers in the plain style).
     """
     held_out = split != "train" if held_out is None else held_out
-    if path in ("arithmetic", "calculator") and split not in ARITHMETIC_SPLITS:
+    if path in BUNDLED_DATA and split not in ARITHMETIC_SPLITS:
         split = "test" if held_out else "train"  # a split name set for the user's own data
     if path == "arithmetic":
         if split not in ARITHMETIC_SPLITS:

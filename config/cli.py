@@ -21,6 +21,7 @@ import yaml
 
 from config.errors import UserError
 from config.process import is_global_rank_zero
+from config.sections import LORA_SETTINGS
 
 # Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -183,7 +184,22 @@ def parse_args(config_class, argv: list[str], program: str):
             _set(config, key, value, keys)
     for key, value in pairs:
         _set(config, key, value, keys)
+    if config_file and "peft.method" in dict(pairs):
+        _drop_file_lora_settings(config, config_class, loaded, dict(pairs))
     return config, resume
+
+
+def _drop_file_lora_settings(config, config_class, loaded: dict, command_line: dict) -> None:
+    """`--peft.method=none` over a config file that sets up LoRA switches LoRA off whole: the file's adapter settings
+    (`peft.rank`, ...) go back to their defaults, not refused as LoRA keys without LoRA. Those set on the command line
+    stay (and are refused)."""
+    peft = loaded.get("peft") or {}
+    if config.peft.method == "lora" or peft.get("method") != "lora":
+        return
+    defaults = config_class().peft
+    for name in LORA_SETTINGS:
+        if name in peft and f"peft.{name}" not in command_line:
+            setattr(config.peft, name, getattr(defaults, name))
 
 
 def config_path(value: str) -> Path:

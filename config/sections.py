@@ -206,6 +206,10 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 PEFT_METHODS = ("none", "lora")
 
 
+# The `peft` keys that set up LoRA's adapters (refused without `peft.method=lora`, which they would not change).
+LORA_SETTINGS = ("rank", "alpha", "dropout", "target_modules")
+
+
 @dataclass
 class PeftConfig:
     method: str = field(default="none", metadata={"help": "parameter-efficient fine-tuning: none (every weight trains) | lora (adapters on a frozen base, Megatron-Bridge's LoRA)"})

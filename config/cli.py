@@ -97,8 +97,11 @@ def _set(config, key: str, value, keys: dict) -> None:
         close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
         hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
         sections = list(dict.fromkeys(known.split(".")[0] for known in keys))
+        named = ", ".join(f"`{known}`" for known in keys if known.split(".")[1] == key)
         if key in sections:
             hint = f" `{key}` is a section: set its keys, `--{key}.KEY=VALUE`."
+        elif "." not in key:  # `--steps=3`: every key is `section.name`
+            hint = " Keys are `section.name`" + (f"; did you mean {named}?" if named else ".")
         elif not close and key.split(".")[0] not in sections:  # `grpo.*` given to trainer.sft, say
             hint = f" This entry point has no `{key.split('.')[0]}` section (its sections: {', '.join(sections)})."
         raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")

@@ -62,6 +62,8 @@ def test_yaml_then_overrides_in_both_spellings(tmp_path):
     (["--train.stpes=3"], "Unknown config key `train.stpes`. Did you mean `train.steps`?"),
     (["--grpo.n_samples=4"], "Unknown config key `grpo.n_samples`. This entry point has no `grpo` section (its sections: model,"),
     (["--train=3"], "Unknown config key `train`. `train` is a section: set its keys, `--train.KEY=VALUE`."),
+    (["--steps=3"], "Unknown config key `steps`. Keys are `section.name`; did you mean `train.steps`?"),
+    (["--path=x"], "Unknown config key `path`. Keys are `section.name`; did you mean `model.path`, `data.path`?"),
     (["--train.steps=many"], "`train.steps` must be an integer, got 'many'"),
     (["--parallel.use_megatron_fsdp=3"], "`parallel.use_megatron_fsdp` must be true or false"),
     (["--optim.betas=0.9"], "`optim.betas` must be a list"),

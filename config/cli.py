@@ -170,7 +170,7 @@ def parse_args(config_class, argv: list[str], program: str):
     config = config_class()
     if config_file:
         path = config_path(config_file)
-        check_recipe_program(path, config_file, program)
+        check_recipe_program(path, config_file, program, config_class)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -225,13 +225,18 @@ def recipe_program(name: str) -> str:
     return "trainer.rm" if name == "rm" else "trainer.sft" if name.startswith("sft_") else "trainer.grpo"
 
 
-def check_recipe_program(path: Path, value: str, program: str) -> None:
+# The config class of each entry point: a script reading a recipe as its loop does (scripts/tool_task_figures.py reads
+# `tools` into GRPOConfig under its own program name) is that loop's.
+PROGRAM_CONFIGS = {"trainer.sft": "SFTConfig", "trainer.grpo": "GRPOConfig", "trainer.rm": "RMConfig"}
+
+
+def check_recipe_program(path: Path, value: str, program: str, config_class) -> None:
     """Refuse a bundled recipe given to another entry point (`trainer.grpo --config sft_moe` trained GRPO from the bare
     tiny-moe into the MoE SFT's `train.out_dir`, where GRPO on the MoE then found a finished "SFT")."""
     if path.resolve().parent != RECIPES.resolve():
         return
     owner = recipe_program(path.stem)
-    if owner != program:
+    if PROGRAM_CONFIGS[owner] != config_class.__name__:
         names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml") if recipe_program(item.stem) == program))
         raise UserError(f"`--config {value}` is the recipe of `{owner}`, not of `{program}`: its keys set up a run of "
                         f"`{owner}`. Run `torchrun -m {owner} --config {path.stem}`, or "

@@ -317,6 +317,9 @@ def test_a_recipe_of_another_entry_point_is_refused(loop, program, recipe, owner
     for name in sorted(path.stem for path in cli.RECIPES.glob("*.yaml")):  # each recipe parses in its own loop
         owner_class = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}[cli.recipe_program(name)]
         parse_args(owner_class, ["--config", name], cli.recipe_program(name))
+    # A script reading a recipe into its loop's config under its own name (scripts/tool_task_figures.py) was refused.
+    config, _ = parse_args(GRPOConfig, ["--config", "tools", "--model.path=x"], "tool_task_figures")
+    assert config.grpo.max_turns == 2
 
 
 def test_held_out_data_that_is_the_training_file_is_refused(tmp_path):

@@ -111,20 +111,33 @@ def _check_checkpoints_survive_exports(config) -> None:
 
 
 def _check_outputs_outside_data(config) -> None:
-    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`): the folder's loader
-    reads every json/jsonl/parquet file under it, so the run's metrics.jsonl and its export's JSON files became rows
-    (or a mix of formats it refuses) from the next start on, a resume included."""
-    for data_key, value in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
+    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`) whose loader would
+    read the run's files as rows: it reads the json/jsonl/parquet files under it that a split's names pick (every file
+    where none is named after the split), so the run's metrics.jsonl and its export's JSON files became rows (or a mix
+    of formats it refuses) from the next start on, a resume included. Hidden folders, and folders whose files are
+    named after their splits (train.jsonl, test.jsonl) while the run's are not, are read as before."""
+    from data.conversations import reads_any  # imported where used: a data folder is the rare case
+
+    data = config.data
+    for data_key, value, splits in (
+            ("data.path", data.path, [(data.train_split, False)] + ([] if data.eval_path else [(data.eval_split, True)])),
+            ("data.eval_path", data.eval_path, [(data.eval_split, True)])):
         folder = _on_disk(data_key, value)
         if folder is None or not folder.is_dir():  # a file, a bundled set or a hub name: nothing read from beside it
             continue
-        for key, directory in (("train.out_dir", Path(config.train.out_dir).expanduser()),
-                               ("ckpt.dir", checkpoint_dir(config).expanduser())):
-            if _inside(directory, folder) and not _hidden_in(directory, folder):
-                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose every "
-                                "json/jsonl/parquet file is read as data: the run's metrics and export would be read "
-                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}` (or into a hidden "
-                                "folder of it, `.runs/`, which the loader skips).")
+        out_dir, ckpt_dir = Path(config.train.out_dir).expanduser(), checkpoint_dir(config).expanduser()
+        for key, directory, written in (
+                ("train.out_dir", out_dir, [outputs.METRICS, outputs.SAMPLES, f"{outputs.HF}/config.json",
+                                            f"{outputs.HF_ADAPTER}/adapter_config.json", "wandb/run/files/wandb-metadata.json"]),
+                ("ckpt.dir", ckpt_dir, [f"{PREFIX}00000001/metadata.json"])):
+            if not _inside(directory, folder):
+                continue
+            under = folder / directory.resolve().relative_to(folder.resolve())  # as the loader names its files
+            if reads_any(folder, [under / name for name in written], splits):
+                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose "
+                                "json/jsonl/parquet files are read as data: the run's metrics, export or checkpoints "
+                                f"would be read as rows from its next start on (a resume included). Point `--{key}` "
+                                f"outside `{value}` (or into a hidden folder of it, `.runs/`, which the loader skips).")
 
 
 def _earlier_run(config) -> list[Path]:
@@ -146,12 +159,6 @@ def _on_disk(key: str, value: str) -> Path | None:
     if not value or value in bundled or not Path(value).expanduser().exists():
         return None
     return Path(value).expanduser()
-
-
-def _hidden_in(path: Path, folder: Path) -> bool:
-    """Whether `path`, inside `folder`, lies in a hidden folder of it (`.runs/`), which the data loaders skip."""
-    path, folder = path.resolve(), folder.resolve()
-    return any(part.startswith(".") for part in path.relative_to(folder).parts)
 
 
 def _inside(path: Path, directory: Path) -> bool:

@@ -326,13 +326,26 @@ def test_outputs_inside_a_data_folder_are_refused(tmp_path):
     (tmp_path / "data" / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
     with pytest.raises(UserError, match=r"`train.out_dir=.*/data/run` lies inside `data.path=.*/data`, a data folder"):
         check_output_dir(make(**{"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / "run")}), "", True)
-    with pytest.raises(UserError, match=r"`ckpt.dir=.*/data/saves` lies inside `data.eval_path=.*/data`"):
-        check_output_dir(make(**{"data.eval_path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "run"),
-                                 "ckpt.dir": str(tmp_path / "data" / "saves")}), "", True)
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "test.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
+    with pytest.raises(UserError, match=r"`ckpt.dir=.*/held/test-saves` lies inside `data.eval_path=.*/held`"):
+        check_output_dir(make(**{"data.eval_path": str(tmp_path / "held"), "train.out_dir": str(tmp_path / "run"),
+                                 "ckpt.dir": str(tmp_path / "held" / "test-saves")}), "", True)
+    # Its test split is test.jsonl alone: checkpoints in a folder not named after a split are never read.
+    check_output_dir(make(**{"data.eval_path": str(tmp_path / "held"), "train.out_dir": str(tmp_path / "run"),
+                             "ckpt.dir": str(tmp_path / "held" / "saves")}), "", True)
     beside_a_file = {"data.path": str(tmp_path / "data" / "rows.jsonl"), "train.out_dir": str(tmp_path / "data" / "run")}
     check_output_dir(make(**beside_a_file), "", True)  # a data file: nothing else is read from its folder
     hidden = {"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / ".runs" / "sft")}
     check_output_dir(make(**hidden), "", True)  # the loader skips hidden folders
+    # A folder of train.jsonl and test.jsonl: each split reads its own file, never the run's (unless named after it).
+    (tmp_path / "split").mkdir()
+    for name in ("train", "test"):
+        (tmp_path / "split" / f"{name}.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    check_output_dir(make(**{"data.path": str(tmp_path / "split"), "train.out_dir": str(tmp_path / "split" / "runs")}), "", True)
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/split/training-runs` lies inside `data.path=.*/split`"):
+        check_output_dir(make(**{"data.path": str(tmp_path / "split"),
+                                 "train.out_dir": str(tmp_path / "split" / "training-runs")}), "", True)
 
 
 def test_outputs_in_a_folder_named_like_a_bundled_set_or_model_are_kept(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, checkpoint_dir
 from config import outputs
 from config.errors import UserError
 from config.process import is_global_rank_zero, nearest_existing
+from config.sections import BUNDLED_DATA, EMBEDDED_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -110,19 +111,33 @@ def _check_checkpoints_survive_exports(config) -> None:
 
 
 def _check_outputs_outside_data(config) -> None:
-    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`): the folder's loader
-    reads every json/jsonl/parquet file under it, so the run's metrics.jsonl and its export's JSON files became rows
-    (or a mix of formats it refuses) from the next start on, a resume included."""
-    for data_key, value in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
-        folder = Path(value).expanduser() if value else None
+    """Refuse a `train.out_dir` or `ckpt.dir` inside a data folder (`data.path`, `data.eval_path`) whose loader would
+    read the run's files as rows: it reads the json/jsonl/parquet files under it that a split's names pick (every file
+    where none is named after the split), so the run's metrics.jsonl and its export's JSON files became rows (or a mix
+    of formats it refuses) from the next start on, a resume included. Hidden folders, and folders whose files are
+    named after their splits (train.jsonl, test.jsonl) while the run's are not, are read as before."""
+    from data.conversations import reads_any  # imported where used: a data folder is the rare case
+
+    data = config.data
+    for data_key, value, splits in (
+            ("data.path", data.path, [(data.train_split, False)] + ([] if data.eval_path else [(data.eval_split, True)])),
+            ("data.eval_path", data.eval_path, [(data.eval_split, True)])):
+        folder = _on_disk(data_key, value)
         if folder is None or not folder.is_dir():  # a file, a bundled set or a hub name: nothing read from beside it
             continue
-        for key, directory in (("train.out_dir", Path(config.train.out_dir).expanduser()),
-                               ("ckpt.dir", checkpoint_dir(config).expanduser())):
-            if _inside(directory, folder):
-                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose every "
-                                "json/jsonl/parquet file is read as data: the run's metrics and export would be read "
-                                f"as rows from its next start on (a resume included). Point `--{key}` outside `{value}`.")
+        out_dir, ckpt_dir = Path(config.train.out_dir).expanduser(), checkpoint_dir(config).expanduser()
+        for key, directory, written in (
+                ("train.out_dir", out_dir, [outputs.METRICS, outputs.SAMPLES, f"{outputs.HF}/config.json",
+                                            f"{outputs.HF_ADAPTER}/adapter_config.json", "wandb/run/files/wandb-metadata.json"]),
+                ("ckpt.dir", ckpt_dir, [f"{PREFIX}00000001/metadata.json"])):
+            if not _inside(directory, folder):
+                continue
+            under = folder / directory.resolve().relative_to(folder.resolve())  # as the loader names its files
+            if reads_any(folder, [under / name for name in written], splits):
+                raise UserError(f"`{key}={directory}` lies inside `{data_key}={value}`, a data folder whose "
+                                "json/jsonl/parquet files are read as data: the run's metrics, export or checkpoints "
+                                f"would be read as rows from its next start on (a resume included). Point `--{key}` "
+                                f"outside `{value}` (or into a hidden folder of it, `.runs/`, which the loader skips).")
 
 
 def _earlier_run(config) -> list[Path]:
@@ -135,6 +150,15 @@ def _earlier_run(config) -> list[Path]:
     run_outputs = [out_dir / name for name in outputs.RUN_OUTPUTS] + [out_dir / f"{outputs.PARTIAL}{name}"
                                                                       for name in outputs.EXPORTS]
     return sorted(path for path in saves + run_outputs if path.exists())
+
+
+def _on_disk(key: str, value: str) -> Path | None:
+    """What `value`, an input key's (`model.path`, `data.path`, ...), names on disk, or None: not there (yet), or a name
+    the loaders read as the embedded model or a bundled data set even where a folder so named exists."""
+    bundled = EMBEDDED_MODELS if key == "model.path" else BUNDLED_DATA if key.startswith("data.") else ()
+    if not value or value in bundled or not Path(value).expanduser().exists():
+        return None
+    return Path(value).expanduser()
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -150,9 +174,9 @@ def _check_inputs_survive(config, replaced: list[Path], action: str) -> None:
     for key, value in (("model.path", config.model.path), ("data.path", config.data.path),
                        ("data.eval_path", config.data.eval_path), ("grpo.teacher", getattr(grpo, "teacher", "")),
                        ("grpo.reward_model", getattr(grpo, "reward_model", ""))):
-        if not value or not Path(value).expanduser().exists():  # `tiny`, a bundled task or a hub dataset name
+        if (on_disk := _on_disk(key, value)) is None:  # `tiny`, a bundled task or a hub dataset name
             continue
-        hit = next((path for path in replaced if _inside(Path(value).expanduser(), path)), None)
+        hit = next((path for path in replaced if _inside(on_disk, path)), None)
         if hit is not None:
             raise UserError(f"`{key}={value}` lies inside `{hit}`, which this run {action}, so it would destroy its "
                             f"own input. Copy the input elsewhere and point `--{key}` at the copy, or write this run to "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from config import sections
 from config.errors import UserError
-from config.sections import DTYPE_NAMES, LORA_TARGET_MODULES, PEFT_METHODS, PreferenceDataConfig
+from config.sections import DTYPE_NAMES, LORA_SETTINGS, LORA_TARGET_MODULES, PEFT_METHODS, PreferenceDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class TrainingChecks:
                  "Change `--peft.method`.")
         if peft.method != "lora":
             defaults = type(self)().peft
-            changed = [f"`peft.{key}`" for key in ("rank", "alpha", "dropout", "target_modules")
+            changed = [f"`peft.{key}`" for key in LORA_SETTINGS
                        if getattr(peft, key) != getattr(defaults, key)]
             require(not changed,
                      f"{', '.join(changed)} {'sets' if len(changed) == 1 else 'set'} LoRA's adapters, and "

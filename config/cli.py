@@ -21,6 +21,7 @@ import yaml
 
 from config.errors import UserError
 from config.process import is_global_rank_zero
+from config.sections import LORA_SETTINGS
 
 # Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -96,8 +97,11 @@ def _set(config, key: str, value, keys: dict) -> None:
         close = difflib.get_close_matches(key, keys, n=2, cutoff=0.8)
         hint = f" Did you mean {', '.join(f'`{k}`' for k in close)}?" if close else ""
         sections = list(dict.fromkeys(known.split(".")[0] for known in keys))
+        named = ", ".join(f"`{known}`" for known in keys if known.split(".")[1] == key)
         if key in sections:
             hint = f" `{key}` is a section: set its keys, `--{key}.KEY=VALUE`."
+        elif "." not in key:  # `--steps=3`: every key is `section.name`
+            hint = " Keys are `section.name`" + (f"; did you mean {named}?" if named else ".")
         elif not close and key.split(".")[0] not in sections:  # `grpo.*` given to trainer.sft, say
             hint = f" This entry point has no `{key.split('.')[0]}` section (its sections: {', '.join(sections)})."
         raise UserError(f"Unknown config key `{key}`.{hint} `--help` lists every key.")
@@ -166,7 +170,7 @@ def parse_args(config_class, argv: list[str], program: str):
     config = config_class()
     if config_file:
         path = config_path(config_file)
-        check_recipe_program(path, config_file, program)
+        check_recipe_program(path, config_file, program, config_class)
         try:
             loaded = load_yaml(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -183,7 +187,22 @@ def parse_args(config_class, argv: list[str], program: str):
             _set(config, key, value, keys)
     for key, value in pairs:
         _set(config, key, value, keys)
+    if config_file and "peft.method" in dict(pairs):
+        _drop_file_lora_settings(config, config_class, loaded, dict(pairs))
     return config, resume
+
+
+def _drop_file_lora_settings(config, config_class, loaded: dict, command_line: dict) -> None:
+    """`--peft.method=none` over a config file that sets up LoRA switches LoRA off whole: the file's adapter settings
+    (`peft.rank`, ...) go back to their defaults, not refused as LoRA keys without LoRA. Those set on the command line
+    stay (and are refused)."""
+    peft = loaded.get("peft") or {}
+    if config.peft.method == "lora" or peft.get("method") != "lora":
+        return
+    defaults = config_class().peft
+    for name in LORA_SETTINGS:
+        if name in peft and f"peft.{name}" not in command_line:
+            setattr(config.peft, name, getattr(defaults, name))
 
 
 def config_path(value: str) -> Path:
@@ -206,13 +225,18 @@ def recipe_program(name: str) -> str:
     return "trainer.rm" if name == "rm" else "trainer.sft" if name.startswith("sft_") else "trainer.grpo"
 
 
-def check_recipe_program(path: Path, value: str, program: str) -> None:
+# The config class of each entry point: a script reading a recipe as its loop does (scripts/tool_task_figures.py reads
+# `tools` into GRPOConfig under its own program name) is that loop's.
+PROGRAM_CONFIGS = {"trainer.sft": "SFTConfig", "trainer.grpo": "GRPOConfig", "trainer.rm": "RMConfig"}
+
+
+def check_recipe_program(path: Path, value: str, program: str, config_class) -> None:
     """Refuse a bundled recipe given to another entry point (`trainer.grpo --config sft_moe` trained GRPO from the bare
     tiny-moe into the MoE SFT's `train.out_dir`, where GRPO on the MoE then found a finished "SFT")."""
     if path.resolve().parent != RECIPES.resolve():
         return
     owner = recipe_program(path.stem)
-    if owner != program:
+    if PROGRAM_CONFIGS[owner] != config_class.__name__:
         names = ", ".join(sorted(item.stem for item in RECIPES.glob("*.yaml") if recipe_program(item.stem) == program))
         raise UserError(f"`--config {value}` is the recipe of `{owner}`, not of `{program}`: its keys set up a run of "
                         f"`{owner}`. Run `torchrun -m {owner} --config {path.stem}`, or "

@@ -36,6 +36,9 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 # `model.path` names of the embedded models, built offline on first use (model/tiny.py): the default dense Qwen2 and
 # a Qwen3-MoE of the same size class for expert parallelism and routing replay.
 EMBEDDED_MODELS = ("tiny", "tiny-moe")
+# `data.path` names of the bundled data sets (data/arithmetic.py, data/calculator.py): read as such even where a folder
+# of that name exists.
+BUNDLED_DATA = ("arithmetic", "calculator")
 # The reward whose full marks are the held-out accuracy of SFT, and GRPO's default reward.
 DEFAULT_REWARD = "arithmetic"
 
@@ -201,6 +204,10 @@ class CkptConfig:
 # fused gate/up and down projections), and the method names.
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 PEFT_METHODS = ("none", "lora")
+
+
+# The `peft` keys that set up LoRA's adapters (refused without `peft.method=lora`, which they would not change).
+LORA_SETTINGS = ("rank", "alpha", "dropout", "target_modules")
 
 
 @dataclass

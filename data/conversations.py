@@ -18,6 +18,7 @@ import pathlib
 import re
 
 from config.errors import UserError
+from config.sections import BUNDLED_DATA
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
     `ARITHMETIC_SFT_PLAIN_SHARE` answers in the plain style).
     """
     held_out = split != "train" if held_out is None else held_out
-    if path in ("arithmetic", "calculator") and split not in ARITHMETIC_SPLITS:
+    if path in BUNDLED_DATA and split not in ARITHMETIC_SPLITS:
         split = "test" if held_out else "train"  # a split name set for the user's own data
     if path == "arithmetic":
         if split not in ARITHMETIC_SPLITS:
@@ -107,8 +108,21 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     such split: a UserError."""
     if not path.is_dir():
         return read_files(path, [path])
-    files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS
-                   and not any(part.startswith(".") for part in file.relative_to(path).parts))
+    return read_files(path, split_files(path, folder_files(path), split, held_out))
+
+
+def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The data files under a folder, hidden ones (and those in hidden folders) left out."""
+    return sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS and not hidden_in(file, path))
+
+
+def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
+    """Whether `file` lies in `folder` under a hidden name (`.ipynb_checkpoints/`, `.runs/`), which no split reads."""
+    return any(part.startswith(".") for part in file.relative_to(folder).parts)
+
+
+def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_out: bool) -> list[pathlib.Path]:
+    """Which of a folder's data `files` one split reads (`load_local`)."""
     # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
     # folder of training files alone must not pass them off as held-out ones.
     named = [file for file in files if any(name.startswith(split) for name in split_names(file, path))]
@@ -120,7 +134,22 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
         raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
                         f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
     training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
-    return read_files(path, named or training or files)
+    return named or training or files
+
+
+def reads_any(folder: pathlib.Path, written: list[pathlib.Path], splits: list[tuple[str, bool]]) -> bool:
+    """Whether any of the files a run would write under `folder` (`written`) becomes a row of one of its `splits`
+    ((split, held out)) as the folder's loader picks files, with the folder's files as they are now."""
+    written = [file for file in written if not hidden_in(file, folder)]
+    files = sorted({*folder_files(folder), *written})
+    for split, held_out in splits:
+        try:
+            read = split_files(folder, files, split, held_out)
+        except UserError:  # no such held-out split: nothing read
+            continue
+        if any(file in read for file in written):
+            return True
+    return False
 
 
 def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:

@@ -270,7 +270,8 @@ def export_hf(bridge, chunks: list, out_dir: str | Path) -> None:
         with contextlib.redirect_stdout(printed):
             bridge.save_hf_pretrained(chunks, str(out_dir), show_progress=False)
     finally:
-        kept = [line for line in printed.getvalue().splitlines() if line.strip() and not line.startswith(EXPORT_SUCCESS)]
+        # Only the bare line: its other form says that tensors the model holds were left out of the export.
+        kept = [line for line in printed.getvalue().splitlines() if line.strip() and line.strip() != EXPORT_SUCCESS]
         if kept:
             print("\n".join(kept), flush=True)
 

@@ -326,11 +326,42 @@ def test_outputs_inside_a_data_folder_are_refused(tmp_path):
     (tmp_path / "data" / "rows.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
     with pytest.raises(UserError, match=r"`train.out_dir=.*/data/run` lies inside `data.path=.*/data`, a data folder"):
         check_output_dir(make(**{"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / "run")}), "", True)
-    with pytest.raises(UserError, match=r"`ckpt.dir=.*/data/saves` lies inside `data.eval_path=.*/data`"):
-        check_output_dir(make(**{"data.eval_path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "run"),
-                                 "ckpt.dir": str(tmp_path / "data" / "saves")}), "", True)
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "test.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
+    with pytest.raises(UserError, match=r"`ckpt.dir=.*/held/test-saves` lies inside `data.eval_path=.*/held`"):
+        check_output_dir(make(**{"data.eval_path": str(tmp_path / "held"), "train.out_dir": str(tmp_path / "run"),
+                                 "ckpt.dir": str(tmp_path / "held" / "test-saves")}), "", True)
+    # Its test split is test.jsonl alone: checkpoints in a folder not named after a split are never read.
+    check_output_dir(make(**{"data.eval_path": str(tmp_path / "held"), "train.out_dir": str(tmp_path / "run"),
+                             "ckpt.dir": str(tmp_path / "held" / "saves")}), "", True)
     beside_a_file = {"data.path": str(tmp_path / "data" / "rows.jsonl"), "train.out_dir": str(tmp_path / "data" / "run")}
     check_output_dir(make(**beside_a_file), "", True)  # a data file: nothing else is read from its folder
+    hidden = {"data.path": str(tmp_path / "data"), "train.out_dir": str(tmp_path / "data" / ".runs" / "sft")}
+    check_output_dir(make(**hidden), "", True)  # the loader skips hidden folders
+    # A folder of train.jsonl and test.jsonl: each split reads its own file, never the run's (unless named after it).
+    (tmp_path / "split").mkdir()
+    for name in ("train", "test"):
+        (tmp_path / "split" / f"{name}.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    check_output_dir(make(**{"data.path": str(tmp_path / "split"), "train.out_dir": str(tmp_path / "split" / "runs")}), "", True)
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/split/training-runs` lies inside `data.path=.*/split`"):
+        check_output_dir(make(**{"data.path": str(tmp_path / "split"),
+                                 "train.out_dir": str(tmp_path / "split" / "training-runs")}), "", True)
+
+
+def test_outputs_in_a_folder_named_like_a_bundled_set_or_model_are_kept(tmp_path, monkeypatch):
+    """`data.path=arithmetic` (the default) is the bundled generator even where a folder `arithmetic/` exists: a
+    `train.out_dir=arithmetic` passed its first start and was refused as "inside a data folder" on its resume; an
+    overwrite of it (or of `tiny/`) was refused as destroying the run's own input."""
+    from ckpt.output_dir import check_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("arithmetic", "tiny"):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "metrics.jsonl").write_text("{}\n")
+        check_output_dir(make(**{"train.out_dir": name}), "latest", True)
+        check_output_dir(make(**{"train.out_dir": name, "train.overwrite_output_dir": True}), "", True)
+    check_output_dir(make(**{"data.path": "calculator", "data.messages_field": "messages",
+                             "train.out_dir": "calculator/run"}), "", True)
 
 
 def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):

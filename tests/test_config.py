@@ -62,6 +62,8 @@ def test_yaml_then_overrides_in_both_spellings(tmp_path):
     (["--train.stpes=3"], "Unknown config key `train.stpes`. Did you mean `train.steps`?"),
     (["--grpo.n_samples=4"], "Unknown config key `grpo.n_samples`. This entry point has no `grpo` section (its sections: model,"),
     (["--train=3"], "Unknown config key `train`. `train` is a section: set its keys, `--train.KEY=VALUE`."),
+    (["--steps=3"], "Unknown config key `steps`. Keys are `section.name`; did you mean `train.steps`?"),
+    (["--path=x"], "Unknown config key `path`. Keys are `section.name`; did you mean `model.path`, `data.path`?"),
     (["--train.steps=many"], "`train.steps` must be an integer, got 'many'"),
     (["--parallel.use_megatron_fsdp=3"], "`parallel.use_megatron_fsdp` must be true or false"),
     (["--optim.betas=0.9"], "`optim.betas` must be a list"),
@@ -329,6 +331,9 @@ def test_a_recipe_of_another_entry_point_is_refused(loop, program, recipe, owner
     for name in sorted(path.stem for path in cli.RECIPES.glob("*.yaml")):  # each recipe parses in its own loop
         owner_class = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}[cli.recipe_program(name)]
         parse_args(owner_class, ["--config", name], cli.recipe_program(name))
+    # A script reading a recipe into its loop's config under its own name (scripts/tool_task_figures.py) was refused.
+    config, _ = parse_args(GRPOConfig, ["--config", "tools", "--model.path=x"], "tool_task_figures")
+    assert config.grpo.max_turns == 2
 
 
 def test_held_out_data_that_is_the_training_file_is_refused(tmp_path):

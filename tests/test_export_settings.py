@@ -4,11 +4,12 @@ tests/test_precision_e2e.py)."""
 
 import json
 
+import pytest
 import torch
 import transformers
 
 from model import build
-from model.providers import declare_saved_dtype, keep_source_padding, saved_dtype
+from model.providers import declare_saved_dtype, export_hf, keep_source_padding, saved_dtype
 from model.tiny import ensure_tiny_checkpoint
 
 
@@ -47,3 +48,27 @@ def test_the_export_pads_only_where_its_source_did(tmp_path):
     tokenizer.save_pretrained(with_padding)
     keep_source_padding(with_padding, ensure_tiny_checkpoint())
     assert transformers.AutoTokenizer.from_pretrained(with_padding).pad_token == kept
+
+
+def test_the_export_leaves_out_only_bridges_bare_success_line(capsys):
+    """Bridge prints a line after every export; the bare success line is left out, and every other line passes: the
+    success line that says tensors were left out, and an error's lines before its exception."""
+    class Bridge:
+        def __init__(self, lines, error=None):
+            self.lines, self.error = lines, error
+
+        def save_hf_pretrained(self, chunks, path, show_progress):
+            print("\n".join(self.lines))
+            if self.error:
+                raise self.error
+
+    export_hf(Bridge(["", "Success: All tensors from the original checkpoint were written."]), [], "out")
+    assert capsys.readouterr().out == ""
+    extra = ("Success: All tensors from the original checkpoint were written. (2 extra tensors from generator were "
+             "ignored as per strict=False).")
+    export_hf(Bridge(["", extra]), [], "out")
+    assert capsys.readouterr().out == extra + "\n"
+    with pytest.raises(RuntimeError, match="not written"):
+        export_hf(Bridge(["Error: 1 tensors from the original checkpoint were not written:", "  - lm_head.weight"],
+                         RuntimeError("1 tensors ... not written")), [], "out")
+    assert "  - lm_head.weight" in capsys.readouterr().out

@@ -29,6 +29,21 @@ def test_bad_lora_settings_are_refused_before_any_model_is_built(argv, expected)
         assert expected in str(error.value), str(error.value)
 
 
+def test_peft_method_none_over_a_lora_config_file_turns_lora_off(tmp_path):
+    """`--config lora.yaml --peft.method=none` (full fine-tuning with a LoRA YAML otherwise kept) was refused for the
+    file's `peft.rank`, ...: the file's adapter settings go with its LoRA; one given on the command line is refused."""
+    (tmp_path / "lora.yaml").write_text("peft:\n  method: lora\n  rank: 16\n  dropout: 0.05\ntrain:\n  steps: 7\n")
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "lora.yaml"), "--peft.method=none"], "trainer.sft")
+    config.validate(world_size=2)
+    assert (config.peft.method, config.peft.rank, config.peft.dropout, config.train.steps) == ("none", 8, 0.0, 7)
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "lora.yaml")], "trainer.sft")
+    assert (config.peft.method, config.peft.rank) == ("lora", 16)
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "lora.yaml"), "--peft.method=none", "--peft.rank=4"],
+                           "trainer.sft")
+    with pytest.raises(UserError, match="`peft.rank` sets LoRA's adapters"):
+        config.validate(world_size=2)
+
+
 def test_sft_held_out_loss_is_computed_with_dropout_off(monkeypatch):
     """LoRA's `peft.dropout` is on while training only: the held-out loss runs every chunk in eval mode (it ran in
     train mode, and two evaluations of one trained LoRA model with dropout 0.5 gave 5.6803 and 5.6799 against 5.6670

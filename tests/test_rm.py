@@ -409,6 +409,16 @@ def test_an_embedded_set_sampled_from_a_model_since_changed_is_said(tmp_path, mo
     assert (f"outputs/preferences was sampled from {model} as its weights were then, and they have changed since"
             in caplog.text and "Delete outputs/preferences to sample it again" in caplog.text)
     assert [path.name for path in sorted(folder.iterdir())] == [".sampled_from.json", "test.jsonl", "train.jsonl"]
+    caplog.clear()
+    other = tmp_path / "mine"  # `trainer.rm --model.path=mine` on the embedded set: another model, not changed weights
+    other.mkdir()
+    with caplog.at_level("WARNING"):
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, other)
+        assert f"this run trains from another model, {other}" in caplog.text and "changed since" not in caplog.text
+        caplog.clear()
+        (folder / preference_set.SOURCE).write_text("[]")  # a record not written by the set's sampling: not judged
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model)
+    assert caplog.text == ""
 
 
 @pytest.mark.distributed

@@ -48,10 +48,17 @@ def warn_if_stale(path: str, model_path: Path) -> None:
         sampled_from = json.loads((Path(path) / SOURCE).read_text())
     except (OSError, ValueError):
         return
-    if sampled_from != model_stamp(model_path):
-        log.warning("%s was sampled from %s as its weights were then, and they have changed since (the default SFT "
-                    "run again, say): the reward model trains on the earlier model's pairs. Delete %s to sample it "
-                    "again from the current %s.", path, sampled_from.get("model"), path, model_path)
+    now = model_stamp(model_path)
+    if not isinstance(sampled_from, dict) or sampled_from == now:  # a record not ours to judge, or the same model
+        return
+    if sampled_from.get("model") != now["model"]:  # the run's `model.path` is another model than the set's
+        log.warning("%s was sampled from %s, and this run trains from another model, %s: the reward model learns the "
+                    "other model's pairs. Delete %s to sample it from %s, or point `--data.path` at a set of its own.",
+                    path, sampled_from.get("model"), model_path, path, model_path)
+        return
+    log.warning("%s was sampled from %s as its weights were then, and they have changed since (the default SFT "
+                "run again, say): the reward model trains on the earlier model's pairs. Delete %s to sample it "
+                "again from the current %s.", path, sampled_from.get("model"), path, model_path)
 
 
 def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int) -> list[dict]:

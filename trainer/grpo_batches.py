@@ -65,10 +65,9 @@ def collate_rows(step_batch: StepBatch, rows: list[int], seq_len: int, config, s
 
 def label_aligned(values: list[list[float]], seq_len: int) -> torch.Tensor:
     """Per-input-id values (one list per example) laid out like `batches.collate`'s labels: [rows, seq], 0 on pads."""
-    out = torch.zeros(len(values), seq_len, dtype=torch.float32)
-    for row, row_values in enumerate(values):
-        out[row, : len(row_values) - 1] = torch.tensor(row_values[1:], dtype=torch.float32)
-    return out
+    # One tensor from padded lists: a tensor per row cost a few small operators a row.
+    rows = [row_values[1:] + [0.0] * (seq_len - len(row_values) + 1) for row_values in values]
+    return batches.rows_tensor(rows, seq_len, torch.float32)
 
 
 def input_aligned_routes(routes: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

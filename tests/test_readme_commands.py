@@ -10,14 +10,17 @@ import pytest
 from tests.conftest import GSM8K, REPO, launch, write_pairs
 
 # Two steps, a few held-out prompts, a small batch (SFT: 16 rows; GRPO: 2 prompts x 8 samples), in micro-batches of 2
-# (so that the GRPO recipes' 4 updates a step divide it at DP=2): the commands' own models, data, lengths, precision
-# and keys run, not their full scale (two steps of the README's bf16 SFT at its own batch took 32-37 s each on CPU).
+# (so that the GRPO recipes' 4 updates a step divide it at DP=2), and GRPO's completions cut at the default 32 new
+# tokens (the README's 256 and the tools recipe's 176 are validated as written; sampled in full by a model two steps
+# into its SFT, which never ends a completion early, they took 22-35 s a command): the commands' own models, data,
+# sequence lengths, precision and keys run, not their full scale (two steps of the README's bf16 SFT at its own batch
+# took 32-37 s each on CPU).
 # The README's commands run in its order without overwriting anything, after what scripts/run.sh leaves; the docs' examples
 # (several write the default `outputs/grpo`) then replace each other, as a reader would be told to.
 SMOKE = {"trainer.sft": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
          "trainer.grpo": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=16",
-                          "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"],
+                          "--train.micro_batch_size=2", "--grpo.max_new_tokens=32", "--train.overwrite_output_dir=true"],
          "trainer.rm": ["--train.steps=2", "--train.eval_samples=4", "--train.global_batch_size=4",
                         "--train.micro_batch_size=2", "--train.overwrite_output_dir=true"]}
 

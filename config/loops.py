@@ -318,7 +318,7 @@ class RMConfig(TrainerConfig):
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr_ratio=0.1, warmup_steps=10))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=100, global_batch_size=32, micro_batch_size=16, out_dir="outputs/rm", eval_interval=25,
+        steps=50, global_batch_size=32, micro_batch_size=16, out_dir="outputs/rm", eval_interval=25,
         eval_samples=1000, log_interval=10))
 
     STARTS_FROM_A_CLASSIFIER = True  # a reward model's export trains on

@@ -424,18 +424,19 @@ def test_an_embedded_set_sampled_from_a_model_since_changed_is_said(tmp_path, mo
 @pytest.mark.distributed
 def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(runs):
     """`torchrun -m trainer.rm` with no arguments, where the default SFT's output is: the preference set is sampled
-    from it first, and the reward model ranks at least 0.93 of the held-out pairs (0.940-0.959 over three seeds on
-    2,048 prompts' set, 0.941-0.959 on 4,096's, from 0.25-0.92 with the untrained head); GRPO then runs scored by that export alone."""
+    from it first (1,024 prompts), and after its 50 steps the reward model ranks at least 0.93 of the held-out pairs
+    (0.951-0.954 over three seeds; 0.940-0.959 after 100 steps on 2,048 prompts' set, 0.941-0.959 on 4,096's; from
+    0.25-0.92 with the untrained head); GRPO then runs scored by that export alone."""
     home = runs["home"]
     assert "does not exist yet: sampling it from outputs/sft/hf" in runs["default_log"]
     pairs = [len((home / "outputs" / "preferences" / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "test")]
-    assert pairs[0] > 1000 and pairs[1] > 250, pairs
+    assert pairs[0] > 1200 and pairs[1] > 600, pairs  # 1,687 and 802 measured (the samples differ between CPUs)
     sampled_from = json.loads((home / "outputs" / "preferences" / ".sampled_from.json").read_text())
     assert sampled_from["model"] == str((home / "outputs" / "sft" / "hf").resolve()) and sampled_from["weights"]
     rows = metrics_rows(home / "outputs" / "rm")
     evaluated = [row for row in rows if "eval_accuracy" in row]
     print("embedded reward model:", evaluated)
-    assert evaluated[0]["step"] == 0 and evaluated[-1]["step"] == 100
+    assert [row["step"] for row in evaluated] == [0, 25, 50]
     assert evaluated[-1]["eval_accuracy"] >= 0.93 and evaluated[0]["eval_accuracy"] < 0.85
     grpo = metrics_rows(home / "outputs" / "grpo-rm")
     assert [row["step"] for row in grpo] == [1, 2] and all(row["reward_model_score"] != 0 for row in grpo)

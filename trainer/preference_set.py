@@ -22,7 +22,7 @@ DEFAULT_PREFERENCES = "outputs/preferences"
 # In the set's folder (hidden: the data loaders skip it): the model its completions were sampled from, as it was then.
 SOURCE = ".sampled_from.json"
 # (split, prompts, samples per prompt)
-SPLITS = (("train", 2048, 8), ("test", 512, 8))
+SPLITS = (("train", 1024, 8), ("test", 512, 8))
 CHUNK = 128  # prompts per generation call
 
 

@@ -332,6 +332,9 @@ KILLING_REWARD = (
     "        os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return 0.0\n")
 RESUME_LAYOUTS = {"ddp": [], "pp": ["--parallel.pp=2"], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
+# The default start's GRPO (`trainer.grpo` with no model path) and the short default SFT it runs first.
+DEFAULT_START = ["--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16", "--train.eval_samples=16"]
+DEFAULT_START_SFT = "--train.steps=20 --train.global_batch_size=8 --train.micro_batch_size=4 --train.eval_samples=0"
 
 
 def lora_command(sft_checkpoint, out_dir) -> dict:
@@ -381,20 +384,30 @@ def launches(default_sft, tmp_path_factory):
 
     sampler = "--grpo.rollout_processes=1"
     synchronous = ("--grpo.max_staleness=0", "--train.steps=3")
+    # The default start from a directory with no SFT output yet (a short SFT through $TRAINER_DEFAULT_SFT_ARGS): stopped
+    # at the SFT's `train.exit_interval`, and the same command again in the next launch.
+    start = root / "default-start"
+    start.mkdir()
+    stopped = {"module": "trainer.grpo", "cwd": str(start), "argv": DEFAULT_START,
+               "env": {"TRAINER_DEFAULT_SFT_ARGS": DEFAULT_START_SFT + " --train.exit_interval=10"}}
     first = yield launch([lora_command(sft_checkpoint, root / "lora"), *resume_commands("straight"),
                           *resume_commands("split", "--train.exit_interval=2"), async_command("straight", sampler),
                           async_command("split", sampler, "--train.exit_interval=2"),
-                          async_command("synchronous", sampler, *synchronous)], env=env)
+                          async_command("synchronous", sampler, *synchronous), stopped], env=env)
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
-    yield launch([*resume_commands("split", "--resume-from-checkpoint", "latest"),
-                  async_command("split", sampler, "--resume-from-checkpoint", "latest")], env=env)
+    stopped_left = {"sft_steps": max(row["step"] for row in metrics(start / "outputs" / "sft")),
+                    "grpo": (start / "outputs" / "grpo").exists(), "sft_hf": (start / "outputs" / "sft" / "hf").exists()}
+    second = yield launch([*resume_commands("split", "--resume-from-checkpoint", "latest"),
+                           async_command("split", sampler, "--resume-from-checkpoint", "latest"), stopped], env=env)
     # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two), a row per
     # completion as pipeline stages have it (`grpo.share_prompts` is off there); the synchronous run's, colocated.
     yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]},
                   async_command("colocated", *synchronous)], nproc=1, env=env)
     yield launch([async_command("tp2", sampler, "--parallel.tp=2", *synchronous)], nproc=3, env=env)
-    return {"root": root, "lora_log": first[0]["log"], "split_exported_at_step_2": split_exported_at_step_2}
+    return {"root": root, "lora_log": first[0]["log"], "split_exported_at_step_2": split_exported_at_step_2,
+            "default_start": {"root": start, "stopped": first[-1]["log"], "stopped_left": stopped_left,
+                              "resumed": second[-1]["log"]}}
 
 
 @pytest.fixture(scope="module")
@@ -624,35 +637,31 @@ def test_bad_parallel_layout_of_the_default_run_fails_before_any_sft_step(tmp_pa
 
 
 @pytest.mark.distributed
-def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(tmp_path):
+def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(shared_runs, tmp_path):
     """`torchrun -m trainer.grpo` from another directory with no SFT output yet: the default SFT runs first, in the
     same processes (a short one, through $TRAINER_DEFAULT_SFT_ARGS), then GRPO starts from its export; with rollout
     processes too, the SFT on every process before the two sides split.
 
     A job stopped while that SFT runs (here at its `train.exit_interval`, as after a scheduler's signal) saves it and
-    does not start GRPO; the same command again (a requeued job) resumes that SFT, then runs GRPO."""
-    sft_args = ("--train.steps=20 --train.global_batch_size=8 --train.micro_batch_size=4 --train.eval_samples=0 "
-                "--train.exit_interval=10")
-    command = ["-m", "trainer.grpo", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
-               "--train.eval_samples=16"]
-    stopped = torchrun(command, nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
-    assert "running the default SFT first" in stopped.stdout and "stopped before its last step" in stopped.stdout
-    assert max(row["step"] for row in metrics(tmp_path / "outputs" / "sft")) == 10
-    assert not (tmp_path / "outputs" / "grpo").exists() and not (tmp_path / "outputs" / "sft" / "hf").exists()
-    result = torchrun(command, nproc=2, cwd=tmp_path, env={"TRAINER_DEFAULT_SFT_ARGS": sft_args})
-    assert "resumed from" in result.stdout and "step_00000010" in result.stdout
-    sft_rows, grpo_rows = metrics(tmp_path / "outputs" / "sft"), metrics(tmp_path / "outputs" / "grpo")
+    does not start GRPO; the same command again (a requeued job, in the next launch's fresh processes) resumes that
+    SFT, then runs GRPO. The asynchronous one in a launch of its own: its SFT makes the default process group, which
+    in a launch that made one already would meet that group's stale keys in torchrun's store."""
+    runs = shared_runs["default_start"]
+    root = runs["root"]
+    assert "running the default SFT first" in runs["stopped"] and "stopped before its last step" in runs["stopped"]
+    assert runs["stopped_left"] == {"sft_steps": 10, "grpo": False, "sft_hf": False}
+    assert "resumed from" in runs["resumed"] and "step_00000010" in runs["resumed"]
+    sft_rows, grpo_rows = metrics(root / "outputs" / "sft"), metrics(root / "outputs" / "grpo")
     assert [row["step"] for row in sft_rows] == list(range(1, 21)) and sft_rows[-1]["loss"] < sft_rows[0]["loss"]
     assert [row["step"] for row in grpo_rows if "reward_mean" in row] == [1, 2]
     assert "eval_accuracy" in grpo_rows[0] and grpo_rows[0]["step"] == 0
-    assert (tmp_path / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()
+    assert (root / "outputs" / "grpo" / "hf" / "model.safetensors").is_file()
     # Asynchronous GRPO from the default start: the SFT runs on both processes first, then one trains, one samples.
-    (tmp_path / "async").mkdir()
-    result = torchrun([*command, "--grpo.rollout_processes=1"], nproc=2, cwd=tmp_path / "async",
-                      env={"TRAINER_DEFAULT_SFT_ARGS": sft_args.replace(" --train.exit_interval=10", "")})
+    result = torchrun(["-m", "trainer.grpo", *DEFAULT_START, "--grpo.rollout_processes=1"], nproc=2, cwd=tmp_path,
+                      env={"TRAINER_DEFAULT_SFT_ARGS": DEFAULT_START_SFT})
     assert "from step 1, rollout process 0 samples for data-parallel ranks [0]" in result.stdout  # said by rank 0
-    async_rows = metrics(tmp_path / "async" / "outputs" / "grpo")
-    assert [row["step"] for row in metrics(tmp_path / "async" / "outputs" / "sft")] == list(range(1, 21))
+    async_rows = metrics(tmp_path / "outputs" / "grpo")
+    assert [row["step"] for row in metrics(tmp_path / "outputs" / "sft")] == list(range(1, 21))
     assert [row.get("staleness") for row in async_rows] == [None, 0, 1] and async_rows[0]["step"] == 0
 
 

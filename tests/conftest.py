@@ -303,8 +303,6 @@ def shared_launch(request, tmp_path_factory) -> dict[str, Path]:
 def default_sft(tmp_path_factory) -> Path:
     """The embedded default SFT exactly as a user starts it (only the output directory moved), run once per session:
     its figures are asserted in test_sft_e2e, and the GRPO tests start from its export, as the default GRPO does."""
-    if os.environ.get("LOCAL_DEFAULT_SFT"):  # LOCAL-ONLY
-        return Path(os.environ["LOCAL_DEFAULT_SFT"])
     out_dir = tmp_path_factory.mktemp("default-sft")
     torchrun(["-m", "trainer.sft", f"--train.out_dir={out_dir}"], nproc=2, timeout=900, compiled=True)
     return out_dir

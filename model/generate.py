@@ -31,6 +31,7 @@ from config.hf import read_hf_config, turn_end
 from model import collectives, pipeline
 from model.parallel import unwrap
 from model.sampling import Sampling, sample_next, sampling_generator
+from model.wrapping import parameters_gathered_once
 
 
 def masks_pads(model) -> bool:
@@ -142,12 +143,15 @@ class Engine:
                  sampling: Sampling = Sampling(), continue_rows=None, record_routes: bool = False) -> Completions:
         """Completions (token ids, up to and including the end id that ends each): `samples` per prompt, a prompt's
         consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's;
-        `record_routes` keeps a Mixture-of-Experts policy's routes (`Completions.routes`)."""
-        return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
-                        vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, with_logprobs=sampling.logprobs,
-                        group=self.group if continue_rows is None else self.data_parallel_group,
-                        continue_rows=continue_rows, routes=self.routes if record_routes and self.routes else None)
+        `record_routes` keeps a Mixture-of-Experts policy's routes (`Completions.routes`). Under Megatron-FSDP the
+        parameters are gathered once for the call, not once a token (`wrapping.parameters_gathered_once`)."""
+        with parameters_gathered_once(self.chunks):
+            return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
+                            vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                            with_logprobs=sampling.logprobs,
+                            group=self.group if continue_rows is None else self.data_parallel_group,
+                            continue_rows=continue_rows, routes=self.routes if record_routes and self.routes else None)
 
     def truncated(self, completion: list[int], max_new_tokens: int) -> bool:
         """Whether a completion was cut at `max_new_tokens` rather than ended by an end id."""

@@ -120,6 +120,45 @@ def experts_span_data_parallel(provider) -> bool:
     return expert_ranks > provider.tensor_model_parallel_size
 
 
+def unsharded_bytes(pipeline) -> int:
+    """The bytes of every parameter bucket of a Megatron-FSDP chunk, gathered whole (its tensor- and pipeline-parallel
+    shard of the model, unsharded over data-parallel ranks)."""
+    return sum(group.model_weight_buffer.bucket_index.size * group.model_weight_buffer.dtype.itemsize
+               for group in pipeline.buffer.parameter_groups if group.model_weight_buffer is not None)
+
+
+@contextlib.contextmanager
+def parameters_gathered_once(chunks: list):
+    """Under Megatron-FSDP: each parameter bucket a forward gathers stays gathered until the block ends, then is released
+    as the forwards would have released it; elsewhere, and on a GPU whose free memory is less than twice the unsharded
+    parameters, nothing changes.
+
+    Megatron-FSDP gathers a layer's parameters before its forward and frees them after (`release_bucket`, called by
+    its post-forward hook), so generation, one forward per token, gathered the whole model once per token. Inside the
+    block the releases are held (a bucket already gathered is not gathered again: `all_gather_params` skips all but
+    the empty ones), so the model is gathered once a generation call, and the same values reach every forward (1.8x
+    the tokens/s on 2 CPU processes, the same tokens: scripts/bench/bench_fsdp_rollout.py). The parameters do not
+    change inside (no optimizer step), and every rank runs the same forwards (the caller's data-parallel agreement),
+    so the collectives still pair. Memory: the chunk's parameters unsharded while generating, as an inference engine
+    holds them; where that would not fit twice into the GPU's free memory, each forward gathers and frees as before."""
+    pipelines = [chunk.module.all_gather_pipeline for chunk in chunks
+                 if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)]
+    if pipelines and torch.cuda.is_available():
+        need = sum(unsharded_bytes(pipeline) for pipeline in pipelines)
+        if 2 * need > torch.cuda.mem_get_info()[0]:
+            pipelines = []
+    held = {}  # (pipeline index, bucket id, bwd) -> None, in release order
+    for index, pipeline in enumerate(pipelines):
+        pipeline.release_bucket = lambda bucket_id, bwd, lazy=False, index=index: held.setdefault((index, bucket_id, bwd))
+    try:
+        yield
+    finally:
+        for pipeline in pipelines:
+            del pipeline.release_bucket  # the class's method again
+        for index, bucket_id, bwd in held:
+            pipelines[index].release_bucket(bucket_id, bwd)
+
+
 # The provider fields `attach_training_hooks` sets: bound to the DDP wrappers and the optimizer.
 TRAINING_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
 

@@ -207,7 +207,7 @@ def run():
              "tokens": max(len(row) for row in out)}}
 
 once = run()
-generate.parameters_gathered_once = lambda chunks: contextlib.nullcontext()  # what every forward did before
+generate.parameters_gathered_once = lambda *args: contextlib.nullcontext()  # what every forward did before
 per_token = run()
 from model import wrapping
 print(json.dumps({{"once": once, "per_token": per_token, "buckets": pipeline.num_buckets,

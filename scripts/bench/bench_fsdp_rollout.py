@@ -50,7 +50,7 @@ def main() -> None:
 
     def sample(once: bool):
         held = contextlib.nullcontext() if once else mock.patch.object(generate, "parameters_gathered_once",
-                                                                         lambda chunks: contextlib.nullcontext())
+                                                                         lambda *args: contextlib.nullcontext())
         with held:
             return engine.generate(prompts, max_new_tokens=args.new_tokens, samples=args.group, sampling=sampling)
 

@@ -107,7 +107,13 @@ class Link:
 
 def push_weights(policy, link: Link, header: dict) -> None:
     """Every trainer: the policy's weights, gathered into Hugging Face tensors by Megatron-Bridge (collective over the
-    trainers); rank 0 broadcasts `header`, then bucket after bucket, to the rollout processes (`receive_weights`)."""
+    trainers); rank 0 broadcasts `header`, then bucket after bucket, to the rollout processes (`receive_weights`).
+
+    The export reads the parameters outside a forward, so the last optimizer step's parameter gathers are finished
+    first (`Policy.sync_parameters`): with `overlap_param_gather` (on GPUs the default at more than one data-parallel
+    rank) the distributed optimizer leaves the shards other ranks updated ungathered until the next forward, and the
+    rollout processes would sample with a mix of updated and previous weights."""
+    policy.sync_parameters()
     sender = link.weights is not None
     if sender:
         link.broadcast_object(header)

@@ -48,6 +48,19 @@ class Routes:
     def layers(self) -> int:
         return len(self.routers)
 
+    @property
+    def layer_numbers(self) -> list[int]:
+        """The model's layer number (from 1, over every pipeline stage) of each router, in order: what the layer axis of
+        the routes it records stands for."""
+        return [router.layer_number for router in self.routers]
+
+    def narrowed(self, routes: list[torch.Tensor], layer_numbers: list[int]) -> list[torch.Tensor]:
+        """Routes recorded by another model ([ids, layers, top-k] each, its layer axis standing for `layer_numbers`: a
+        rollout process's replica, which holds every layer) with this model's layers only, in its order (a pipeline
+        stage holds some of them)."""
+        index = [layer_numbers.index(number) for number in self.layer_numbers]
+        return routes if index == list(range(len(layer_numbers))) else [route[:, index] for route in routes]
+
     # ---- recording (generation)
 
     @contextlib.contextmanager

@@ -407,8 +407,14 @@ def launches(default_sft, tmp_path_factory):
     # Two data-parallel trainers with overlapped parameter gathers (the GPU default there, forced here): the push
     # after an update must wait for the distributed optimizer's gathers, which otherwise run in the next forward.
     overlap = "--ddp.override_ddp_config={overlap_grad_reduce: true, overlap_param_gather: true}"
+    # A Mixture-of-Experts policy at two pipeline stages: the replica records every layer's routes, each stage
+    # replays its own layers'.
+    moe_stages = [f"--model.path={ensure_tiny_checkpoint(name='tiny-moe')}", "--model.dtype=fp32", "--parallel.pp=2",
+                  "--train.global_batch_size=16", "--train.micro_batch_size=8", "--grpo.max_new_tokens=32"]
     yield launch([async_command("tp2", sampler, "--parallel.tp=2", *synchronous),
-                  async_command("dp2_overlap", sampler, overlap, *synchronous)], nproc=3, env=env)
+                  async_command("dp2_overlap", sampler, overlap, *synchronous),
+                  async_command("moe_pp2", sampler, *moe_stages, "--grpo.max_staleness=0", "--train.steps=2")],
+                 nproc=3, env=env)
     return {"root": root, "lora_log": first[0]["log"], "split_exported_at_step_2": split_exported_at_step_2,
             "default_start": {"root": start, "stopped": first[-1]["log"], "stopped_left": stopped_left,
                               "resumed": second[-1]["log"]}}
@@ -519,6 +525,13 @@ def test_asynchronous_grpo_repeats_resumes_exactly_and_equals_the_colocated_loop
     print("DP=2 trainers' gap with overlapped gathers:", [row["rollout_logprob_diff_mean"] for row in overlapped])
     assert len(overlapped) == 3 and all(row["rollout_logprob_diff_mean"] < 1e-6 and row["staleness"] == 0
                                         for row in overlapped)
+    # tiny-moe at PP=2 beside a rollout process: each stage replays its own layers of the replica's routes (every layer
+    # of the model; each stage took its first layers' routes and failed in the router before the narrowing), so the
+    # routers' own choices equal the rollout's and the log-probs the sampler's.
+    staged = [row for row in metrics(root / "moe_pp2") if "loss" in row]
+    print("MoE PP=2 trainers:", [(row["moe_route_mismatch"], row["rollout_logprob_diff_mean"]) for row in staged])
+    assert len(staged) == 2 and all(row["moe_route_mismatch"] == 0 and row["rollout_logprob_diff_mean"] < 1e-6
+                                    for row in staged)
 
 
 @pytest.mark.distributed

@@ -109,6 +109,10 @@ class RemoteRollouts:
         with timer.phase("rollout_wait"):
             self._receive_through(step)
         step_batch = self.pending.pop(step)
+        if step_batch.route_layers is not None:  # a replica's routes cover every layer; a pipeline stage replays its own
+            routes = self.policy.routes
+            step_batch.routes = routes.narrowed(step_batch.routes, step_batch.route_layers) if routes else None
+            step_batch.route_layers = routes.layer_numbers if routes else None
         refuse_a_batch_of_skipped_prompts(step_batch, self.config, step)
         return step_batch
 

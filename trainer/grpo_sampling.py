@@ -107,6 +107,7 @@ class StepBatch:
     skipped_groups: int = 0  # groups whose prompt an environment's reset text made too long (none of them trains)
     version: int | None = None  # asynchronous GRPO: the policy that sampled it, the one after this many steps
     sampler_idle_s: float = 0.0  # asynchronous GRPO: the rollout process's waits before sampling it (`serve`)
+    route_layers: list[int] | None = None  # Mixture-of-Experts: the layer number of each layer `routes` holds
 
     @property
     def seconds(self) -> float:
@@ -229,7 +230,8 @@ def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, re
             sampler_logprobs.append([0.0] * len(episode.prompt_ids) + episode.logprobs)
             routes.append(episode.routes)
     return StepBatch(examples, torch.cat(advantages), zero_advantage_count, kept_count, rounds, sampler_logprobs,
-                     routes if policy.routes else None, skipped_count)
+                     routes if policy.routes else None, skipped_count,
+                     route_layers=policy.routes.layer_numbers if policy.routes else None)
 
 
 class LocalRollouts:

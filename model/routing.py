@@ -50,9 +50,9 @@ class Routes:
 
     @property
     def layer_numbers(self) -> list[int]:
-        """The model's layer number (from 1, over every pipeline stage) of each router, in order: what the layer axis of
-        the routes it records stands for."""
-        return [router.layer_number for router in self.routers]
+        """The model's layer number (from 1, over every pipeline stage; a multi-token-prediction layer's after the main
+        layers, as megatron-core numbers it) of each router, in order: what the layer axis of its routes stands for."""
+        return [router.layer_number + (router.config.num_layers if router.is_mtp_layer else 0) for router in self.routers]
 
     def narrowed(self, routes: list[torch.Tensor], layer_numbers: list[int]) -> list[torch.Tensor]:
         """Routes recorded by another model ([ids, layers, top-k] each, its layer axis standing for `layer_numbers`: a

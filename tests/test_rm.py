@@ -254,7 +254,7 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     from trainer.reward_model import RewardModel, template_tail
 
     scorer = object.__new__(RewardModel)
-    scorer.policy_tokenizer, scorer.tokenizer, scorer.same_tokenizer = tokenizer, tokenizer, True
+    scorer.policy_tokenizer, scorer.tokenizer, scorer.reads_policy_ids = tokenizer, tokenizer, True
     scorer.tail_ids = tokenizer(template_tail(tokenizer), add_special_tokens=False)["input_ids"]
     other_end = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)  # an end id of generation_config's, say
     scorer.end_ids, scorer.turn_end_id = {tokenizer.eos_token_id, other_end}, tokenizer.eos_token_id
@@ -271,8 +271,60 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     spelled = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tokenizer.eos_token_id not in scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=spelled)])[0][len(prompt):]
     # Another tokenizer reads the same conversation as text.
-    scorer.same_tokenizer = False
+    scorer.reads_policy_ids = False
     assert scorer.rows([ended]) == [rendered]
+
+
+def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):
+    """The tiny tokenizer as Llama 3's behaves: a BOS (id 422) that both its chat template writes and tokenizing adds;
+    `added` special tokens after it (ids 423, ...), `pad` its padding token."""
+    import transformers
+
+    tokenizer.save_pretrained(out)
+    files = json.loads((out / "tokenizer.json").read_text())
+    for index, name in enumerate(["<|begin_of_text|>", *added]):
+        files["added_tokens"].append({"id": len(tokenizer) + index, "content": name, "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    bos = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
+    files["post_processor"].update(single=[bos, *files["post_processor"]["single"]],
+                                   pair=[bos, *files["post_processor"]["pair"]], special_tokens={"<|begin_of_text|>": {
+                                       "id": "<|begin_of_text|>", "ids": [len(tokenizer)], "tokens": ["<|begin_of_text|>"]}})
+    (out / "tokenizer.json").write_text(json.dumps(files))
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings.update(bos_token="<|begin_of_text|>", **({"pad_token": pad} if pad else {}))
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    loaded.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    return loaded
+
+
+def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path):
+    """A Llama 3 policy's template writes the BOS, and its tokenizer adds one too. A reward model whose tokenizer is the
+    policy's with its own padding token added (as Llama 3 reward models add one) reads the episode's ids; one whose
+    vocabulary differs (an id of the policy's another token) reads the text once tokenized, the BOS once: the conversation as `trainer.rm` renders a side.
+    Both read the BOS twice before (the added padding token made any vocabulary "another tokenizer", and the
+    tokenizer added a BOS to the text that held one)."""
+    from config.hf import turn_end
+    from trainer.reward_model import RewardModel, holds_vocabulary, template_tail
+
+    policy = llama_like_tokenizer(tokenizer, tmp_path / "policy", ["<|think|>"])
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = policy.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
+    episode = types.SimpleNamespace(prompt_ids=prompt,
+                                    ids=policy("#### 4", add_special_tokens=False)["input_ids"] + [policy.eos_token_id])
+    bos = policy.bos_token_id
+    assert bos == 422 and prompt[0] == bos and policy("4")["input_ids"][0] == bos  # written and added
+    for added, reads_ids in (["<|think|>", "[PAD]"], True), (["[PAD]"], False):  # id 423 another token
+        own = llama_like_tokenizer(tokenizer, tmp_path / "-".join(added), added, pad="[PAD]")
+        scorer = object.__new__(RewardModel)
+        scorer.policy_tokenizer, scorer.tokenizer = policy, own
+        scorer.reads_policy_ids = holds_vocabulary(own, policy)
+        scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
+        scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.convert_tokens_to_ids(turn_end(policy))
+        rendered = own.apply_chat_template(user + [{"role": "assistant", "content": "#### 4"}], tokenize=True)["input_ids"]
+        assert scorer.reads_policy_ids is reads_ids and own.pad_token_id == 422 + len(added)  # the padding token added
+        (row,) = scorer.rows([episode])
+        assert row[:2] == [bos, 1] and row == rendered, (added, row[:4])
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -62,6 +62,15 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     pair = preferences.load_pairs(str(tmp_path / "implicit"), "train", data, tokenizer)[0][0]
     assert pair.chosen == chat(good)
     assert pair.rejected == tokenizer(bad, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # A prompt column beside sides that already hold it (HuggingFaceH4/ultrafeedback_binarized's `prompt` text beside
+    # `chosen` [user, assistant]; TRL reads the sides as whole conversations): the prompt once, not twice as before.
+    (tmp_path / "h4").mkdir()
+    (tmp_path / "h4" / "train.jsonl").write_text("".join(json.dumps(
+        {"prompt": prompt, "chosen": user + [{"role": "assistant", "content": good}],
+         "rejected": user + [{"role": "assistant", "content": bad}]}) + "\n" for prompt in (question, user)))
+    pairs = preferences.load_pairs(str(tmp_path / "h4"), "train", data, tokenizer)[0]
+    assert [(pair.chosen, pair.rejected) for pair in pairs] == [(chat(good), chat(bad))] * 2
+    assert tokenizer.decode(pairs[0].chosen).count(question) == 1
     with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
         preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, chosen_field="better"),
                                tokenizer)

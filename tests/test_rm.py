@@ -279,9 +279,14 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     assert scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=answer + [other_end])]) == [rendered]
     spelled = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tokenizer.eos_token_id not in scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=spelled)])[0][len(prompt):]
+    # An id of no token (the policy's padded vocabulary: the tiny model's 448 rows hold 422 tokens) is left out, as
+    # decoding leaves it out; it reached the reward model's embedding, which a smaller size of the family may lack
+    # (an IndexError on one rank).
+    padded = types.SimpleNamespace(prompt_ids=prompt, ids=answer[:2] + [440] + answer[2:] + [tokenizer.eos_token_id])
+    assert len(tokenizer) == 422 and scorer.rows([padded]) == [rendered]
     # Another tokenizer reads the same conversation as text.
     scorer.reads_policy_ids = False
-    assert scorer.rows([ended]) == [rendered]
+    assert scorer.rows([ended]) == [rendered] and scorer.rows([padded]) == [rendered]
 
 
 def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):

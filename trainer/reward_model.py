@@ -64,13 +64,16 @@ class RewardModel:
         policy's tokenizer (or one that holds its vocabulary at the same ids), the ids in hand (the prompt's, then every id
         after it: nothing is decoded, so no text a tool returned becomes a control token), an episode ended by any end id
         closed as the template closes a turn (its end token, then the text after it); with another tokenizer, the
-        conversation's text tokenized with the reward model's, its BOS once."""
+        conversation's text tokenized with the reward model's, its BOS once. An id of no token (a row of the policy's
+        padded vocabulary, sampled with a tiny probability) is left out, as decoding leaves it out: the reward model's
+        embedding may not have its row (one of the family's smaller sizes, whose vocabulary is padded less)."""
         end = self.turn_end_id
         rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids
                                       if episode.ids and episode.ids[-1] in self.end_ids else episode.ids)
                 for episode in episodes]
         if self.reads_policy_ids:
-            return rows
+            tokens = len(self.tokenizer)
+            return [[token for token in row if token < tokens] for row in rows]
         texts = self.policy_tokenizer.batch_decode(rows)
         rows = self.tokenizer(texts)["input_ids"]  # with its own special tokens: a Llama reward model's BOS
         # ... once: where the policy's template already wrote that BOS (Llama 3's does), the tokenizer added a second.

@@ -525,3 +525,30 @@ def test_columns_that_cannot_be_the_pairs_are_refused_at_start_up(tmp_path, monk
         config.validate(world_size=1)
     (tmp_path / "outputs" / "preferences").mkdir(parents=True)  # a set there, whoever wrote it: its columns are read
     config.validate(world_size=1)
+
+
+def test_a_reward_model_or_teacher_of_a_family_refused_is_named_by_its_key(tmp_path):
+    """A Gemma 2 reward model (a family built from Bridge's own layer spec, which this trainer refuses) is refused naming
+    `grpo.reward_model` and its directory, a Gemma 2 teacher naming `grpo.teacher`: the refusal named `model.path` and
+    the reward model's temporary causal view (`/tmp/causal-view-...`), which the user never set."""
+    import transformers
+
+    from model import build
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    shape = dict(vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    transformers.Gemma2ForSequenceClassification(transformers.Gemma2Config(num_labels=1, **shape)).save_pretrained(
+        tmp_path / "rm")
+    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape)).save_pretrained(tmp_path / "teacher")
+    for key in ("reward_model", "teacher"):
+        path = tmp_path / ("rm" if key == "reward_model" else key)
+        tokenizer.save_pretrained(path)
+        config, _ = parse_args(GRPOConfig, [f"--grpo.{key}={path}", "--grpo.reward_weight=0"], "trainer.grpo")
+        config.validate(world_size=1)  # the family is known once Bridge's provider is made
+        view, weight = score_head.causal_view(path, f"grpo.{key}")
+        with pytest.raises(UserError) as refused:
+            build.build_frozen_dense(config, view, tokenizer, f"grpo.{key}",
+                                     score_head=None if weight is None else (0, weight))
+        assert str(refused.value).startswith(f"`grpo.{key}={path}` is a Gemma2ForCausalLM checkpoint"), refused.value
+        assert f"Point `--grpo.{key}` at a Llama" in str(refused.value)

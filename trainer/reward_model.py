@@ -48,7 +48,7 @@ class RewardModel:
         if not self.reads_policy_ids:
             log.warning("grpo.reward_model=%s has another tokenizer than the policy: each episode is decoded to text "
                         "(as the policy's chat template rendered it) and re-tokenized with the reward model's", path)
-        self.model = build.build_frozen_dense(config, view, self.tokenizer, score_head=(0, weight))
+        self.model = build.build_frozen_dense(config, view, self.tokenizer, "grpo.reward_model", score_head=(0, weight))
         self.policy_tokenizer = policy.tokenizer
         self.end_ids = set(policy.engine.end_ids)  # generation stops at any (the tokenizer's, generation_config's)
         self.turn_end_id = policy.tokenizer.convert_tokens_to_ids(turn_end(policy.tokenizer))  # the template's

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from config.checks import TrainingChecks, require
 from config.hf import architecture, check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
-from config.model_checks import ModelChecks
+from config.model_checks import ModelChecks, check_decoder_classifier
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
@@ -290,6 +290,7 @@ class GRPOConfig(TrainerConfig):
                          f"`grpo.reward_model={path}` is not a reward model (a `...ForSequenceClassification` with one "
                          f"label), its config.json names {architecture(hf) or 'no architecture'}. Train "
                          "one with `torchrun -m trainer.rm` and point `--grpo.reward_model` at its `hf/` output.")
+                check_decoder_classifier(hf, path, "grpo.reward_model")
             check_tokenizer_files(Path(path), f"grpo.{key}")
 
     def _validate_batch(self, world_size: int) -> None:

@@ -246,6 +246,18 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     with pytest.raises(UserError, match=f"`model.path={bare}` holds no tokenizer"):  # before the model is built
         build.load_tokenizer(bare)
 
+    # An encoder's classifier (DeBERTa's reward models): no causal LM to read it as. It was taken, and once the policy
+    # was built the run stopped saying it lacked `score.weight` ("Point at a complete reward-model checkpoint").
+    encoder = tmp_path / "deberta"
+    transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_labels=1)).save_pretrained(encoder)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(encoder)
+    for config_class, key, module in ((GRPOConfig, "grpo.reward_model", "trainer.grpo"), (RMConfig, "model.path", "trainer.rm")):
+        assert refusal(config_class, [f"--{key}={encoder}", "--grpo.reward_weight=0"][: 2 if key.startswith("grpo") else 1],
+                       module).startswith(f"`{key}={encoder}` is a DebertaV2ForSequenceClassification, a classifier whose "
+                                          "family has no causal language model")
+
     assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
 
 

@@ -51,6 +51,15 @@ def is_classifier(hf: dict) -> bool:
     return architecture(hf).endswith(CLASSIFIER)
 
 
+def causal_architecture(hf: dict) -> str | None:
+    """The causal LM a sequence classifier's backbone is read as (Qwen2ForSequenceClassification: Qwen2ForCausalLM);
+    None when transformers has no such class, as for an encoder's classifier (DeBERTa's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = architecture(hf).removesuffix(CLASSIFIER) + CAUSAL
+    return causal if causal in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None
+
+
 def hf_expert_count(hf: dict) -> int:
     """Routed experts per MoE layer of an HF config.json (0: a dense model)."""
     return next((int(hf[key]) for key in HF_EXPERT_KEYS if hf.get(key)), 0)

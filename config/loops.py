@@ -10,7 +10,7 @@ from pathlib import Path
 
 from config.checks import TrainingChecks, require
 from config.hf import architecture, check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
-from config.model_checks import ModelChecks
+from config.model_checks import ModelChecks, check_decoder_classifier
 from config.sections import (
     BASELINES, CkptConfig, DDPConfig, DataConfig, FILTER_METRICS, GRPOSection, IMPORTANCE_RATIOS, KL_ESTIMATORS,
     LOSS_AGGREGATIONS, LogConfig, ModelConfig, OptimConfig, ParallelConfig, PeftConfig, PreferenceDataConfig, ROLLOUT_CORRECTIONS,
@@ -105,9 +105,21 @@ class GRPOConfig(TrainerConfig):
     grpo: GRPOSection = field(default_factory=GRPOSection)
 
     def validate_model_shape(self, model_path: Path) -> None:
-        """The shared checks, and routing replay against the pipeline schedule's recomputed backward."""
+        """The shared checks, routing replay against the pipeline schedule's recomputed backward, and a teacher's
+        vocabulary rows against the policy's."""
         super().validate_model_shape(model_path)
         model = self.model
+        # The policy samples from every row of its vocabulary (config.json's vocab_size pads the tokenizer's), and the
+        # teacher reads each sampled id: one past its rows indexes past its embedding (an IndexError on one rank).
+        rows = read_hf_config(model_path, "model.path").get("vocab_size") or 0
+        teacher_rows = (read_hf_config(Path(self.grpo.teacher), "grpo.teacher").get("vocab_size") or 0
+                        if self.grpo.teacher else rows)
+        require(teacher_rows >= rows,
+                 f"`grpo.teacher={self.grpo.teacher}` has {teacher_rows} vocabulary rows (config.json's vocab_size), fewer "
+                 f"than the policy's {rows}: the policy samples from all of its rows (those past its tokenizer's tokens "
+                 "with a tiny probability), and the teacher reads every sampled id, so one past its rows would index "
+                 "past its embedding. Distil from a teacher with at least as many rows (a larger size of the family), or "
+                 "leave `--grpo.teacher` empty.")
         recomputes_router = model.recompute == "full" or (model.recompute == "selective" and "moe" in model.recompute_modules)
         require(not (self.parallel.pp > 1 and self.grpo.routing_replay and recomputes_router
                       and hf_expert_count(read_hf_config(model_path, "model.path"))),
@@ -290,6 +302,7 @@ class GRPOConfig(TrainerConfig):
                          f"`grpo.reward_model={path}` is not a reward model (a `...ForSequenceClassification` with one "
                          f"label), its config.json names {architecture(hf) or 'no architecture'}. Train "
                          "one with `torchrun -m trainer.rm` and point `--grpo.reward_model` at its `hf/` output.")
+                check_decoder_classifier(hf, path, "grpo.reward_model")
             check_tokenizer_files(Path(path), f"grpo.{key}")
 
     def _validate_batch(self, world_size: int) -> None:

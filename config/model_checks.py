@@ -8,7 +8,7 @@ from pathlib import Path
 from config import sections
 from config.checkpoint_shape import check_rope_scaling, check_shape_settings
 from config.checks import require
-from config.hf import architecture, hf_expert_count, is_classifier, read_hf_config
+from config.hf import architecture, causal_architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
     ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, MOE_AUX_LOSS_TYPES, MOE_DISPATCHERS,
     MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, RECOMPUTE_METHODS, RECOMPUTE_MODULES, RECOMPUTE_NAMES
@@ -56,6 +56,8 @@ class ModelChecks:
                  "language-model head), which neither generates nor learns text. Point `--model.path` at a causal "
                  "language model; a reward model scores GRPO's rollouts through `--grpo.reward_model`, and "
                  "`trainer.rm` trains one on.")
+        if is_classifier(hf):  # trainer.rm's start: a reward model's export, trained on
+            check_decoder_classifier(hf, model_path, "model.path")
         parallel = self.parallel
         per_chunk = self.check_layout_divides(hf)
         layers = hf.get("num_hidden_layers", 1)
@@ -256,3 +258,14 @@ class ModelChecks:
                  "(gradient norm 3.433 against 3.384; full fine-tuning agrees to 1e-7), and its PEFT export writes the "
                  "expert adapters of the first expert-parallel rank only (40 of 72 tensors). Use `--parallel.ep=1` with "
                  "LoRA (LoRA on a Mixture-of-Experts model trains at EP=1), or full fine-tuning with expert parallelism.")
+
+
+def check_decoder_classifier(hf: dict, path, key: str) -> None:
+    """Refuse, from its config.json, a sequence classifier whose backbone is no causal LM (an encoder's, as DeBERTa's
+    reward models): a reward model is read as its causal LM with the score head (`model.score_head.causal_view`), and
+    such a one failed once the policy was built, said to lack `score.weight`."""
+    require(causal_architecture(hf) is not None,
+             f"`{key}={path}` is a {architecture(hf)}, a classifier whose family has no causal language model in "
+             "transformers (an encoder's, as DeBERTa's reward models are): a reward model here is a decoder, read as its "
+             "causal language model with a score head on each row's last token. Point "
+             f"`--{key}` at a reward model of a decoder family (Llama, Mistral, Qwen2, Qwen3: docs/models.md).")

@@ -33,12 +33,17 @@ def as_messages(value, role: str) -> list[dict] | None:
 
 def render(prompt, response, tokenizer) -> list[int] | None:
     """One side's token ids: the prompt's messages then the response's (text becomes a user or an assistant message),
-    rendered by the chat template; a text response with no prompt is that text and the end token. None: malformed."""
+    rendered by the chat template; a text response with no prompt is that text and the end token. None: malformed.
+    A response whose messages already begin with the prompt's is the whole conversation (the prompt column beside
+    sides that hold it, as HuggingFaceH4/ultrafeedback_binarized's `prompt` text beside `chosen` [user, assistant]):
+    the prompt is not rendered twice, as TRL's `maybe_extract_prompt` reads that form."""
     if prompt is None and isinstance(response, str):
         return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     messages = (as_messages(prompt, "user") if prompt is not None else []), as_messages(response, "assistant")
     if messages[0] is None or not messages[1]:
         return None
+    if messages[1][: len(messages[0])] == messages[0]:
+        messages = [], messages[1]
     encode.require_chat_template(tokenizer)
     with encode.template_errors_named(tokenizer, messages[0] + messages[1]):
         ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)

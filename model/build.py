@@ -8,6 +8,7 @@ and nowhere else.
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -92,7 +93,7 @@ def load_tokenizer(model_path: Path, key: str = "model.path"):
 
 
 def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
-                 on_phase=lambda phase: None, score_head: tuple | None = None) -> Policy:
+                 on_phase=lambda phase: None, score_head: tuple | None = None, key: str = "model.path") -> Policy:
     """Everything a loop trains, in one fixed order: layer spec and TP/PP/VPP, DDP or Megatron-FSDP (after a
     parameter sync over every chunk), optimizer and LR schedule, then the pipeline schedule's training hooks.
 
@@ -101,6 +102,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     `on_phase(name)` is called as each phase ends (the loops' start-up report times them).
     `score_head=(seed, weight or None)` builds a reward model (`model.score_head.Classifier`): a scalar head in place
     of the output layer, given before the chunks are wrapped.
+    `key` is the setting that names the checkpoint (`grpo.teacher` for a teacher), said in a refusal with its value.
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -111,6 +113,7 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
         attention=config.model.attention, ep=config.parallel.ep, etp=config.parallel.expert_tensor_parallel_size,
         moe_dispatcher=config.model.moe_dispatcher, moe_router=rules.moe_router_overrides(config.model),
+        setting=f"{key}={functools.reduce(getattr, key.split('.'), config)}",
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     kind = Policy if score_head is None else score_heads.Classifier
@@ -142,12 +145,13 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     return kind(bridge, provider, chunks, optimizer, lr_schedule, tokenizer, hf_config, adapters)
 
 
-def build_frozen_dense(config, model_path: Path, tokenizer, score_head: tuple | None = None) -> Policy:
-    """A frozen dense model beside the policy (a distillation teacher, a reward model): forward only, in eval mode, at
-    the policy's TP and PP; expert parallelism, which a dense model has nothing to spread over, left at 1 for it."""
+def build_frozen_dense(config, model_path: Path, tokenizer, key: str, score_head: tuple | None = None) -> Policy:
+    """A frozen dense model beside the policy (a distillation teacher, a reward model; `key` the setting naming it):
+    forward only, in eval mode, at the policy's TP and PP; expert parallelism, which a dense model has nothing to spread
+    over, left at 1 for it."""
     layout = dataclasses.replace(config.parallel, ep=1, etp=0)
     model = build_policy(dataclasses.replace(config, parallel=layout), model_path, tokenizer, trainable=False,
-                         score_head=score_head)
+                         score_head=score_head, key=key)
     for chunk in model.chunks:
         chunk.requires_grad_(False).eval()
     return model

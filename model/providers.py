@@ -128,7 +128,7 @@ def _layer_spec(name: str):
 def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None, seq_length: int,
                        attention: str = "auto", load_weights: bool = True, transformer_overrides: dict | None = None,
                        ep: int = 1, etp: int | None = None, moe_dispatcher: str = "alltoall",
-                       moe_router: dict | None = None):
+                       moe_router: dict | None = None, setting: str | None = None):
     """A GPT model provider for this checkpoint with our parallelism, precision and layer spec set.
 
     `ep`/`etp` are the expert-parallel and expert tensor-parallel degrees (`etp=None`: megatron-core's default, `tp`);
@@ -137,9 +137,10 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     `moe_router` (`rules.moe_router_overrides`) sets a Mixture-of-Experts model's router; a dense model has none.
     `transformer_overrides` are set last, before megatron-core validates the whole (`finalize()`): `build_policy`
     passes `rules.transformer_overrides(config)` there (sequence parallelism, recomputation).
+    `setting` (`KEY=VALUE`, default `model.path=` the checkpoint's directory) is what a refusal names.
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    _refuse_family_specific_layer_spec(bridge, provider)
+    _refuse_family_specific_layer_spec(bridge, provider, setting)
     fill_yarn_defaults(provider)
     # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
     # set it routes as without, so it costs nothing until GRPO records or replays routes.
@@ -207,8 +208,9 @@ def keep_routes_visible(provider) -> None:
                  "replays the rollouts' routes")
 
 
-def _refuse_family_specific_layer_spec(bridge, provider) -> None:
-    """Refuse a family whose Bridge provider brings its own layer spec, which configure_provider would replace with ours.
+def _refuse_family_specific_layer_spec(bridge, provider, setting: str | None = None) -> None:
+    """Refuse a family whose Bridge provider brings its own layer spec, which configure_provider would replace with ours,
+    naming `setting` (`KEY=VALUE`; a reward model is read through a temporary causal view, whose path says nothing).
 
     Gemma 2 and 3 are such families (measured with Megatron-Bridge 0.6.2): their specs add post-attention and post-MLP
     norms inside Transformer Engine linear layers, soft-capping or per-layer sliding windows, and norms computing
@@ -219,15 +221,15 @@ def _refuse_family_specific_layer_spec(bridge, provider) -> None:
     spec = provider.transformer_layer_spec
     if spec is gpt_provider.default_layer_spec:
         return
-    path = bridge.hf_pretrained.model_name_or_path
+    key, _, path = (setting or f"model.path={bridge.hf_pretrained.model_name_or_path}").partition("=")
     named = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
     raise UserError(
-        f"`model.path={path}` is a {named} checkpoint, a family Megatron-Bridge builds from its own layer "
+        f"`{key}={path}` is a {named} checkpoint, a family Megatron-Bridge builds from its own layer "
         f"specification (`{getattr(spec, '__name__', type(spec).__name__)}`). This trainer builds every model from "
         "megatron-core's standard GPT layers (Transformer Engine's, or the local/SDPA ones without it), which lack that "
         "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "
         "windows, norms scaled by 1 + weight), so it would train a different model and refuses the checkpoint. Point "
-        "`--model.path` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: Model families verified).")
+        f"`--{key}` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: Model families verified).")
 
 
 # Fusions a Bridge provider may switch on whose only implementation is Transformer Engine's. The rest

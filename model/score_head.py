@@ -24,7 +24,7 @@ import torch
 
 from config import outputs
 from config.errors import UserError
-from config.hf import CAUSAL, CLASSIFIER, architecture as hf_architecture, is_classifier as hf_is_classifier, read_hf_config
+from config.hf import CAUSAL, CLASSIFIER, architecture as hf_architecture, causal_architecture, is_classifier as hf_is_classifier, read_hf_config
 from model.policy import Policy
 from model.providers import declare_saved_dtype, export_hf
 
@@ -170,7 +170,7 @@ def causal_view(path: Path, key: str) -> tuple[Path, torch.Tensor | None]:
     for item in path.iterdir():
         if item.name not in ("config.json", INDEX):
             os.symlink(item.resolve(), view / item.name)
-    causal = dict(config, architectures=[architecture[: -len(CLASSIFIER)] + CAUSAL], tie_word_embeddings=True)
+    causal = dict(config, architectures=[causal_architecture(config)], tie_word_embeddings=True)
     (view / "config.json").write_text(json.dumps(causal, indent=2))
     # An index of the backbone's tensors alone: Bridge then neither reads the head nor, exporting, waits for it.
     (view / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {

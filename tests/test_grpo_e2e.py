@@ -5,6 +5,7 @@ Also the fast checks of the entry point's pure parts: its key set, start-up vali
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -137,6 +138,15 @@ def test_a_teacher_is_refused_when_mixture_of_experts_or_with_another_tokenizer(
     with pytest.raises(UserError, match="has another tokenizer than the policy"):
         check_teacher_tokenizer(config, types.SimpleNamespace(get_vocab=lambda: {"<other>": 0}))
     check_teacher_tokenizer(config, build.load_tokenizer(ensure_tiny_checkpoint()))  # the same: said nothing
+    # The same tokenizer with fewer vocabulary rows than the policy (a smaller size of a family whose sizes pad it
+    # differently): a sampled id of the policy's padding rows would index past the teacher's embedding.
+    fewer = tmp_path / "fewer-rows"
+    shutil.copytree(ensure_tiny_checkpoint(), fewer)
+    (fewer / "config.json").write_text(json.dumps({**json.loads((fewer / "config.json").read_text()), "vocab_size": 432}))
+    config, _ = parse_args(GRPOConfig, [f"--model.path={ensure_tiny_checkpoint()}", f"--grpo.teacher={fewer}"],
+                           "trainer.grpo")
+    with pytest.raises(UserError, match=f"`grpo.teacher={fewer}` has 432 vocabulary rows .*, fewer than the policy's 448"):
+        config.validate(world_size=2)
     config, _ = parse_args(GRPOConfig, [f"--grpo.teacher={ensure_tiny_checkpoint()}", "--grpo.teacher_coef=2"],
                            "trainer.grpo")
     settings = LossSettings.from_config(config.grpo)

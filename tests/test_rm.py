@@ -62,6 +62,15 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     pair = preferences.load_pairs(str(tmp_path / "implicit"), "train", data, tokenizer)[0][0]
     assert pair.chosen == chat(good)
     assert pair.rejected == tokenizer(bad, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # A prompt column beside sides that already hold it (HuggingFaceH4/ultrafeedback_binarized's `prompt` text beside
+    # `chosen` [user, assistant]; TRL reads the sides as whole conversations): the prompt once, not twice as before.
+    (tmp_path / "h4").mkdir()
+    (tmp_path / "h4" / "train.jsonl").write_text("".join(json.dumps(
+        {"prompt": prompt, "chosen": user + [{"role": "assistant", "content": good}],
+         "rejected": user + [{"role": "assistant", "content": bad}]}) + "\n" for prompt in (question, user)))
+    pairs = preferences.load_pairs(str(tmp_path / "h4"), "train", data, tokenizer)[0]
+    assert [(pair.chosen, pair.rejected) for pair in pairs] == [(chat(good), chat(bad))] * 2
+    assert tokenizer.decode(pairs[0].chosen).count(question) == 1
     with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
         preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, chosen_field="better"),
                                tokenizer)
@@ -237,6 +246,18 @@ def test_grpo_refuses_a_reward_model_it_cannot_use(tmp_path):
     with pytest.raises(UserError, match=f"`model.path={bare}` holds no tokenizer"):  # before the model is built
         build.load_tokenizer(bare)
 
+    # An encoder's classifier (DeBERTa's reward models): no causal LM to read it as. It was taken, and once the policy
+    # was built the run stopped saying it lacked `score.weight` ("Point at a complete reward-model checkpoint").
+    encoder = tmp_path / "deberta"
+    transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_labels=1)).save_pretrained(encoder)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(encoder)
+    for config_class, key, module in ((GRPOConfig, "grpo.reward_model", "trainer.grpo"), (RMConfig, "model.path", "trainer.rm")):
+        assert refusal(config_class, [f"--{key}={encoder}", "--grpo.reward_weight=0"][: 2 if key.startswith("grpo") else 1],
+                       module).startswith(f"`{key}={encoder}` is a DebertaV2ForSequenceClassification, a classifier whose "
+                                          "family has no causal language model")
+
     assert template_tail(transformers.AutoTokenizer.from_pretrained(path)) == "\n"  # Qwen's, after <|im_end|>
 
 
@@ -254,7 +275,7 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     from trainer.reward_model import RewardModel, template_tail
 
     scorer = object.__new__(RewardModel)
-    scorer.policy_tokenizer, scorer.tokenizer, scorer.same_tokenizer = tokenizer, tokenizer, True
+    scorer.policy_tokenizer, scorer.tokenizer, scorer.reads_policy_ids = tokenizer, tokenizer, True
     scorer.tail_ids = tokenizer(template_tail(tokenizer), add_special_tokens=False)["input_ids"]
     other_end = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)  # an end id of generation_config's, say
     scorer.end_ids, scorer.turn_end_id = {tokenizer.eos_token_id, other_end}, tokenizer.eos_token_id
@@ -270,9 +291,66 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     assert scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=answer + [other_end])]) == [rendered]
     spelled = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tokenizer.eos_token_id not in scorer.rows([types.SimpleNamespace(prompt_ids=prompt, ids=spelled)])[0][len(prompt):]
+    # An id of no token (the policy's padded vocabulary: the tiny model's 448 rows hold 422 tokens) is left out, as
+    # decoding leaves it out; it reached the reward model's embedding, which a smaller size of the family may lack
+    # (an IndexError on one rank).
+    padded = types.SimpleNamespace(prompt_ids=prompt, ids=answer[:2] + [440] + answer[2:] + [tokenizer.eos_token_id])
+    assert len(tokenizer) == 422 and scorer.rows([padded]) == [rendered]
     # Another tokenizer reads the same conversation as text.
-    scorer.same_tokenizer = False
-    assert scorer.rows([ended]) == [rendered]
+    scorer.reads_policy_ids = False
+    assert scorer.rows([ended]) == [rendered] and scorer.rows([padded]) == [rendered]
+
+
+def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):
+    """The tiny tokenizer as Llama 3's behaves: a BOS (id 422) that both its chat template writes and tokenizing adds;
+    `added` special tokens after it (ids 423, ...), `pad` its padding token."""
+    import transformers
+
+    tokenizer.save_pretrained(out)
+    files = json.loads((out / "tokenizer.json").read_text())
+    for index, name in enumerate(["<|begin_of_text|>", *added]):
+        files["added_tokens"].append({"id": len(tokenizer) + index, "content": name, "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    bos = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
+    files["post_processor"].update(single=[bos, *files["post_processor"]["single"]],
+                                   pair=[bos, *files["post_processor"]["pair"]], special_tokens={"<|begin_of_text|>": {
+                                       "id": "<|begin_of_text|>", "ids": [len(tokenizer)], "tokens": ["<|begin_of_text|>"]}})
+    (out / "tokenizer.json").write_text(json.dumps(files))
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings.update(bos_token="<|begin_of_text|>", **({"pad_token": pad} if pad else {}))
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    loaded.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    return loaded
+
+
+def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path):
+    """A Llama 3 policy's template writes the BOS, and its tokenizer adds one too. A reward model whose tokenizer is the
+    policy's with its own padding token added (as Llama 3 reward models add one) reads the episode's ids; one whose
+    vocabulary differs (an id of the policy's another token) reads the text once tokenized, the BOS once: the conversation as `trainer.rm` renders a side.
+    Both read the BOS twice before (the added padding token made any vocabulary "another tokenizer", and the
+    tokenizer added a BOS to the text that held one)."""
+    from config.hf import turn_end
+    from trainer.reward_model import RewardModel, holds_vocabulary, template_tail
+
+    policy = llama_like_tokenizer(tokenizer, tmp_path / "policy", ["<|think|>"])
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = policy.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
+    episode = types.SimpleNamespace(prompt_ids=prompt,
+                                    ids=policy("#### 4", add_special_tokens=False)["input_ids"] + [policy.eos_token_id])
+    bos = policy.bos_token_id
+    assert bos == 422 and prompt[0] == bos and policy("4")["input_ids"][0] == bos  # written and added
+    for added, reads_ids in (["<|think|>", "[PAD]"], True), (["[PAD]"], False):  # id 423 another token
+        own = llama_like_tokenizer(tokenizer, tmp_path / "-".join(added), added, pad="[PAD]")
+        scorer = object.__new__(RewardModel)
+        scorer.policy_tokenizer, scorer.tokenizer = policy, own
+        scorer.reads_policy_ids = holds_vocabulary(own, policy)
+        scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
+        scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.convert_tokens_to_ids(turn_end(policy))
+        rendered = own.apply_chat_template(user + [{"role": "assistant", "content": "#### 4"}], tokenize=True)["input_ids"]
+        assert scorer.reads_policy_ids is reads_ids and own.pad_token_id == 422 + len(added)  # the padding token added
+        (row,) = scorer.rows([episode])
+        assert row[:2] == [bos, 1] and row == rendered, (added, row[:4])
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -459,3 +537,30 @@ def test_columns_that_cannot_be_the_pairs_are_refused_at_start_up(tmp_path, monk
         config.validate(world_size=1)
     (tmp_path / "outputs" / "preferences").mkdir(parents=True)  # a set there, whoever wrote it: its columns are read
     config.validate(world_size=1)
+
+
+def test_a_reward_model_or_teacher_of_a_family_refused_is_named_by_its_key(tmp_path):
+    """A Gemma 2 reward model (a family built from Bridge's own layer spec, which this trainer refuses) is refused naming
+    `grpo.reward_model` and its directory, a Gemma 2 teacher naming `grpo.teacher`: the refusal named `model.path` and
+    the reward model's temporary causal view (`/tmp/causal-view-...`), which the user never set."""
+    import transformers
+
+    from model import build
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    shape = dict(vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    transformers.Gemma2ForSequenceClassification(transformers.Gemma2Config(num_labels=1, **shape)).save_pretrained(
+        tmp_path / "rm")
+    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape)).save_pretrained(tmp_path / "teacher")
+    for key in ("reward_model", "teacher"):
+        path = tmp_path / ("rm" if key == "reward_model" else key)
+        tokenizer.save_pretrained(path)
+        config, _ = parse_args(GRPOConfig, [f"--grpo.{key}={path}", "--grpo.reward_weight=0"], "trainer.grpo")
+        config.validate(world_size=1)  # the family is known once Bridge's provider is made
+        view, weight = score_head.causal_view(path, f"grpo.{key}")
+        with pytest.raises(UserError) as refused:
+            build.build_frozen_dense(config, view, tokenizer, f"grpo.{key}",
+                                     score_head=None if weight is None else (0, weight))
+        assert str(refused.value).startswith(f"`grpo.{key}={path}` is a Gemma2ForCausalLM checkpoint"), refused.value
+        assert f"Point `--grpo.{key}` at a Llama" in str(refused.value)

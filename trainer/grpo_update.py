@@ -224,7 +224,7 @@ class Teacher:
     def __init__(self, config, policy):
         path = Path(config.grpo.teacher)
         build.check_weight_files(path)
-        self.model = build.build_frozen_dense(config, path, policy.tokenizer)
+        self.model = build.build_frozen_dense(config, path, policy.tokenizer, "grpo.teacher")
         log.info("teacher: %s (%d layers, hidden %d), at the policy's parallel layout", path,
                  self.model.hf_config.get("num_hidden_layers", 0), self.model.hf_config.get("hidden_size", 0))
 

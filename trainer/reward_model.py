@@ -3,7 +3,7 @@ Hugging Face reward model of a family Megatron-Bridge loads), built at the polic
 reference, forward only. It scores each sampled episode as a whole conversation, as the chat template renders it:
 the prompt's rendering, every turn after it (tool calls and tool messages included), and, when the last turn ended
 with an end token, the template's text after it (Qwen's newline): the form preference sets and `trainer.rm` train
-on. With the policy's tokenizer it reads the episode's own ids; one of another family works too, reading the text
+on. With the policy's tokenizer (or one with tokens added) it reads the episode's own ids; one of another family works too, reading the text
 tokenized with its own tokenizer (with a warning: it then reads the policy's chat template). The step's reward is `grpo.reward_weight` x the reward function's score
 + `grpo.reward_model_weight` x this score, + the unweighted shaping (`trainer.grpo_sampling.shaped_rewards`).
 """
@@ -28,6 +28,13 @@ def template_tail(tokenizer) -> str:
     return rendered[rendered.rindex(end) + len(end):] if end and end in rendered else ""
 
 
+def holds_vocabulary(tokenizer, policy_tokenizer) -> bool:
+    """Whether `tokenizer` holds the policy's vocabulary at the same ids: the same tokenizer, or one with tokens added
+    (a reward model's own padding token, as Llama 3 reward models add one), to which the policy's ids mean the same."""
+    own = tokenizer.get_vocab()
+    return all(own.get(token) == index for token, index in policy_tokenizer.get_vocab().items())
+
+
 class RewardModel:
     """A frozen reward model at the policy's layout; `score(episodes)` gives each episode's scalar score."""
 
@@ -37,11 +44,11 @@ class RewardModel:
         view, weight = score_head.causal_view(path, "grpo.reward_model")
         assert weight is not None, "GRPOConfig.validate refuses a reward model that is not a classifier"
         self.tokenizer = build.load_tokenizer(path, "grpo.reward_model")
-        self.same_tokenizer = self.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
-        if not self.same_tokenizer:
+        self.reads_policy_ids = holds_vocabulary(self.tokenizer, policy.tokenizer)
+        if not self.reads_policy_ids:
             log.warning("grpo.reward_model=%s has another tokenizer than the policy: each episode is decoded to text "
                         "(as the policy's chat template rendered it) and re-tokenized with the reward model's", path)
-        self.model = build.build_frozen_dense(config, view, self.tokenizer, score_head=(0, weight))
+        self.model = build.build_frozen_dense(config, view, self.tokenizer, "grpo.reward_model", score_head=(0, weight))
         self.policy_tokenizer = policy.tokenizer
         self.end_ids = set(policy.engine.end_ids)  # generation stops at any (the tokenizer's, generation_config's)
         self.turn_end_id = policy.tokenizer.convert_tokens_to_ids(turn_end(policy.tokenizer))  # the template's
@@ -54,18 +61,24 @@ class RewardModel:
 
     def rows(self, episodes) -> list[list[int]]:
         """Each episode's token ids as the reward model reads the conversation (see the module's docstring): with the
-        policy's tokenizer, the ids in hand (the prompt's, then every id after it: nothing is decoded, so no text a tool
-        returned becomes a control token), an episode ended by any end id closed as the template closes a turn (its
-        end token, then the text after it); with another tokenizer, the conversation's text tokenized with the reward
-        model's."""
+        policy's tokenizer (or one that holds its vocabulary at the same ids), the ids in hand (the prompt's, then every id
+        after it: nothing is decoded, so no text a tool returned becomes a control token), an episode ended by any end id
+        closed as the template closes a turn (its end token, then the text after it); with another tokenizer, the
+        conversation's text tokenized with the reward model's, its BOS once. An id of no token (a row of the policy's
+        padded vocabulary, sampled with a tiny probability) is left out, as decoding leaves it out: the reward model's
+        embedding may not have its row (one of the family's smaller sizes, whose vocabulary is padded less)."""
         end = self.turn_end_id
         rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids
                                       if episode.ids and episode.ids[-1] in self.end_ids else episode.ids)
                 for episode in episodes]
-        if self.same_tokenizer:
-            return rows
+        if self.reads_policy_ids:
+            tokens = len(self.tokenizer)
+            return [[token for token in row if token < tokens] for row in rows]
         texts = self.policy_tokenizer.batch_decode(rows)
-        return self.tokenizer(texts)["input_ids"]  # with its own special tokens: a Llama reward model's BOS
+        rows = self.tokenizer(texts)["input_ids"]  # with its own special tokens: a Llama reward model's BOS
+        # ... once: where the policy's template already wrote that BOS (Llama 3's does), the tokenizer added a second.
+        bos = self.tokenizer.bos_token_id
+        return [ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids for ids in rows]
 
     def score(self, episodes) -> torch.Tensor:
         """Scores [episodes] in fp32, the same on every rank of the model replica. Collective over it: micro-batches of

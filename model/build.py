@@ -80,7 +80,13 @@ def load_tokenizer(model_path: Path, key: str = "model.path"):
     import transformers
 
     check_tokenizer_files(model_path, key)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    except Exception as error:  # the files are the user's: a corrupt tokenizer.json, a tokenizer class not installed
+        raise UserError(f"The tokenizer of `{key}={model_path}` cannot be loaded by transformers "
+                        f"({type(error).__name__}: {error}). Check its tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json, or the vocabulary files its tokenizer class reads), or point "
+                        f"`--{key}` at a checkpoint whose tokenizer loads with `AutoTokenizer.from_pretrained`.") from None
     if (Path(model_path) / "config.json").is_file():  # a tokenizer saved alone has no vocabulary size to fit
         check_tokenizer_fits(tokenizer, read_hf_config(model_path, key), model_path, key)
     if tokenizer.pad_token is None:

@@ -145,6 +145,22 @@ def test_a_checkpoint_without_weight_files_is_named(tmp_path):
         build.check_weight_files(tmp_path / "m")
 
 
+def test_a_tokenizer_transformers_cannot_load_is_named_by_its_key(tmp_path):
+    """A damaged tokenizer.json (a merge naming a token its vocabulary lacks) is a paragraph naming the key that points
+    at it, not the tokenizers library's traceback on every rank."""
+    import shutil
+
+    from model.tiny import ensure_tiny_checkpoint
+
+    shutil.copytree(ensure_tiny_checkpoint(), tmp_path / "m")
+    files = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
+    files["model"]["vocab"].pop("assistant")
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(files))
+    with pytest.raises(UserError, match=r"The tokenizer of `grpo.reward_model=.*/m` cannot be loaded by transformers "
+                                        r"\(Exception: Error while initializing BPE: Token `assistant` out of vocabulary\)"):
+        build.load_tokenizer(tmp_path / "m", "grpo.reward_model")
+
+
 def test_an_output_or_cache_directory_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     """`train.out_dir` where nothing can be made (under `/proc`), and `$TRAINER_CACHE_DIR` under a file: a paragraph
     each before any work (they were tracebacks: the metrics writer's mkdir after the model was built, the tiny

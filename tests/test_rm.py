@@ -296,8 +296,8 @@ def test_grpo_scores_the_conversation_as_the_chat_template_renders_it(tokenizer)
     # (an IndexError on one rank).
     padded = types.SimpleNamespace(prompt_ids=prompt, ids=answer[:2] + [440] + answer[2:] + [tokenizer.eos_token_id])
     assert len(tokenizer) == 422 and scorer.rows([padded]) == [rendered]
-    # Another tokenizer reads the same conversation as text.
-    scorer.reads_policy_ids = False
+    # Another tokenizer without a chat template of its own reads the same conversation as text.
+    scorer.reads_policy_ids, scorer.own_template = False, False
     assert scorer.rows([ended]) == [rendered] and scorer.rows([padded]) == [rendered]
 
 
@@ -344,13 +344,63 @@ def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path)
         own = llama_like_tokenizer(tokenizer, tmp_path / "-".join(added), added, pad="[PAD]")
         scorer = object.__new__(RewardModel)
         scorer.policy_tokenizer, scorer.tokenizer = policy, own
-        scorer.reads_policy_ids = holds_vocabulary(own, policy)
+        scorer.reads_policy_ids, scorer.own_template = holds_vocabulary(own, policy), False  # the text's path
         scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
         scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.convert_tokens_to_ids(turn_end(policy))
         rendered = own.apply_chat_template(user + [{"role": "assistant", "content": "#### 4"}], tokenize=True)["input_ids"]
         assert scorer.reads_policy_ids is reads_ids and own.pad_token_id == 422 + len(added)  # the padding token added
         (row,) = scorer.rows([episode])
         assert row[:2] == [bos, 1] and row == rendered, (added, row[:4])
+
+
+def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_chat_template(tokenizer, tmp_path, caplog):
+    """A reward model of another vocabulary reads a plain episode as its own chat template renders the prompt's turns
+    and the completion's text (the turn closed when the episode ended, open when it was cut), as TRL and verl render
+    for it; a tool episode, and any episode after the template refused a conversation, as the policy's rendering in
+    text, its BOS once. Before, every episode was the policy's rendering as text: a Llama reward model read Qwen's
+    `<|im_start|>` markup."""
+    import collections
+
+    from data.prompts import Prompt
+    from trainer.reward_model import RewardModel, holds_vocabulary, template_tail
+    from trainer.rollout import Episode
+
+    policy = llama_like_tokenizer(tokenizer, tmp_path / "policy", ["<|think|>"])
+    own = llama_like_tokenizer(tokenizer, tmp_path / "own", ["[PAD]"], pad="[PAD]")  # id 423 another token
+    own.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}"
+                         "{{ raise_exception('no system turns') }}{% endif %}### {{ m.role }}: {{ m.content }}\n"
+                         "{% endfor %}")
+    scorer = object.__new__(RewardModel)
+    scorer.policy_tokenizer, scorer.tokenizer, scorer.reads_policy_ids = policy, own, holds_vocabulary(own, policy)
+    scorer.own_template = True  # as built from a tokenizer with a chat template
+    scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
+    scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.eos_token_id
+    assert scorer.reads_policy_ids is False
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = Prompt(policy.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"], "4", user,
+                    None)
+    answer = policy("2 + 2 = 4\n#### 4", add_special_tokens=False)["input_ids"]
+
+    def episode(ids, sampled=None, of=prompt):
+        return Episode(of, of.ids, ids, sampled or [1] * len(ids), policy.decode(ids, skip_special_tokens=True),
+                       collections.Counter())
+
+    bos = own.bos_token_id
+    closed = [bos] + own("### user: What is 2 + 2?\n### assistant: 2 + 2 = 4\n#### 4\n", add_special_tokens=False)["input_ids"]
+    left_open = [bos] + own("### user: What is 2 + 2?\n### assistant: " + policy.decode(answer[:-2]),
+                            add_special_tokens=False)["input_ids"]
+    assert scorer.rows([episode(answer + [policy.eos_token_id]), episode(answer[:-2])]) == [closed, left_open]
+    # A tool episode (ids appended between its turns) is the policy's rendering as text, its BOS once.
+    as_text = own(policy.decode(prompt.ids + answer))["input_ids"][1:]  # the template's BOS and the tokenizer's
+    assert scorer.rows([episode(answer, [1, 1] + [0] * (len(answer) - 2))]) == [as_text] and as_text[:2] == [bos, 1]
+    # A template that refuses the prompt's turns (a system turn here) is said once; the text is read from then on.
+    system = [{"role": "system", "content": "Be brief."}, *user]
+    with_system = Prompt(policy.apply_chat_template(system, add_generation_prompt=True, tokenize=True)["input_ids"], "4",
+                         system, None)
+    with caplog.at_level("WARNING", logger="trainer"):
+        refused = scorer.rows([episode(answer, of=with_system), episode(answer)])
+    assert refused == [own(policy.decode(with_system.ids + answer))["input_ids"][1:], as_text]
+    assert scorer.own_template is False and caplog.text.count("refused a conversation") == 1
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -3,9 +3,12 @@ Hugging Face reward model of a family Megatron-Bridge loads), built at the polic
 reference, forward only. It scores each sampled episode as a whole conversation, as the chat template renders it:
 the prompt's rendering, every turn after it (tool calls and tool messages included), and, when the last turn ended
 with an end token, the template's text after it (Qwen's newline): the form preference sets and `trainer.rm` train
-on. With the policy's tokenizer (or one with tokens added) it reads the episode's own ids; one of another family works too, reading the text
-tokenized with its own tokenizer (with a warning: it then reads the policy's chat template). The step's reward is `grpo.reward_weight` x the reward function's score
-+ `grpo.reward_model_weight` x this score, + the unweighted shaping (`trainer.grpo_sampling.shaped_rewards`).
+on. With the policy's tokenizer (or one with tokens added) it reads the episode's own ids; one of another family reads
+the conversation rendered by its own chat template (the prompt's turns and the completion's text, as TRL and verl
+render for a reward model of its own tokenizer), and a tool episode, or with a reward model without a chat template
+any episode, as the policy's template rendered it, the text tokenized with its own tokenizer. The step's reward is
+`grpo.reward_weight` x the reward function's score + `grpo.reward_model_weight` x this score, + the unweighted shaping
+(`trainer.grpo_sampling.shaped_rewards`).
 """
 
 import math
@@ -45,9 +48,14 @@ class RewardModel:
         assert weight is not None, "GRPOConfig.validate refuses a reward model that is not a classifier"
         self.tokenizer = build.load_tokenizer(path, "grpo.reward_model")
         self.reads_policy_ids = holds_vocabulary(self.tokenizer, policy.tokenizer)
+        self.own_template = not self.reads_policy_ids and bool(self.tokenizer.chat_template)
         if not self.reads_policy_ids:
-            log.warning("grpo.reward_model=%s has another tokenizer than the policy: each episode is decoded to text "
-                        "(as the policy's chat template rendered it) and re-tokenized with the reward model's", path)
+            log.warning("grpo.reward_model=%s has another tokenizer than the policy: %s", path,
+                        "each episode is rendered by the reward model's own chat template (the prompt's turns and the "
+                        "completion's text; a tool episode as the policy's template rendered it, tokenized with the "
+                        "reward model's tokenizer)" if self.own_template else
+                        "it has no chat template, so each episode is read as the policy's chat template rendered it, "
+                        "tokenized with the reward model's tokenizer")
         self.model = build.build_frozen_dense(config, view, self.tokenizer, "grpo.reward_model", score_head=(0, weight))
         self.policy_tokenizer = policy.tokenizer
         self.end_ids = set(policy.engine.end_ids)  # generation stops at any (the tokenizer's, generation_config's)
@@ -64,21 +72,52 @@ class RewardModel:
         policy's tokenizer (or one that holds its vocabulary at the same ids), the ids in hand (the prompt's, then every id
         after it: nothing is decoded, so no text a tool returned becomes a control token), an episode ended by any end id
         closed as the template closes a turn (its end token, then the text after it); with another tokenizer, the
-        conversation's text tokenized with the reward model's, its BOS once. An id of no token (a row of the policy's
-        padded vocabulary, sampled with a tiny probability) is left out, as decoding leaves it out: the reward model's
-        embedding may not have its row (one of the family's smaller sizes, whose vocabulary is padded less)."""
+        conversation rendered by the reward model's own template (`own_rendering`), or where it cannot be (a tool
+        episode, no template) the policy's rendering as text tokenized with the reward model's tokenizer, its BOS once.
+        An id of no token (a row of the policy's padded vocabulary, sampled with a tiny probability) is left out, as
+        decoding leaves it out: the reward model's embedding may not have its row (one of the family's smaller sizes,
+        whose vocabulary is padded less)."""
         end = self.turn_end_id
-        rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids
-                                      if episode.ids and episode.ids[-1] in self.end_ids else episode.ids)
+        rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids if self.ended(episode) else episode.ids)
                 for episode in episodes]
         if self.reads_policy_ids:
             tokens = len(self.tokenizer)
             return [[token for token in row if token < tokens] for row in rows]
-        texts = self.policy_tokenizer.batch_decode(rows)
-        rows = self.tokenizer(texts)["input_ids"]  # with its own special tokens: a Llama reward model's BOS
+        return [self.own_rendering(episode) or self.retokenized(row) for episode, row in zip(episodes, rows)]
+
+    def ended(self, episode) -> bool:
+        """Whether the episode's last turn ended with an end id (else it was cut at the token budget)."""
+        return bool(episode.ids) and episode.ids[-1] in self.end_ids
+
+    def own_rendering(self, episode) -> list[int] | None:
+        """A plain episode (no tools offered, its prompt as the data gave it) rendered by the reward model's chat
+        template: the prompt's turns, then the completion's text as the assistant's turn (closed when the episode ended,
+        left open when it was cut at the budget), as TRL and verl render for a reward model of another tokenizer. None
+        where it cannot be: a tool episode (its turns are token ids, not messages), no template, or a template that
+        refuses the prompt's turns (said once, and the text is read from then on)."""
+        if not self.own_template:
+            return None
+        prompt = episode.prompt
+        if prompt.tools or episode.prompt_ids != prompt.ids or not all(episode.sampled):
+            return None
+        import jinja2
+
+        messages = [*prompt.messages, {"role": "assistant", "content": episode.answer}]
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                           continue_final_message=not self.ended(episode))["input_ids"])
+        except (jinja2.TemplateError, ValueError) as error:
+            self.own_template = False
+            log.warning("grpo.reward_model's chat template refused a conversation (%s): from here on each episode is read "
+                        "as the policy's chat template rendered it, tokenized with the reward model's tokenizer", error)
+            return None
+
+    def retokenized(self, row: list[int]) -> list[int]:
+        """The policy's rendering of an episode (`row`, its ids) as text, tokenized with the reward model's tokenizer."""
+        ids = self.tokenizer(self.policy_tokenizer.decode(row))["input_ids"]  # with its own special tokens: a Llama BOS
         # ... once: where the policy's template already wrote that BOS (Llama 3's does), the tokenizer added a second.
         bos = self.tokenizer.bos_token_id
-        return [ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids for ids in rows]
+        return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
 
     def score(self, episodes) -> torch.Tensor:
         """Scores [episodes] in fp32, the same on every rank of the model replica. Collective over it: micro-batches of

@@ -23,11 +23,15 @@ class Pair:
 
 
 def as_messages(value, role: str) -> list[dict] | None:
-    """Text as one message of `role`, chat messages as they are; None for anything else."""
+    """Text as one message of `role`; chat messages with what the chat template reads of each, as SFT reads them (tool
+    calls, a tool message's name and call id, an assistant turn's `reasoning_content`: `copied_message`); None for
+    anything else, a malformed message included."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and value and all(isinstance(message, dict) and "role" in message for message in value):
-        return [{"role": message["role"], "content": message.get("content") or ""} for message in value]
+    if (isinstance(value, list) and value
+            and all(isinstance(message, dict) and isinstance(message.get("role"), str) for message in value)
+            and not any(map(conversation_data.message_problem, value))):
+        return [conversation_data.copied_message(message) for message in value]
     return None
 
 

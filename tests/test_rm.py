@@ -71,6 +71,18 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     pairs = preferences.load_pairs(str(tmp_path / "h4"), "train", data, tokenizer)[0]
     assert [(pair.chosen, pair.rejected) for pair in pairs] == [(chat(good), chat(bad))] * 2
     assert tokenizer.decode(pairs[0].chosen).count(question) == 1
+    # Tool calls and reasoning are part of a side, as SFT reads them: sides that differ only in a call's arguments were
+    # dropped as alike before (each message was cut to its role and content).
+    def called(a: int, b: int) -> list[dict]:
+        return [{"role": "assistant", "content": "", "reasoning_content": "Multiply.",
+                 "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})}}]}]
+
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "calls" / "train.jsonl").write_text(json.dumps({"prompt": user, "chosen": called(12, 34),
+                                                                "rejected": called(12, 43)}) + "\n")
+    pairs, report = preferences.load_pairs(str(tmp_path / "calls"), "train", data, tokenizer)
+    assert len(pairs) == 1 and report.dropped_by_reason == {}
+    assert '"a": 12, "b": 34' in tokenizer.decode(pairs[0].chosen) and '"b": 43' in tokenizer.decode(pairs[0].rejected)
     with pytest.raises(UserError, match="`data.chosen_field` is 'better', but"):
         preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, chosen_field="better"),
                                tokenizer)

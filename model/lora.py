@@ -121,4 +121,31 @@ def apply(chunks: list, peft, provider):
     lora(chunks, training=True)
     # Bridge sets the provider to initialise weights; later builds from it (a KL reference copy) load HF weights.
     provider.perform_initialization = initialise
+    if provider.recompute_granularity is not None:
+        _decoder_input_requires_grad(chunks)
     return lora
+
+
+def _decoder_input_requires_grad(chunks: list) -> None:
+    """With activation recomputation, make each chunk's decoder input require grad (the frozen embedding's output does
+    not). megatron-core's checkpoint runs its backward only when an input requires grad, so an MLP recomputed
+    (`model.recompute=selective`, `mlp`/`moe`/`shared_experts`) whose input came through frozen layers only, as with
+    `peft.target_modules=[linear_fc1,linear_fc2]`, gave its adapters no gradient: grad_norm 0 at every step, nothing
+    trained. Bridge's own fix (`maybe_enable_recompute_inputs_grad`) covers `model.recompute=full` only."""
+    import torch
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.utils import WrappedTensor
+
+    def input_requires_grad(module, args, kwargs):
+        hidden = kwargs.get("hidden_states")  # None past the first pipeline stage: its input arrives requiring grad
+        wrapped = isinstance(hidden, WrappedTensor)  # how GPTModel hands the embedding's output over
+        tensor = hidden.unwrap() if wrapped else hidden
+        if torch.is_grad_enabled() and tensor is not None and not tensor.requires_grad:
+            tensor = tensor.detach().requires_grad_()  # made from frozen weights only: nothing upstream to cut off
+        kwargs["hidden_states"] = WrappedTensor(tensor) if wrapped else tensor
+        return args, kwargs
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerBlock):
+                module.register_forward_pre_hook(input_requires_grad, with_kwargs=True)

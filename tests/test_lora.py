@@ -134,3 +134,16 @@ def test_lora_sft_trains_only_adapters_resumes_exactly_and_exports_for_transform
     adapter_bytes = sum(path.stat().st_size for path in last.rglob("*.distcp"))
     model_bytes = (out / "tp1" / "straight" / "hf" / "model.safetensors").stat().st_size
     assert adapter_bytes < 0.5 * model_bytes, (adapter_bytes, model_bytes)
+
+
+@pytest.mark.distributed
+def test_lora_adapters_in_recomputed_mlps_train_as_without_recomputation(shared_launch):
+    """`model.recompute=selective` with `mlp` and `peft.target_modules=[linear_fc1,linear_fc2]`: every recomputed MLP's
+    input came through frozen layers only, so megatron-core's checkpoint never ran its backward and no adapter trained
+    (grad_norm 0 at both steps, the eval loss unchanged). Now the run is the one without recomputation, bit for bit."""
+    out = worker_output(shared_launch[__name__])
+    plain, recomputed = metrics_rows(out / "mlp_only"), metrics_rows(out / "mlp_only_recomputed")
+    print("LoRA on the MLPs, recomputed:", [(row["step"], row.get("loss"), row.get("grad_norm")) for row in recomputed])
+    assert [row["step"] for row in recomputed] == [0, 1, 2]
+    assert all(row["grad_norm"] > 0 for row in recomputed if "grad_norm" in row)
+    assert recomputed == plain

@@ -7,6 +7,7 @@ the straight run, with the trained policy still in memory:
 - with the adapters switched off the logits equal the fresh build's exactly (GRPO's KL reference);
 - the first rank with the logits (the last pipeline stage) saves the trainer's logits of a batch, which the test
   compares with `hf/` (merged) in transformers and with base + `hf_adapter/` in peft.
+Then 2 steps with adapters on the MLPs only, with and without selective recomputation of the MLPs (`RECOMPUTED`).
 Rank 0 writes `<out>/results.json`.
 """
 
@@ -29,6 +30,10 @@ COMMON = ["--peft.method=lora", "--model.dtype=fp32", "--train.steps=6", "--trai
 # puts each half of the layers, with its adapters, on one rank.
 LAYOUTS = {"tp1": ["--parallel.tp=1", "--parallel.use_distributed_optimizer=true"], "tp2": ["--parallel.tp=2"],
            "pp2": ["--parallel.pp=2"]}
+# Adapters on the MLPs only, 2 steps at TP=1, with and without the MLPs recomputed: the recomputed MLPs' inputs come
+# through frozen layers only (their adapters trained nothing, grad_norm 0, before model/lora.py made them require grad).
+MLP_ONLY = ["--peft.target_modules=[linear_fc1,linear_fc2]", "--train.steps=2", *LAYOUTS["tp1"]]
+RECOMPUTED = {"mlp_only": [], "mlp_only_recomputed": ["--model.recompute=selective", "--model.recompute_modules=[mlp]"]}
 
 
 def logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -95,5 +100,7 @@ def run(args) -> None:
         del policy
         sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--train.exit_interval=3"])
         sft.main([*COMMON, *layout, f"--train.out_dir={split}", "--resume-from-checkpoint", "latest"])
+    for name, recompute in RECOMPUTED.items():
+        sft.main([*COMMON, *MLP_ONLY, *recompute, f"--train.out_dir={out / name}"])
     if is_main:
         (out / "results.json").write_text(json.dumps(results))

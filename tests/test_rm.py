@@ -384,7 +384,7 @@ def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_chat
                          "{% endfor %}")
     scorer = object.__new__(RewardModel)
     scorer.policy_tokenizer, scorer.tokenizer, scorer.reads_policy_ids = policy, own, holds_vocabulary(own, policy)
-    scorer.own_template = True  # as built from a tokenizer with a chat template
+    scorer.own_template, scorer.said_refused = True, False  # as built from a tokenizer with a chat template
     scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
     scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.eos_token_id
     assert scorer.reads_policy_ids is False
@@ -405,14 +405,16 @@ def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_chat
     # A tool episode (ids appended between its turns) is the policy's rendering as text, its BOS once.
     as_text = own(policy.decode(prompt.ids + answer))["input_ids"][1:]  # the template's BOS and the tokenizer's
     assert scorer.rows([episode(answer, [1, 1] + [0] * (len(answer) - 2))]) == [as_text] and as_text[:2] == [bos, 1]
-    # A template that refuses the prompt's turns (a system turn here) is said once; the text is read from then on.
+    # A template that refuses an episode's turns (a system turn here) is said once; that episode is read as text, and
+    # each other one still in the template (decided per episode: every rank, and a resumed run, reads it alike).
     system = [{"role": "system", "content": "Be brief."}, *user]
     with_system = Prompt(policy.apply_chat_template(system, add_generation_prompt=True, tokenize=True)["input_ids"], "4",
                          system, None)
     with caplog.at_level("WARNING", logger="trainer"):
-        refused = scorer.rows([episode(answer, of=with_system), episode(answer)])
-    assert refused == [own(policy.decode(with_system.ids + answer))["input_ids"][1:], as_text]
-    assert scorer.own_template is False and caplog.text.count("refused a conversation") == 1
+        refused = scorer.rows([episode(answer, of=with_system), episode(answer[:-2]), episode(answer, of=with_system)])
+    refused_as_text = own(policy.decode(with_system.ids + answer))["input_ids"][1:]
+    assert refused == [refused_as_text, left_open, refused_as_text]
+    assert caplog.text.count("refused a conversation") == 1
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -49,6 +49,7 @@ class RewardModel:
         self.tokenizer = build.load_tokenizer(path, "grpo.reward_model")
         self.reads_policy_ids = holds_vocabulary(self.tokenizer, policy.tokenizer)
         self.own_template = not self.reads_policy_ids and bool(self.tokenizer.chat_template)
+        self.said_refused = False  # a template that refused an episode's turns is said once a run
         if not self.reads_policy_ids:
             log.warning("grpo.reward_model=%s has another tokenizer than the policy: %s", path,
                         "each episode is rendered by the reward model's own chat template (the prompt's turns and the "
@@ -77,24 +78,28 @@ class RewardModel:
         An id of no token (a row of the policy's padded vocabulary, sampled with a tiny probability) is left out, as
         decoding leaves it out: the reward model's embedding may not have its row (one of the family's smaller sizes,
         whose vocabulary is padded less)."""
-        end = self.turn_end_id
-        rows = [episode.prompt_ids + (episode.ids[:-1] + [end] + self.tail_ids if self.ended(episode) else episode.ids)
-                for episode in episodes]
         if self.reads_policy_ids:
             tokens = len(self.tokenizer)
-            return [[token for token in row if token < tokens] for row in rows]
-        return [self.own_rendering(episode) or self.retokenized(row) for episode, row in zip(episodes, rows)]
+            return [[token for token in self.policy_row(episode) if token < tokens] for episode in episodes]
+        return [self.own_rendering(episode) or self.retokenized(self.policy_row(episode)) for episode in episodes]
 
     def ended(self, episode) -> bool:
         """Whether the episode's last turn ended with an end id (else it was cut at the token budget)."""
         return bool(episode.ids) and episode.ids[-1] in self.end_ids
+
+    def policy_row(self, episode) -> list[int]:
+        """The episode's conversation in the policy's ids: its prompt's, every id after them, and a turn ended by any end
+        id closed as the policy's template closes one (its end token, then the text after it)."""
+        ended = self.ended(episode)
+        return episode.prompt_ids + (episode.ids[:-1] + [self.turn_end_id] + self.tail_ids if ended else episode.ids)
 
     def own_rendering(self, episode) -> list[int] | None:
         """A plain episode (no tools offered, its prompt as the data gave it) rendered by the reward model's chat
         template: the prompt's turns, then the completion's text as the assistant's turn (closed when the episode ended,
         left open when it was cut at the budget), as TRL and verl render for a reward model of another tokenizer. None
         where it cannot be: a tool episode (its turns are token ids, not messages), no template, or a template that
-        refuses the prompt's turns (said once, and the text is read from then on)."""
+        refuses this episode's turns (said once a run). Decided per episode alone, so every rank of a replica, and a
+        resumed run, reads an episode alike."""
         if not self.own_template:
             return None
         prompt = episode.prompt
@@ -107,9 +112,10 @@ class RewardModel:
             return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                            continue_final_message=not self.ended(episode))["input_ids"])
         except (jinja2.TemplateError, ValueError) as error:
-            self.own_template = False
-            log.warning("grpo.reward_model's chat template refused a conversation (%s): from here on each episode is read "
-                        "as the policy's chat template rendered it, tokenized with the reward model's tokenizer", error)
+            if not self.said_refused:
+                self.said_refused = True
+                log.warning("grpo.reward_model's chat template refused a conversation (%s): such episodes are read as "
+                            "the policy's chat template rendered them, tokenized with the reward model's tokenizer", error)
             return None
 
     def retokenized(self, row: list[int]) -> list[int]:

@@ -327,3 +327,23 @@ def test_without_log_probs_the_sampler_draws_the_same_ids_and_computes_none():
         ids, logprobs = sample_next(logits, temperature, top_p, top_k, torch.Generator().manual_seed(2), logprobs=False)
         assert torch.equal(ids, with_logprobs[0]) and logprobs.tolist() == [0.0] * 32
         assert with_logprobs[1].max() < 0  # (the other call's are real log-probs)
+
+
+# ---------------------------------------------------------------- a step that rejected every token
+
+
+def test_a_step_whose_rejection_left_every_token_out_is_said(caplog):
+    # top_k keeps 3 of 8 equally likely tokens: the sampler's log-prob is log(1/3), the whole vocabulary's log(1/8), so
+    # pi_old / pi_sampler = 3/8 on every token, below 1/2: `sequence_reject` at cap 2 keeps no completion.
+    from config.sections import GRPOSection
+    from trainer import grpo_metrics
+
+    log_ratio = torch.full((2, 4), math.log(3 / 8))  # [batch, seq]
+    mask = torch.ones(2, 4)
+    assert grpo_math.rejection_keep(log_ratio, mask, 2.0, "sequence_reject").sum() == 0
+    grpo = GRPOSection(rollout_correction="sequence_reject", top_k=3)
+    with caplog.at_level("WARNING"):
+        grpo_metrics.say_all_rejected(7, grpo, 3 / 8)
+    assert ("step 7: `grpo.rollout_correction=sequence_reject` left every trained token out of the loss "
+            "(pi_old / pi_sampler outside [1/2, 2]; its mean 0.375)") in caplog.text
+    assert "`grpo.top_k=3` / `grpo.top_p=1`" in caplog.text and "--grpo.rollout_correction tis" in caplog.text

@@ -1,11 +1,15 @@
 """What a GRPO step reports: its metrics.jsonl row (the update's loss figures, throughput, and the global figures of
 every completion sampled for it) and the few episodes shown in samples.jsonl."""
 
+import logging
+
 from model import collectives
 from trainer import metrics, rollout
 from trainer.grpo_sampling import StepBatch
 
 SAMPLES_PER_LOG = 4
+
+log = logging.getLogger(__name__)
 
 
 def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: dict, timer: metrics.StepTimer) -> dict:
@@ -19,7 +23,22 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
            "step_time_s": timer.seconds, **rollout_figures(global_totals, step_batch, config, runtime),
            **phase_figures(global_totals, runtime, samplers(config, runtime)),
            **(async_figures(step, global_totals, timer, runtime) if step_batch.version is not None else {})}
+    if update.get("rollout_rejected_share") == 1.0:
+        say_all_rejected(step, config.grpo, update["rollout_is_ratio_mean"])
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "lr", "grad_norm")}}
+
+
+def say_all_rejected(step: int, grpo, ratio_mean: float) -> None:
+    """A step whose rollout rejection left every token out of the loss trained on nothing but its KL and entropy terms:
+    said each time, with the likely cause (the metric alone, `rollout_rejected_share` 1, is easy to miss)."""
+    truncated = grpo.top_k > 0 or grpo.top_p < 1.0
+    log.warning("step %d: `grpo.rollout_correction=%s` left every trained token out of the loss (pi_old / pi_sampler "
+                "outside [1/%g, %g]; its mean %.3g): the step learned nothing from its rewards. %s", step,
+                grpo.rollout_correction, grpo.rollout_correction_cap, grpo.rollout_correction_cap, ratio_mean,
+                f"With `grpo.top_k={grpo.top_k}` / `grpo.top_p={grpo.top_p:g}` the sampler's log-probs are those of "
+                "the truncated distribution, above the whole vocabulary's the loss reads: the ratio sits near the kept "
+                "mass. Use `--grpo.rollout_correction tis`, raise `--grpo.rollout_correction_cap`, or sample without them."
+                if truncated else "Raise `--grpo.rollout_correction_cap` or use `--grpo.rollout_correction tis`.")
 
 
 def samplers(config, runtime) -> int:

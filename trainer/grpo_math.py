@@ -182,28 +182,6 @@ LOSS_AGGREGATIONS = dict(zip(sections.LOSS_AGGREGATIONS, (token_mean, seq_mean_t
                              strict=True))
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """Entropy of softmax(logits) per position when the vocabulary is split over `group` (None: whole vocabulary here).
-
-    Differentiable: the cross-rank sum is megatron-core's reduce whose backward passes the gradient through, as
-    every tensor-parallel rank computes the same loss from the summed values.
-    """
-    # logits: [..., vocab shard]
-    maximum = logits.detach().amax(dim=-1, keepdim=True)  # [..., 1]: any shift gives the same entropy
-    if group is not None:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - maximum  # [..., vocab shard]
-    exponentials = shifted.exp()
-    # H = log Z - sum p * shifted, with Z = sum exp(shifted): two sums over the full vocabulary.
-    sums = torch.stack([exponentials.sum(dim=-1), (exponentials * shifted).sum(dim=-1)])  # [2, ...]
-    if group is not None:
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        sums = reduce_from_tensor_model_parallel_region(sums, group)
-    partition, weighted = sums[0], sums[1]
-    return partition.log() - weighted / partition  # [...]
-
-
 # Elements of logits per piece of `chunked_entropy`: about 64 MiB of fp32 temporaries, a few hundred rows at a
 # 152k-token vocabulary shard.
 ENTROPY_CHUNK_ELEMENTS = 1 << 24
@@ -257,7 +235,8 @@ class _ChunkedEntropy(torch.autograd.Function):
 
 
 def chunked_entropy(logits: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
-    """`vocab_parallel_entropy(logits / temperature, group)` a few rows at a time (`_ChunkedEntropy`), differentiable
+    """Entropy of softmax(logits / temperature) per position, the vocabulary split over `group` (None: whole here), a few
+    rows at a time (`_ChunkedEntropy`), differentiable
     (the entropy bonus) or, under no_grad, for logging. Every tensor-parallel rank holds the same rows, so they run
     the same pieces (two small all-reduces each)."""
     # logits: [..., vocab shard]

@@ -26,7 +26,7 @@ import numpy
 import torch
 
 from config.errors import UserError
-from config.hf import first_special, turn_end
+from config.hf import special_texts, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
 from data.encode import (TOKENIZE_CHUNK, building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays,
@@ -123,14 +123,13 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
         # What a template writes between the header and the content (Qwen3's <think> block on the last turn) is
         # learned with it: after the generation prompt the model writes it itself.
         start, start_alone = turn.find(content), alone.find(content)
-        # The turn's end: the first special token after the content (the end token, or the template's own, such as
-        # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>). A template that
+        # The turn's end (`closing_token`): the special token after the content that closes the turn. A template that
         # rewrites the content (Qwen3 moves a `<think>...</think>` at its start into a block of its own) shows it
         # nowhere whole: the turn is learned as rendered, through the template's turn end.
         if start < 0 or start_alone < 0:
             start, content, end = 0, "", turn_end(tokenizer)
         else:
-            end = first_special(tokenizer, alone[start_alone + len(content) :])
+            end = closing_token(tokenizer, alone[start_alone + len(content) :])
         if not (last.startswith(prompted) and end and end in turn[start + len(content) :] and end in alone):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
                                             "end-of-turn token")
@@ -138,6 +137,22 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
         # to stop; the search starts after the content, so content quoting the end text does not end it early.
         spans.append((len(prompted), len(prompted) + turn.index(end, start + len(content)) + len(end)))
     return spans, rendered
+
+
+def closing_token(tokenizer, after: str) -> str | None:
+    """The special token that closes an assistant turn, of `after`, the turn's text after its content when it is
+    rendered last: the first special token there (the end token, or the template's own, such as ChatML's <|im_end|>
+    under a base model's tokenizer whose end token is <|endoftext|>), unless more follow it. A tool call may open with
+    a special token of its own (Mistral's `[TOOL_CALLS]`, Llama 3.1's `<|python_tag|>`): there the turn closes at the
+    template's turn end (`turn_end`) when the turn writes it, else at its last special token, so the call and the
+    token that ends it are learned, not the opening token alone."""
+    specials = [special for special in special_texts(tokenizer) if special and special in after]
+    if len(specials) < 2:
+        return specials[0] if specials else None
+    closing = turn_end(tokenizer)
+    if closing in after:
+        return closing
+    return max((after.rfind(special), len(special), special) for special in specials)[2]
 
 
 class TokenizedExamples(collections.abc.Sequence):

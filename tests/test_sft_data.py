@@ -242,6 +242,39 @@ def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(chec
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [base.eos_token_id, im_end]
 
 
+def test_a_tool_call_that_opens_with_a_special_token_is_learned_through_the_turns_end(checkpoint):
+    """Mistral's template writes a tool-call turn as `[TOOL_CALLS]` (a special token) + the calls + eos, and Llama 3.1's
+    a built-in tool's call as `<|python_tag|>` + the call + `<|eom_id|>`: the turn is learned through the token that
+    closes it. Before, the mask ended at the first special token after the (empty) content, so only `[TOOL_CALLS]`
+    was learned, neither the call nor its end."""
+    mistral = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<|python_tag|>", "<|eom_id|>"]})
+    mistral.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+        "{% elif m['role'] == 'assistant' and m.tool_calls %}[TOOL_CALLS] "
+        "{{ m.tool_calls | map(attribute='function') | list | tojson }}{{ eos_token }}"
+        "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+        "{% elif m['role'] == 'tool' %}[TOOL_RESULTS] {{ m['content'] }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]}
+    messages = [{"role": "user", "content": "1 + 1?"}, call, {"role": "tool", "name": "add", "content": "2"},
+                {"role": "assistant", "content": "It is 2."}]
+    input_ids, loss_mask = tokenize_conversation(messages, mistral)
+    assert learned_spans(mistral, input_ids, loss_mask) == [
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 1}}]<|im_end|>', " It is 2.<|im_end|>"]
+    assert sum(loss_mask) == 58  # 11 before: `[TOOL_CALLS]` alone of the call turn
+    llama = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|eom_id|>"]})
+    llama.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}<|python_tag|>"
+        "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments | tojson }})<|eom_id|>"
+        "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    input_ids, loss_mask = tokenize_conversation(messages, llama)
+    assert learned_spans(llama, input_ids, loss_mask) == [
+        '<|python_tag|>add({"a": 1, "b": 1})<|eom_id|>', "It is 2.<|im_end|>"]
+
+
 def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     row = {"messages": [
         {"role": "system", "content": "Be brief."},

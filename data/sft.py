@@ -26,6 +26,7 @@ import numpy
 import torch
 
 from config.errors import UserError
+from config import hf
 from config.hf import special_texts, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
@@ -237,7 +238,7 @@ CACHE_FOLDER = "sft-examples"
 def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
     """A digest of everything `build_examples` reads, or None for a slow tokenizer: the conversations and their tools,
     the report's row numbering so far, `max_seq_len`, the tokenizer (`tokenizer_digest_parts`, the first
-    conversation rendered) and this module's source (the turn-splitting code)."""
+    conversation rendered) and the turn-splitting code (this module and `config.hf`)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
     state = {"conversations": conversations, "tools": [conversation_tools(messages) for messages in conversations],
@@ -245,7 +246,8 @@ def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: 
              "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
              "first_drops": report.first_drops, "truncated": report.truncated}
     first = chat_text(conversations[0], tokenizer, conversation_tools(conversations[0])) if conversations else ""
-    return cache_key(state, tokenizer, first, pathlib.Path(__file__).read_text())
+    # The turn-splitting code is this module and `config.hf`, whose special-token helpers find where each turn ends.
+    return cache_key(state, tokenizer, first, pathlib.Path(__file__).read_text(), pathlib.Path(hf.__file__).read_text())
 
 
 def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,

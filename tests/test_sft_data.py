@@ -411,6 +411,21 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
 
 
+def test_the_examples_cache_key_follows_the_code_that_finds_each_turns_end(tokenizer, tmp_path, monkeypatch):
+    """`config.hf`'s special-token helpers decide where each learned turn ends: a change to them is a new cache entry,
+    not the old masks read back (the key covered data/sft.py, data/encode.py and data/batches.py, not config/hf.py)."""
+    import config.hf
+    import data.sft as sft_data
+
+    conversations, report = to_conversations([{"question": "1 + 1?", "answer": "2"}])
+    key = sft_data.examples_cache_key(conversations, tokenizer, 32, report)
+    assert sft_data.examples_cache_key(conversations, tokenizer, 32, report) == key
+    changed = tmp_path / "hf.py"
+    changed.write_text(Path(config.hf.__file__).read_text() + "\n# the turn's end found another way\n")
+    monkeypatch.setattr(config.hf, "__file__", str(changed))
+    assert sft_data.examples_cache_key(conversations, tokenizer, 32, report) != key
+
+
 def test_tokenized_examples_are_held_in_flat_arrays_and_index_as_the_list(tokenizer):
     """A large set's examples are three flat arrays, not a Python list per token, and read back as the examples `build_examples` gives, one by one, sliced or from the end."""
     rows = [{"question": f"{number} + 1?", "answer": f"{number + 1} " * (number + 1)} for number in range(5)]

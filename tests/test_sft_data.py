@@ -691,6 +691,25 @@ def test_split_folders_and_dev_files_keep_held_out_rows_out_of_training(tmp_path
     assert "evaluation is skipped: data.path" in caplog.text and "data.eval_split=dev" in caplog.text
 
 
+def test_hub_shards_name_their_split_whole_so_train_never_reads_train_sft_and_train_gen(tmp_path):
+    """A local copy of HuggingFaceH4/ultrachat_200k (`data/{train,test}_{sft,gen}-00000-of-00001.parquet`) at the default
+    splits trained on train_gen and train_sft together and evaluated on both test sets, where the hub refuses split
+    `train`: a hub shard's name is its split whole, and a split none of them has is a paragraph naming the key."""
+    for split in ("train_sft", "train_gen", "test_sft", "test_gen"):
+        shard = tmp_path / "data" / f"{split}-00000-of-00001.parquet"
+        shard.parent.mkdir(exist_ok=True)
+        datasets.Dataset.from_list([{"question": split, "answer": "a"}]).to_parquet(str(shard))
+    (tmp_path / "data" / "train_sft-00000-of-00001.parquet").rename(
+        tmp_path / "data" / "train_sft-00000-of-00001-2a1df75c6bce91ab.parquet")  # an older push's fingerprint
+    assert [row["question"] for row in load_rows(str(tmp_path), split="train_sft")] == ["train_sft"]
+    assert [row["question"] for row in load_rows(str(tmp_path), split="test_sft")] == ["test_sft"]
+    shards = "the hub's shards of the splits test_gen, test_sft, train_gen, train_sft"
+    with pytest.raises(UserError, match=f"has no train split: its files are {shards}. Set data.train_split to one of them"):
+        load_rows(str(tmp_path))  # before: rows train_gen and train_sft
+    with pytest.raises(UserError, match=f"has no test split: its files are {shards}. Set data.eval_split to one of them"):
+        load_rows(str(tmp_path), split="test")  # before: rows test_gen and test_sft
+
+
 def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
     """A single file, or a folder without test* files, has no held-out split: evaluation is skipped with a warning
     (their rows were once read back as the "held-out" ones); `data.eval_path` names held-out rows in any file."""

@@ -435,12 +435,13 @@ def copied_message(message: dict) -> dict:
     """Return the parts of a checked message that the chat template reads.
 
     Those are the role, the content ("" for a turn of tool calls alone), tool calls in the OpenAI form with dict
-    arguments, a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
+    arguments and their `id` (Mistral's template writes it into the call the model learns, and refuses a call
+    without one), a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
     DeepSeek-R1's templates render it in a think block)."""
     kept = {"role": message["role"], "content": message.get("content") or ""}
     if message.get("tool_calls"):
-        kept["tool_calls"] = [{"type": "function", "function": tool_call_function(call)}
-                              for call in message["tool_calls"]]
+        kept["tool_calls"] = [{**({"id": call["id"]} if isinstance(call.get("id"), str) else {}), "type": "function",
+                               "function": tool_call_function(call)} for call in message["tool_calls"]]
     if message["role"] == "tool":
         kept |= {key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)}
     if message["role"] == "assistant" and isinstance(message.get("reasoning_content"), str):

@@ -4,7 +4,8 @@ Truncation policy: a tokenized sample longer than `max_seq_len + 1` tokens is cu
 `max_seq_len + 1` tokens (inputs are `ids[:-1]`, labels `ids[1:]`, so both then fit in `max_seq_len`)
 and counted as truncated; if the cut leaves no loss token among the labels the sample is dropped and
 counted. A conversation whose turn pieces tokenize differently from its whole rendering (a response
-starting with a newline merges with the header's) is dropped and counted rather than masked by guess.
+starting with a newline merges with the header's) is dropped and counted rather than masked by guess, and so
+is one with a message its chat template does not write (a role the template does not know).
 Every row read is either used or counted in the `DropReport` under one reason.
 
 Tool use: each assistant turn is learned from after its header through the eos token that closes it, its rendered tool
@@ -43,24 +44,46 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], l
 
     The learned part is the turn's content, its rendered tool calls, and the end-of-turn token that closes it."""
     tokenized = tokenize_conversations([messages], tokenizer)[0]
-    if tokenized is None:
-        raise template_error(tokenizer, "a token of the whole text crosses the edge of an assistant turn")
+    if isinstance(tokenized, str):
+        raise template_error(tokenizer, "a token of the whole text crosses the edge of an assistant turn"
+                                        if tokenized == MERGED else tokenized)
     return tokenized
 
 
-def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | None]:
-    """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; None for a conversation where
-    a token crosses the edge of a learned span (a response starting with a newline merges with the header's).
+# Why `tokenize_conversations` drops a conversation whose token crosses the edge of a learned span.
+MERGED = "tokens merge across a turn boundary"
+
+
+def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | str]:
+    """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; for a conversation that cannot
+    be learned as the data gives it, the reason it is dropped: a message its rendering leaves out (`unrendered`), or
+    a token across the edge of a learned span (`MERGED`: a response starting with a newline merges with the header's).
 
     The ids are those of the whole rendering, so a tokenizer that writes a word differently at the start of a text
     (SentencePiece's leading space, Mistral's and Llama 2's) gets the ids the model reads; the mask comes from each
     token's characters."""
     split = [split_turns(messages, tokenizer) for messages in conversations]
     if not getattr(tokenizer, "is_fast", False):
-        return [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
-    encodings = encode_batch([rendered for _, rendered in split], tokenizer)
-    return [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
-            for (spans, rendered), encoding in zip(split, encodings)]
+        tokenized = [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
+    else:
+        encodings = encode_batch([rendered for _, rendered in split], tokenizer)
+        tokenized = [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
+                     for (spans, rendered), encoding in zip(split, encodings)]
+    return [unrendered(messages, rendered) or (MERGED if pair is None else pair)
+            for messages, (_, rendered), pair in zip(conversations, split, tokenized)]
+
+
+def unrendered(messages: list[dict], rendered: str) -> str | None:
+    """Why a conversation's rendering is not the conversation the data gives: the first message, other than the
+    assistant's, whose content it leaves out (as written, trimmed, or escaped as a template's `tojson` writes it), or
+    None. Qwen's templates write nothing for a role they do not know (`function`, `developer`), so the answer after
+    such a message was learned without it."""
+    for message in messages:
+        content = message["content"].strip()
+        forms = (content, json.dumps(content)[1:-1], json.dumps(content, ensure_ascii=False)[1:-1])
+        if message["role"] != "assistant" and content and not any(form in rendered for form in forms):
+            return f"a {message['role']!r} message the chat template does not render"
+    return None
 
 
 def token_mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
@@ -191,8 +214,8 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
     for row, pair in with_progress(zip(report.kept_rows, tokenized, strict=True), len(conversations),
                                    "conversations tokenized"):
-        if pair is None:
-            report.drop(row, "tokens merge across a turn boundary")
+        if isinstance(pair, str):
+            report.drop(row, pair)
             continue
         input_ids, loss_mask = pair
         truncated = len(input_ids) > max_seq_len + 1

@@ -292,6 +292,48 @@ def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     ]
 
 
+# Qwen2.5's chat template as its checkpoints ship it, without the tool-call parts: a role it does not know is not written.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not "
+    "loop.first) or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
+    "{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_message_the_chat_template_does_not_render_drops_its_row_by_name(checkpoint):
+    """Qwen's templates write nothing for a role they do not know (OpenAI's older `function` results, its `developer`
+    instructions): the answer after such a message was learned without it, silently. Such a row is dropped and counted
+    under the role; a tool result a template writes through `tojson` (Llama 3.1's) is rendered, and kept."""
+    qwen = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    qwen.chat_template = QWEN25_TEMPLATE
+    rows = [{"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "function", "content": "21 C, sun"},
+                          {"role": "assistant", "content": "It is 21 C and sunny."}]},
+            {"messages": [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Bonjour"}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    examples = build_examples(conversations, qwen, 128, report)
+    assert len(examples) == 1 and report.kept_rows == [2]
+    assert report.summary() == (
+        "1 of 3 rows used, 2 dropped (a 'developer' message the chat template does not render: 1, a 'function' message "
+        "the chat template does not render: 1), 0 truncated; first dropped: row 0 (a 'function' message the chat "
+        "template does not render), row 1 (a 'developer' message the chat template does not render)")
+    with pytest.raises(UserError, match="a 'function' message the chat template does not render"):
+        tokenize_conversation(conversations[0], qwen)
+    as_json = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    as_json.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'tool' %}"
+                             "{{ m['content'] | tojson }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": 'sky: "clear"\ntemp: 21 °C'},
+                {"role": "assistant", "content": "Clear, 21 C."}]
+    assert learned_spans(as_json, *tokenize_conversation(messages, as_json)) == ["Clear, 21 C.<|im_end|>"]
+
+
 def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},

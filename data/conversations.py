@@ -334,7 +334,8 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
         report.kept_rows.append(index)
     if not conversations:
         raise UserError(f"{source} gave no usable rows: {report.summary()}. Point data.path (or data.eval_path) at data with "
-                        "non-empty prompts and responses, or fix the field settings.")
+                        "non-empty prompts and responses, or fix the field settings (data.messages_field: a column of "
+                        "role/content messages; else data.prompt_field and data.response_field: text columns).")
     return conversations, report
 
 
@@ -353,10 +354,11 @@ def messages_problem(messages, field: str) -> str | None:
     """Return why a row's list of chat messages (its `field`) is unusable, or None when it is fine."""
     if messages is None:
         return f"missing {field!r}"
-    if not isinstance(messages, list) or not all(
-        isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
-    ):
-        return "malformed messages"
+    if not isinstance(messages, list):
+        return f"{field!r} not a list ({type(messages).__name__})"
+    if not all(isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
+        sharegpt = any(isinstance(message, dict) and isinstance(message.get("from"), str) for message in messages)
+        return "ShareGPT's from/value messages, not role/content" if sharegpt else "malformed messages"
     for message in messages:
         reason = message_problem(message)
         if reason:
@@ -371,7 +373,7 @@ def messages_problem(messages, field: str) -> str | None:
             if unanswered_calls == 0:
                 return "tool result without a call"
             unanswered_calls -= 1
-    if not any((message.get("content") or "").strip() or message.get("tool_calls")
+    if not any((message_text(message.get("content")) or "").strip() or message.get("tool_calls")
                for message in messages if message["role"] == "assistant"):
         return "no assistant turn"
     # The assistant header is found by rendering the turns before it, so there must be some.
@@ -389,10 +391,24 @@ def message_problem(message: dict) -> str | None:
             return reason
         if content is None and tool_calls:
             return None  # a turn of tool calls alone
+    if isinstance(content, list) and message_text(content) is None:
+        kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
+        return f"content parts not text ({', '.join(kinds) or 'not parts'})"
     if message["role"] == "tool":
         names_are_strings = all(isinstance(message.get(key), (str, type(None))) for key in ("name", "tool_call_id"))
-        return None if isinstance(content, str) and names_are_strings else "malformed tool message"
-    return None if isinstance(content, str) else "malformed messages"
+        return None if message_text(content) is not None and names_are_strings else "malformed tool message"
+    return None if message_text(content) is not None else "malformed messages"
+
+
+def message_text(content) -> str | None:
+    """A message's content as text: a string as it is, a list of text parts (OpenAI's `[{"type": "text", "text": ...}]`)
+    as their texts one after another, as the chat templates that take parts write them; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    return None
 
 
 def named_function(entry) -> dict | None:
@@ -438,7 +454,7 @@ def copied_message(message: dict) -> dict:
     arguments and their `id` (Mistral's template writes it into the call the model learns, and refuses a call
     without one), a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
     DeepSeek-R1's templates render it in a think block)."""
-    kept = {"role": message["role"], "content": message.get("content") or ""}
+    kept = {"role": message["role"], "content": message_text(message.get("content")) or ""}
     if message.get("tool_calls"):
         kept["tool_calls"] = [{**({"id": call["id"]} if isinstance(call.get("id"), str) else {}), "type": "function",
                                "function": tool_call_function(call)} for call in message["tool_calls"]]

@@ -349,6 +349,29 @@ def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
                                   (4, "starts with assistant turn"), (5, "missing 'messages'")]
 
 
+def test_text_parts_are_read_as_text_and_other_message_forms_are_named(tokenizer):
+    """OpenAI's content parts (`[{"type": "text", "text": ...}]`) are the texts one after another, as templates that
+    take parts write them: such rows were all dropped as "malformed messages". ShareGPT's from/value messages, messages
+    given as JSON text and image parts are named, where each was "malformed messages"."""
+    def parts(*texts):
+        return [{"type": "text", "text": text} for text in texts]
+
+    rows = [{"messages": [{"role": "user", "content": parts("What is ", "2 + 3?")},
+                          {"role": "assistant", "content": parts("2 + 3 = 5")}]},
+            {"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"messages": json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])},
+            {"messages": [{"role": "user", "content": [{"type": "image", "url": "cat.png"}, *parts("What is it?")]},
+                          {"role": "assistant", "content": "A cat."}]}]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    assert conversations == [[{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5"}]]
+    assert report.first_drops == [(1, "ShareGPT's from/value messages, not role/content"), (2, "'messages' not a list (str)"),
+                                  (3, "content parts not text (image)")]
+    input_ids, loss_mask = tokenize_conversation(conversations[0], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask) == ["2 + 3 = 5<|im_end|>"]
+    with pytest.raises(UserError, match=r"not role/content\)\. .*\(data\.messages_field: a column of role/content"):
+        to_conversations(rows[1:2], messages_field="messages")
+
+
 def test_a_template_that_does_not_close_assistant_turns_with_eos_is_refused(checkpoint):
     plain = transformers.AutoTokenizer.from_pretrained(checkpoint)
     plain.chat_template = (

@@ -700,6 +700,25 @@ def test_a_held_out_set_smaller_than_the_data_parallel_size_is_a_warning_naming_
         "fewer data-parallel ranks"]
 
 
+def test_held_out_answers_without_the_graded_form_say_there_is_no_accuracy(tokenizer, tmp_path, caplog):
+    """A held-out set with an answer the accuracy cannot grade (no `#### N`) has no held-out accuracy, which was left
+    out without a word: a run on GSM8K-style data with one such row showed no `eval_accuracy`, and nothing said why."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                  + "\n" for index in range(8)))
+    held_out = [{"question": "1 + 1", "answer": "#### 2"}, {"question": "2 + 2", "answer": "4"}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(tmp_path), False, 8
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=1)
+    assert len(data.eval) == 2 and data.eval_prompts == []
+    assert (f"no held-out accuracy: 1 of the 2 held-out answers of `{tmp_path}` (test) have no GSM8K `#### N` line, "
+            "which the accuracy grades (the held-out loss is computed)") in caplog.messages
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 

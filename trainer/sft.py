@@ -56,7 +56,11 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)
     eval_prompts = prompt_data.prompts_from_conversations(eval_conversations, tokenizer)
     # The default reward grades GSM8K-style `#### N` answers; references without one leave nothing to grade.
-    if not all(rewards.has_answer_format(prompt.reference) for prompt in eval_prompts):
+    ungraded = sum(not rewards.has_answer_format(prompt.reference) for prompt in eval_prompts)
+    if ungraded:
+        log.info("no held-out accuracy: %d of the %d held-out answers of %s have no GSM8K `#### N` line, which the "
+                 "accuracy grades (the held-out loss is computed)", ungraded, len(eval_prompts),
+                 prompt_data.held_out_source(data))
         eval_prompts = []
     return SFTData(train, eval_examples, eval_prompts)
 

@@ -220,7 +220,7 @@ def messages_problem(messages, field: str) -> str | None:
                 return "tool result without a call"
             unanswered_calls -= 1
     if not any((message_text(message.get("content")) or "").strip() or message.get("tool_calls")
-               for message in messages if message["role"] == "assistant"):
+               for message in messages if message["role"] == "assistant" and message.get("weight") != 0):
         return "no assistant turn"
     # The assistant header is found by rendering the turns before it, so there must be some.
     return "starts with assistant turn" if messages[0]["role"] == "assistant" else None
@@ -240,6 +240,8 @@ def message_problem(message: dict) -> str | None:
     if isinstance(content, list) and message_text(content) is None:
         kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
         return f"content parts not text ({', '.join(kinds) or 'not parts'})"
+    if message["role"] == "assistant" and message.get("weight") not in (None, 0, 1):
+        return "assistant weight not 0 or 1"  # OpenAI's fine-tuning form: 0 leaves the turn out of the loss
     if message["role"] == "tool":
         names_are_strings = all(isinstance(message.get(key), (str, type(None))) for key in ("name", "tool_call_id"))
         return None if message_text(content) is not None and names_are_strings else "malformed tool message"
@@ -299,7 +301,8 @@ def copied_message(message: dict) -> dict:
     Those are the role, the content ("" for a turn of tool calls alone), tool calls in the OpenAI form with dict
     arguments and their `id` (Mistral's template writes it into the call the model learns, and refuses a call
     without one), a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
-    DeepSeek-R1's templates render it in a think block)."""
+    DeepSeek-R1's templates render it in a think block) and its `weight` of 0 (OpenAI's fine-tuning form: a turn
+    shown as context, not learned; `data.sft.split_turns` reads it)."""
     kept = {"role": message["role"], "content": message_text(message.get("content")) or ""}
     if message.get("tool_calls"):
         kept["tool_calls"] = [{**({"id": call["id"]} if isinstance(call.get("id"), str) else {}), "type": "function",
@@ -308,6 +311,8 @@ def copied_message(message: dict) -> dict:
         kept |= {key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)}
     if message["role"] == "assistant" and isinstance(message.get("reasoning_content"), str):
         kept["reasoning_content"] = message["reasoning_content"]
+    if message["role"] == "assistant" and message.get("weight") == 0:
+        kept["weight"] = 0
     return kept
 
 

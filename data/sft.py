@@ -126,7 +126,9 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     the last user turn) is learned as the whole conversation shows it."""
     tools = conversation_tools(messages)
     rendered = chat_text(messages, tokenizer, tools)
-    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    # A turn of weight 0 (OpenAI's fine-tuning form) is context only, as the user's turns are.
+    turns = [index for index, message in enumerate(messages)
+             if message["role"] == "assistant" and message.get("weight") != 0]
     contexts = [chat_text(messages[:index], tokenizer, tools) for index in turns]
     spans = []
     for index, context, following in zip(turns, contexts, [*contexts[1:], rendered]):

@@ -334,6 +334,22 @@ def test_a_message_the_chat_template_does_not_render_drops_its_row_by_name(check
     assert learned_spans(as_json, *tokenize_conversation(messages, as_json)) == ["Clear, 21 C.<|im_end|>"]
 
 
+def test_an_assistant_turn_of_weight_0_is_context_not_learned(tokenizer):
+    """OpenAI's fine-tuning form marks an assistant turn not to learn with `"weight": 0`: it is shown, not learned (it
+    was learned like every other turn). A row whose every assistant turn has weight 0 has nothing to learn, and a
+    weight other than 0 or 1 is named."""
+    row = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "3", "weight": 0},
+                        {"role": "user", "content": "Wrong. 1 + 1?"}, {"role": "assistant", "content": "2", "weight": 1}]}
+    nothing = {"messages": row["messages"][:2]}
+    odd = {"messages": [row["messages"][0], {"role": "assistant", "content": "2", "weight": 0.5}]}
+    conversations, report = to_conversations([row, nothing, odd], messages_field="messages")
+    assert report.first_drops == [(1, "no assistant turn"), (2, "assistant weight not 0 or 1")]
+    input_ids, loss_mask = tokenize_conversation(conversations[0], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask) == ["2<|im_end|>"]  # before: ["3<|im_end|>", "2<|im_end|>"]
+    assert input_ids == tokenize_conversation([{key: value for key, value in message.items() if key != "weight"}
+                                               for message in row["messages"]], tokenizer)[0]
+
+
 def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},

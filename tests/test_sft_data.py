@@ -949,6 +949,35 @@ def test_a_token_budget_groups_rows_of_similar_length_and_agrees_on_the_count():
                for group in token_budget_microbatches(lengths, [list(range(8))], 256, pad, lambda count: count)) == 480
 
 
+def test_held_out_forwards_keep_the_token_budget_of_the_training_micro_batches(tmp_path):
+    """Under `train.micro_batch_tokens` the held-out loss's forwards were `train.micro_batch_size` rows each (32 by
+    default): the baseline evaluation fed 6 rows x 64 = 384 positions at once under a budget of 128. Now they are
+    grouped by the same budget; without one, `train.micro_batch_size` rows a call, as before."""
+    import socket
+
+    import torch.distributed as dist
+
+    from config.loops import SFTConfig
+    from trainer.sft import held_out_calls
+
+    share = [Example(list(range(length + 1)), [0] + [1] * length) for length in (60, 10, 60, 10, 10, 10)]
+    config = SFTConfig()
+    config.data.max_seq_len, config.train.micro_batch_size = 64, 4
+    assert held_out_calls(share, config, interleaved=0) == [[[0, 1, 2, 3]], [[4, 5]]]
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1], [2], [3]], [[4], [5]]]
+    config.train.micro_batch_tokens = 128
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        calls = held_out_calls(share, config, interleaved=0)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [[[0, 2], [1, 3, 4, 5]]]  # 2 rows x 64 and 4 rows x 16 positions, each within 128
+    assert [len(batch) * padded_size(max(len(share[row].input_ids) - 1 for row in batch), 64) for batch in calls[0]] == [128, 64]
+
+
 def test_packed_and_unpacked_batches_give_identical_token_losses(checkpoint, tokenizer):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     conversations, report = to_conversations(load_rows("arithmetic")[:6])

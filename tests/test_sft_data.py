@@ -242,6 +242,22 @@ def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(chec
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [base.eos_token_id, im_end]
 
 
+def test_a_template_with_generation_markers_gives_the_mask_its_markers_give(checkpoint):
+    """TRL's `assistant_only_loss` reads `{% generation %}` markers; the mask read off the renderings is the one the
+    markers give (transformers' `return_assistant_tokens_mask`), on a multi-turn row."""
+    marked = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    marked.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2\n#### 2"},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4\n#### 4"}]
+    input_ids, loss_mask = tokenize_conversation(messages, marked)
+    markers = marked.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert (input_ids, loss_mask) == (markers["input_ids"], markers["assistant_masks"])
+    assert learned_spans(marked, input_ids, loss_mask) == ["1 + 1 = 2\n#### 2<|im_end|>", "2 + 2 = 4\n#### 4<|im_end|>"]
+
+
 def test_a_tool_call_that_opens_with_a_special_token_is_learned_through_the_turns_end(checkpoint):
     """Mistral's template writes a tool-call turn as `[TOOL_CALLS]` (a special token) + the calls + eos, and Llama 3.1's
     a built-in tool's call as `<|python_tag|>` + the call + `<|eom_id|>`: the turn is learned through the token that

@@ -18,14 +18,17 @@ HELD_OUT_NAME = re.compile(r"test|eval|valid|(dev|val)(?![a-zA-Z])")
 
 
 # The hub's shard names (`data/train_sft-00000-of-00003.parquet`, older pushes with a fingerprint after them) name their
-# split whole: `train` is not `train_sft`, as the hub's own loader reads them.
+# split whole, as does the folder of its Parquet conversion's numbered files (`default/train_sft/0000.parquet`):
+# `train` is not `train_sft`, as the hub's own loader reads them.
 HUB_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?")
 
 
-def names_split(name: str, split: str) -> bool:
-    """Whether a file's name (or a folder's above it) names `split`: a hub shard's split exactly, another name by its start."""
-    shard = HUB_SHARD.fullmatch(name)
-    return shard.group(1) == split if shard else name.startswith(split)
+def hub_split(file: pathlib.Path, folder: pathlib.Path) -> str | None:
+    """The split a file of `folder` is in by the hub's layouts, whole (`HUB_SHARD`); None for a file named otherwise."""
+    if shard := HUB_SHARD.fullmatch(file.stem):
+        return shard.group(1)
+    parts = file.relative_to(folder).parts
+    return parts[-2] if len(parts) > 1 and file.stem.isdigit() else None
 
 
 def split_names(file: pathlib.Path, folder: pathlib.Path) -> list[str]:
@@ -59,11 +62,13 @@ def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_
     """Which of a folder's data `files` one split reads (`load_local`)."""
     # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
     # folder of training files alone must not pass them off as held-out ones.
-    named = [file for file in files if any(names_split(name, split) for name in split_names(file, path))]
-    shard_splits = sorted({shard.group(1) for file in files if (shard := HUB_SHARD.fullmatch(file.stem))})
+    hub = {file: hub_split(file, path) for file in files}
+    named = [file for file in files if hub[file] == split
+             or hub[file] is None and any(name.startswith(split) for name in split_names(file, path))]
+    shard_splits = sorted({name for name in hub.values() if name is not None})
     if files and not named and shard_splits:  # no other split read in its place (train_sft and train_gen for `train`)
         key = "data.eval_split" if held_out else "data.train_split"
-        raise UserError(f"data.path {str(path)!r} has no {split} split: its files are the hub's shards of the splits "
+        raise UserError(f"data.path {str(path)!r} has no {split} split: its files are laid out as the hub's, in the splits "
                         f"{', '.join(shard_splits)}. Set {key} to one of them (HuggingFaceH4/ultrachat_200k: "
                         "--data.train_split train_sft --data.eval_split test_sft)"
                         + (", or set data.eval_path to a file of held-out rows." if held_out else "."))

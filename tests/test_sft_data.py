@@ -819,11 +819,19 @@ def test_hub_shards_name_their_split_whole_so_train_never_reads_train_sft_and_tr
         tmp_path / "data" / "train_sft-00000-of-00001-2a1df75c6bce91ab.parquet")  # an older push's fingerprint
     assert [row["question"] for row in load_rows(str(tmp_path), split="train_sft")] == ["train_sft"]
     assert [row["question"] for row in load_rows(str(tmp_path), split="test_sft")] == ["test_sft"]
-    shards = "the hub's shards of the splits test_gen, test_sft, train_gen, train_sft"
+    shards = "laid out as the hub's, in the splits test_gen, test_sft, train_gen, train_sft"
     with pytest.raises(UserError, match=f"has no train split: its files are {shards}. Set data.train_split to one of them"):
         load_rows(str(tmp_path))  # before: rows train_gen and train_sft
     with pytest.raises(UserError, match=f"has no test split: its files are {shards}. Set data.eval_split to one of them"):
         load_rows(str(tmp_path), split="test")  # before: rows test_gen and test_sft
+    # The hub's Parquet conversion (`refs/convert/parquet`): each split a folder of numbered files.
+    converted = tmp_path / "converted"
+    for split in ("train_sft", "train_gen"):
+        (converted / "default" / split).mkdir(parents=True)
+        datasets.Dataset.from_list([{"question": split, "answer": "a"}]).to_parquet(str(converted / "default" / split / "0000.parquet"))
+    assert [row["question"] for row in load_rows(str(converted), split="train_sft")] == ["train_sft"]
+    with pytest.raises(UserError, match="has no train split: its files are laid out as the hub's, in the splits train_gen, "):
+        load_rows(str(converted))  # before: rows train_gen and train_sft
 
 
 def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):

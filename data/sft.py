@@ -80,8 +80,9 @@ def unrendered(messages: list[dict], rendered: str) -> str | None:
     such a message was learned without it."""
     for message in messages:
         content = message["content"].strip()
-        forms = (content, json.dumps(content)[1:-1], json.dumps(content, ensure_ascii=False)[1:-1])
-        if message["role"] != "assistant" and content and not any(form in rendered for form in forms):
+        if message["role"] == "assistant" or not content or content in rendered:
+            continue
+        if not any(form in rendered for form in (json.dumps(content)[1:-1], json.dumps(content, ensure_ascii=False)[1:-1])):
             return f"a {message['role']!r} message the chat template does not render"
     return None
 

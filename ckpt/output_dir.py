@@ -116,7 +116,7 @@ def _check_outputs_outside_data(config) -> None:
     where none is named after the split), so the run's metrics.jsonl and its export's JSON files became rows (or a mix
     of formats it refuses) from the next start on, a resume included. Hidden folders, and folders whose files are
     named after their splits (train.jsonl, test.jsonl) while the run's are not, are read as before."""
-    from data.conversations import reads_any  # imported where used: a data folder is the rare case
+    from data.local_files import reads_any  # imported where used: a data folder is the rare case
 
     data = config.data
     for data_key, value, splits in (

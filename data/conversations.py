@@ -1,6 +1,6 @@
-"""Rows to chat conversations: reading rows (local JSON / JSONL / Parquet files, a hub dataset, the bundled arithmetic
-task) and turning each into a `Conversation` of chat messages, with the tools it offers; every row read is either used
-or counted in the `DropReport` under one reason.
+"""Rows to chat conversations: reading rows (local JSON / JSONL / Parquet files through `data.local_files`, a hub
+dataset, the bundled arithmetic task) and turning each into a `Conversation` of chat messages, with the tools it
+offers; every row read is either used or counted in the `DropReport` under one reason.
 
 Tool use: a messages row may hold assistant turns with `tool_calls`, `tool` messages with their results, and a
 `tools` field with the JSON schemas of the tools offered (a list, or that list as JSON text). A row's conversation
@@ -15,16 +15,13 @@ import dataclasses
 import json
 import logging
 import pathlib
-import re
 
 from config.errors import UserError
 from config.sections import BUNDLED_DATA
 from data.arithmetic import EVAL_SEED, TRAIN_SEED, generate_problems
+from data.local_files import LOCAL_FORMATS, load_local
 
 log = logging.getLogger(__name__)
-
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
 
 ARITHMETIC_SPLITS = {"train": (10000, TRAIN_SEED), "test": (1000, EVAL_SEED), "eval": (1000, EVAL_SEED)}
 
@@ -86,139 +83,6 @@ def load_rows(path: str, *, split: str = "train", hub_config: str | None = None,
                         f"could not be loaded from the Hugging Face hub ({error}). Machines without internet "
                         "cannot download; set data.path to a local .json, .jsonl or .parquet file or folder."
                         ) from error
-
-
-# A folder's training split never reads a file named after a held-out split, or one in a folder so named: names
-# starting with test, eval or valid, and dev or val as a whole word (`dev.jsonl`, `val-00000.parquet`, not
-# `devices.jsonl`), the hub's datasets library's names for test and validation files.
-HELD_OUT_NAME = re.compile(r"test|eval|valid|(dev|val)(?![a-zA-Z])")
-
-
-def split_names(file: pathlib.Path, folder: pathlib.Path) -> list[str]:
-    """The names that say which split a file of `folder` is in: the folders between them, and its own name less the
-    suffix (`train/part-0.jsonl`: train and part-0; the hub's `data/train-00000-of-00001.parquet`: data and train-...)."""
-    relative = file.relative_to(folder)
-    return [*relative.parts[:-1], relative.stem]
-
-
-def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
-    """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
-    named after `split`, or in a folder so named; for the training split, when none is, every file not named after a
-    held-out split (`HELD_OUT_NAME`), nor in a folder so named. A folder without files of a held-out split has no
-    such split: a UserError."""
-    if not path.is_dir():
-        return read_files(path, [path])
-    return read_files(path, split_files(path, folder_files(path), split, held_out))
-
-
-def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The data files under a folder, hidden ones (and those in hidden folders) left out."""
-    return sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS and not hidden_in(file, path))
-
-
-def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
-    """Whether `file` lies in `folder` under a hidden name (`.ipynb_checkpoints/`, `.runs/`), which no split reads."""
-    return any(part.startswith(".") for part in file.relative_to(folder).parts)
-
-
-def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_out: bool) -> list[pathlib.Path]:
-    """Which of a folder's data `files` one split reads (`load_local`)."""
-    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
-    # folder of training files alone must not pass them off as held-out ones.
-    named = [file for file in files if any(name.startswith(split) for name in split_names(file, path))]
-    if files and not named and held_out:
-        others = {str(file.relative_to(path)): match.group(0) for file in files for name in split_names(file, path)
-                  if (match := HELD_OUT_NAME.match(name))}
-        hint = "".join(f"; {other} is named after a held-out split: data.eval_split={name} evaluates on it"
-                       for other, name in list(others.items())[:1])
-        raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
-                        f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
-    training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
-    return named or training or files
-
-
-def reads_any(folder: pathlib.Path, written: list[pathlib.Path], splits: list[tuple[str, bool]]) -> bool:
-    """Whether any of the files a run would write under `folder` (`written`) becomes a row of one of its `splits`
-    ((split, held out)) as the folder's loader picks files, with the folder's files as they are now."""
-    written = [file for file in written if not hidden_in(file, folder)]
-    files = sorted({*folder_files(folder), *written})
-    for split, held_out in splits:
-        try:
-            read = split_files(folder, files, split, held_out)
-        except UserError:  # no such held-out split: nothing read
-            continue
-        if any(file in read for file in written):
-            return True
-    return False
-
-
-def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
-    """The rows of local data files of one format (`path`: the file or folder data.path names, for the errors)."""
-    formats = {LOCAL_FORMATS.get(file.suffix) for file in files}
-    if not files or len(formats) != 1 or None in formats:
-        raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
-                        f"files of one of those formats; found {[file.name for file in files]}.")
-    empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
-    if empty:
-        raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
-    import datasets
-
-    shown = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
-    try:
-        return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
-    except UnicodeDecodeError as error:
-        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
-                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
-    except Exception as error:
-        reason = first_bad_file(files) or innermost_reason(error)
-        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
-                        "data.path to another one.") from None
-    finally:
-        if shown:
-            datasets.enable_progress_bars()
-
-
-def first_bad_file(files: list[pathlib.Path]) -> str | None:
-    """Which of the data files the table reader failed on, and why, or None when none shows a fault: a JSON lines
-    line that is not a JSON object, a Parquet file that is damaged or holds no rows, or files whose columns differ
-    (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
-    import pyarrow.parquet
-
-    columns = {}
-    for file in files:
-        if file.suffix == ".parquet":
-            try:
-                metadata = pyarrow.parquet.read_metadata(file)
-            except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
-                return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
-            if metadata.num_rows == 0:
-                return f"{file.name} holds no rows"
-            columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
-        elif file.suffix == ".jsonl":
-            with open(file, encoding="utf-8-sig", errors="replace") as lines:
-                for number, line in enumerate(lines, 1):
-                    try:
-                        row = json.loads(line) if line.strip() else {}
-                    except ValueError as error:
-                        return f"{file.name}, line {number}, is not JSON: {error}"
-                    if not isinstance(row, dict):
-                        return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object"
-                    if file.name not in columns and row:
-                        columns[file.name] = sorted(row)
-    differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
-    if differing:
-        (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
-        return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
-                "are read as one table, so give them the same columns or point data.path at one kind")
-    return None
-
-
-def innermost_reason(error: BaseException) -> str:
-    """The message of the exception at the bottom of `error`'s chain (datasets wraps pyarrow's, which says why)."""
-    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
-        error = error.__cause__ or error.__context__
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 class Conversation(list):
@@ -316,7 +180,8 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
         report.kept_rows.append(index)
     if not conversations:
         raise UserError(f"{source} gave no usable rows: {report.summary()}. Point data.path (or data.eval_path) at data with "
-                        "non-empty prompts and responses, or fix the field settings.")
+                        "non-empty prompts and responses, or fix the field settings (data.messages_field: a column of "
+                        "role/content messages; else data.prompt_field and data.response_field: text columns).")
     return conversations, report
 
 
@@ -335,10 +200,11 @@ def messages_problem(messages, field: str) -> str | None:
     """Return why a row's list of chat messages (its `field`) is unusable, or None when it is fine."""
     if messages is None:
         return f"missing {field!r}"
-    if not isinstance(messages, list) or not all(
-        isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
-    ):
-        return "malformed messages"
+    if not isinstance(messages, list):
+        return f"{field!r} not a list ({type(messages).__name__})"
+    if not all(isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
+        sharegpt = any(isinstance(message, dict) and isinstance(message.get("from"), str) for message in messages)
+        return "ShareGPT's from/value messages, not role/content" if sharegpt else "malformed messages"
     for message in messages:
         reason = message_problem(message)
         if reason:
@@ -353,8 +219,8 @@ def messages_problem(messages, field: str) -> str | None:
             if unanswered_calls == 0:
                 return "tool result without a call"
             unanswered_calls -= 1
-    if not any((message.get("content") or "").strip() or message.get("tool_calls")
-               for message in messages if message["role"] == "assistant"):
+    if not any((message_text(message.get("content")) or "").strip() or message.get("tool_calls")
+               for message in messages if message["role"] == "assistant" and message.get("weight") != 0):
         return "no assistant turn"
     # The assistant header is found by rendering the turns before it, so there must be some.
     return "starts with assistant turn" if messages[0]["role"] == "assistant" else None
@@ -371,10 +237,26 @@ def message_problem(message: dict) -> str | None:
             return reason
         if content is None and tool_calls:
             return None  # a turn of tool calls alone
+    if isinstance(content, list) and message_text(content) is None:
+        kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
+        return f"content parts not text ({', '.join(kinds) or 'not parts'})"
+    if message["role"] == "assistant" and message.get("weight") not in (None, 0, 1):
+        return "assistant weight not 0 or 1"  # OpenAI's fine-tuning form: 0 leaves the turn out of the loss
     if message["role"] == "tool":
         names_are_strings = all(isinstance(message.get(key), (str, type(None))) for key in ("name", "tool_call_id"))
-        return None if isinstance(content, str) and names_are_strings else "malformed tool message"
-    return None if isinstance(content, str) else "malformed messages"
+        return None if message_text(content) is not None and names_are_strings else "malformed tool message"
+    return None if message_text(content) is not None else "malformed messages"
+
+
+def message_text(content) -> str | None:
+    """A message's content as text: a string as it is, a list of text parts (OpenAI's `[{"type": "text", "text": ...}]`)
+    as their texts one after another, as the chat templates that take parts write them; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    return None
 
 
 def named_function(entry) -> dict | None:
@@ -417,16 +299,20 @@ def copied_message(message: dict) -> dict:
     """Return the parts of a checked message that the chat template reads.
 
     Those are the role, the content ("" for a turn of tool calls alone), tool calls in the OpenAI form with dict
-    arguments, a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
-    DeepSeek-R1's templates render it in a think block)."""
-    kept = {"role": message["role"], "content": message.get("content") or ""}
+    arguments and their `id` (Mistral's template writes it into the call the model learns, and refuses a call
+    without one), a tool message's `name` and `tool_call_id`, and an assistant turn's `reasoning_content` (Qwen3's and
+    DeepSeek-R1's templates render it in a think block) and its `weight` of 0 (OpenAI's fine-tuning form: a turn
+    shown as context, not learned; `data.sft.split_turns` reads it)."""
+    kept = {"role": message["role"], "content": message_text(message.get("content")) or ""}
     if message.get("tool_calls"):
-        kept["tool_calls"] = [{"type": "function", "function": tool_call_function(call)}
-                              for call in message["tool_calls"]]
+        kept["tool_calls"] = [{**({"id": call["id"]} if isinstance(call.get("id"), str) else {}), "type": "function",
+                               "function": tool_call_function(call)} for call in message["tool_calls"]]
     if message["role"] == "tool":
         kept |= {key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)}
     if message["role"] == "assistant" and isinstance(message.get("reasoning_content"), str):
         kept["reasoning_content"] = message["reasoning_content"]
+    if message["role"] == "assistant" and message.get("weight") == 0:
+        kept["weight"] = 0
     return kept
 
 

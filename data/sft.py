@@ -4,7 +4,8 @@ Truncation policy: a tokenized sample longer than `max_seq_len + 1` tokens is cu
 `max_seq_len + 1` tokens (inputs are `ids[:-1]`, labels `ids[1:]`, so both then fit in `max_seq_len`)
 and counted as truncated; if the cut leaves no loss token among the labels the sample is dropped and
 counted. A conversation whose turn pieces tokenize differently from its whole rendering (a response
-starting with a newline merges with the header's) is dropped and counted rather than masked by guess.
+starting with a newline merges with the header's) is dropped and counted rather than masked by guess, and so
+is one with a message its chat template does not write (a role the template does not know).
 Every row read is either used or counted in the `DropReport` under one reason.
 
 Tool use: each assistant turn is learned from after its header through the eos token that closes it, its rendered tool
@@ -26,7 +27,8 @@ import numpy
 import torch
 
 from config.errors import UserError
-from config.hf import first_special, turn_end
+from config import hf
+from config.hf import special_texts, turn_end
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
 from data.encode import (TOKENIZE_CHUNK, building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays,
@@ -42,24 +44,47 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], l
 
     The learned part is the turn's content, its rendered tool calls, and the end-of-turn token that closes it."""
     tokenized = tokenize_conversations([messages], tokenizer)[0]
-    if tokenized is None:
-        raise template_error(tokenizer, "a token of the whole text crosses the edge of an assistant turn")
+    if isinstance(tokenized, str):
+        raise template_error(tokenizer, "a token of the whole text crosses the edge of an assistant turn"
+                                        if tokenized == MERGED else tokenized)
     return tokenized
 
 
-def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | None]:
-    """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; None for a conversation where
-    a token crosses the edge of a learned span (a response starting with a newline merges with the header's).
+# Why `tokenize_conversations` drops a conversation whose token crosses the edge of a learned span.
+MERGED = "tokens merge across a turn boundary"
+
+
+def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | str]:
+    """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; for a conversation that cannot
+    be learned as the data gives it, the reason it is dropped: a message its rendering leaves out (`unrendered`), or
+    a token across the edge of a learned span (`MERGED`: a response starting with a newline merges with the header's).
 
     The ids are those of the whole rendering, so a tokenizer that writes a word differently at the start of a text
     (SentencePiece's leading space, Mistral's and Llama 2's) gets the ids the model reads; the mask comes from each
     token's characters."""
     split = [split_turns(messages, tokenizer) for messages in conversations]
     if not getattr(tokenizer, "is_fast", False):
-        return [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
-    encodings = encode_batch([rendered for _, rendered in split], tokenizer)
-    return [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
-            for (spans, rendered), encoding in zip(split, encodings)]
+        tokenized = [tokenize_pieces(spans, rendered, tokenizer) for spans, rendered in split]
+    else:
+        encodings = encode_batch([rendered for _, rendered in split], tokenizer)
+        tokenized = [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
+                     for (spans, rendered), encoding in zip(split, encodings)]
+    return [unrendered(messages, rendered) or (MERGED if pair is None else pair)
+            for messages, (_, rendered), pair in zip(conversations, split, tokenized)]
+
+
+def unrendered(messages: list[dict], rendered: str) -> str | None:
+    """Why a conversation's rendering is not the conversation the data gives: the first message, other than the
+    assistant's, whose content it leaves out (as written, trimmed, or escaped as a template's `tojson` writes it), or
+    None. Qwen's templates write nothing for a role they do not know (`function`, `developer`), so the answer after
+    such a message was learned without it."""
+    for message in messages:
+        content = message["content"].strip()
+        if message["role"] == "assistant" or not content or content in rendered:
+            continue
+        if not any(form in rendered for form in (json.dumps(content)[1:-1], json.dumps(content, ensure_ascii=False)[1:-1])):
+            return f"a {message['role']!r} message the chat template does not render"
+    return None
 
 
 def token_mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
@@ -102,7 +127,9 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
     the last user turn) is learned as the whole conversation shows it."""
     tools = conversation_tools(messages)
     rendered = chat_text(messages, tokenizer, tools)
-    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    # A turn of weight 0 (OpenAI's fine-tuning form) is context only, as the user's turns are.
+    turns = [index for index, message in enumerate(messages)
+             if message["role"] == "assistant" and message.get("weight") != 0]
     contexts = [chat_text(messages[:index], tokenizer, tools) for index in turns]
     spans = []
     for index, context, following in zip(turns, contexts, [*contexts[1:], rendered]):
@@ -123,14 +150,13 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
         # What a template writes between the header and the content (Qwen3's <think> block on the last turn) is
         # learned with it: after the generation prompt the model writes it itself.
         start, start_alone = turn.find(content), alone.find(content)
-        # The turn's end: the first special token after the content (the end token, or the template's own, such as
-        # ChatML's <|im_end|> under a base model's tokenizer whose end token is <|endoftext|>). A template that
+        # The turn's end (`closing_token`): the special token after the content that closes the turn. A template that
         # rewrites the content (Qwen3 moves a `<think>...</think>` at its start into a block of its own) shows it
         # nowhere whole: the turn is learned as rendered, through the template's turn end.
         if start < 0 or start_alone < 0:
             start, content, end = 0, "", turn_end(tokenizer)
         else:
-            end = first_special(tokenizer, alone[start_alone + len(content) :])
+            end = closing_token(tokenizer, alone[start_alone + len(content) :])
         if not (last.startswith(prompted) and end and end in turn[start + len(content) :] and end in alone):
             raise template_error(tokenizer, "an assistant turn is not header + content (+ tool calls) + "
                                             "end-of-turn token")
@@ -138,6 +164,22 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
         # to stop; the search starts after the content, so content quoting the end text does not end it early.
         spans.append((len(prompted), len(prompted) + turn.index(end, start + len(content)) + len(end)))
     return spans, rendered
+
+
+def closing_token(tokenizer, after: str) -> str | None:
+    """The special token that closes an assistant turn, of `after`, the turn's text after its content when it is
+    rendered last: the first special token there (the end token, or the template's own, such as ChatML's <|im_end|>
+    under a base model's tokenizer whose end token is <|endoftext|>), unless more follow it. A tool call may open with
+    a special token of its own (Mistral's `[TOOL_CALLS]`, Llama 3.1's `<|python_tag|>`): there the turn closes at the
+    template's turn end (`turn_end`) when the turn writes it, else at its last special token, so the call and the
+    token that ends it are learned, not the opening token alone."""
+    specials = [special for special in special_texts(tokenizer) if special and special in after]
+    if len(specials) < 2:
+        return specials[0] if specials else None
+    closing = turn_end(tokenizer)
+    if closing in after:
+        return closing
+    return max((after.rfind(special), len(special), special) for special in specials)[2]
 
 
 class TokenizedExamples(collections.abc.Sequence):
@@ -175,8 +217,8 @@ def build_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int,
                  for pair in tokenize_conversations(conversations[start : start + TOKENIZE_CHUNK], tokenizer))
     for row, pair in with_progress(zip(report.kept_rows, tokenized, strict=True), len(conversations),
                                    "conversations tokenized"):
-        if pair is None:
-            report.drop(row, "tokens merge across a turn boundary")
+        if isinstance(pair, str):
+            report.drop(row, pair)
             continue
         input_ids, loss_mask = pair
         truncated = len(input_ids) > max_seq_len + 1
@@ -222,7 +264,7 @@ CACHE_FOLDER = "sft-examples"
 def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport) -> str | None:
     """A digest of everything `build_examples` reads, or None for a slow tokenizer: the conversations and their tools,
     the report's row numbering so far, `max_seq_len`, the tokenizer (`tokenizer_digest_parts`, the first
-    conversation rendered) and this module's source (the turn-splitting code)."""
+    conversation rendered) and the turn-splitting code (this module and `config.hf`)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
     state = {"conversations": conversations, "tools": [conversation_tools(messages) for messages in conversations],
@@ -230,7 +272,8 @@ def examples_cache_key(conversations: list[list[dict]], tokenizer, max_seq_len: 
              "kept_rows": report.kept_rows, "dropped": sorted(report.dropped_by_reason.items()),
              "first_drops": report.first_drops, "truncated": report.truncated}
     first = chat_text(conversations[0], tokenizer, conversation_tools(conversations[0])) if conversations else ""
-    return cache_key(state, tokenizer, first, pathlib.Path(__file__).read_text())
+    # The turn-splitting code is this module and `config.hf`, whose special-token helpers find where each turn ends.
+    return cache_key(state, tokenizer, first, pathlib.Path(__file__).read_text(), pathlib.Path(hf.__file__).read_text())
 
 
 def cached_examples(conversations: list[list[dict]], tokenizer, max_seq_len: int, report: DropReport,

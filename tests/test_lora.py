@@ -66,8 +66,8 @@ def test_sft_held_out_loss_is_computed_with_dropout_off(monkeypatch):
     chunks = [torch.nn.Dropout(0.5).train(), torch.nn.Dropout(0.5).train()]  # two chunks: virtual pipeline stages
     policy = types.SimpleNamespace(chunks=chunks, tokenizer=types.SimpleNamespace(pad_token_id=0))
     data = types.SimpleNamespace(eval=[0, 1, 2, 3], eval_prompts=[])
-    config = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch_size=1), parallel=types.SimpleNamespace(pp=1),
-                                   data=types.SimpleNamespace(max_seq_len=64))
+    config = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch_size=1, micro_batch_tokens=0),
+                                   parallel=types.SimpleNamespace(pp=1), data=types.SimpleNamespace(max_seq_len=64))
     runtime = types.SimpleNamespace(dp_rank=0, dp_size=1, device="cpu")
     assert sft.evaluate(policy, data, config, runtime) == {"eval_loss": 1.0}
     assert seen and all(modes == [False, False] for modes in seen), seen

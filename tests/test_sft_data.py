@@ -242,6 +242,55 @@ def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(chec
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [base.eos_token_id, im_end]
 
 
+def test_a_template_with_generation_markers_gives_the_mask_its_markers_give(checkpoint):
+    """TRL's `assistant_only_loss` reads `{% generation %}` markers; the mask read off the renderings is the one the
+    markers give (transformers' `return_assistant_tokens_mask`), on a multi-turn row."""
+    marked = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    marked.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2\n#### 2"},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4\n#### 4"}]
+    input_ids, loss_mask = tokenize_conversation(messages, marked)
+    markers = marked.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert (input_ids, loss_mask) == (markers["input_ids"], markers["assistant_masks"])
+    assert learned_spans(marked, input_ids, loss_mask) == ["1 + 1 = 2\n#### 2<|im_end|>", "2 + 2 = 4\n#### 4<|im_end|>"]
+
+
+def test_a_tool_call_that_opens_with_a_special_token_is_learned_through_the_turns_end(checkpoint):
+    """Mistral's template writes a tool-call turn as `[TOOL_CALLS]` (a special token) + the calls + eos, and Llama 3.1's
+    a built-in tool's call as `<|python_tag|>` + the call + `<|eom_id|>`: the turn is learned through the token that
+    closes it. Before, the mask ended at the first special token after the (empty) content, so only `[TOOL_CALLS]`
+    was learned, neither the call nor its end."""
+    mistral = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<|python_tag|>", "<|eom_id|>"]})
+    mistral.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+        "{% elif m['role'] == 'assistant' and m.tool_calls %}[TOOL_CALLS] "
+        "{{ m.tool_calls | map(attribute='function') | list | tojson }}{{ eos_token }}"
+        "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+        "{% elif m['role'] == 'tool' %}[TOOL_RESULTS] {{ m['content'] }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]}
+    messages = [{"role": "user", "content": "1 + 1?"}, call, {"role": "tool", "name": "add", "content": "2"},
+                {"role": "assistant", "content": "It is 2."}]
+    input_ids, loss_mask = tokenize_conversation(messages, mistral)
+    assert learned_spans(mistral, input_ids, loss_mask) == [
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 1}}]<|im_end|>', " It is 2.<|im_end|>"]
+    assert sum(loss_mask) == 58  # 11 before: `[TOOL_CALLS]` alone of the call turn
+    llama = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|eom_id|>"]})
+    llama.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}<|python_tag|>"
+        "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments | tojson }})<|eom_id|>"
+        "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    input_ids, loss_mask = tokenize_conversation(messages, llama)
+    assert learned_spans(llama, input_ids, loss_mask) == [
+        '<|python_tag|>add({"a": 1, "b": 1})<|eom_id|>', "It is 2.<|im_end|>"]
+
+
 def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     row = {"messages": [
         {"role": "system", "content": "Be brief."},
@@ -259,6 +308,64 @@ def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     ]
 
 
+# Qwen2.5's chat template as its checkpoints ship it, without the tool-call parts: a role it does not know is not written.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not "
+    "loop.first) or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
+    "{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_message_the_chat_template_does_not_render_drops_its_row_by_name(checkpoint):
+    """Qwen's templates write nothing for a role they do not know (OpenAI's older `function` results, its `developer`
+    instructions): the answer after such a message was learned without it, silently. Such a row is dropped and counted
+    under the role; a tool result a template writes through `tojson` (Llama 3.1's) is rendered, and kept."""
+    qwen = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    qwen.chat_template = QWEN25_TEMPLATE
+    rows = [{"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "function", "content": "21 C, sun"},
+                          {"role": "assistant", "content": "It is 21 C and sunny."}]},
+            {"messages": [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Bonjour"}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    examples = build_examples(conversations, qwen, 128, report)
+    assert len(examples) == 1 and report.kept_rows == [2]
+    assert report.summary() == (
+        "1 of 3 rows used, 2 dropped (a 'developer' message the chat template does not render: 1, a 'function' message "
+        "the chat template does not render: 1), 0 truncated; first dropped: row 0 (a 'function' message the chat "
+        "template does not render), row 1 (a 'developer' message the chat template does not render)")
+    with pytest.raises(UserError, match="a 'function' message the chat template does not render"):
+        tokenize_conversation(conversations[0], qwen)
+    as_json = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    as_json.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'tool' %}"
+                             "{{ m['content'] | tojson }}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": 'sky: "clear"\ntemp: 21 °C'},
+                {"role": "assistant", "content": "Clear, 21 C."}]
+    assert learned_spans(as_json, *tokenize_conversation(messages, as_json)) == ["Clear, 21 C.<|im_end|>"]
+
+
+def test_an_assistant_turn_of_weight_0_is_context_not_learned(tokenizer):
+    """OpenAI's fine-tuning form marks an assistant turn not to learn with `"weight": 0`: it is shown, not learned (it
+    was learned like every other turn). A row whose every assistant turn has weight 0 has nothing to learn, and a
+    weight other than 0 or 1 is named."""
+    row = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "3", "weight": 0},
+                        {"role": "user", "content": "Wrong. 1 + 1?"}, {"role": "assistant", "content": "2", "weight": 1}]}
+    nothing = {"messages": row["messages"][:2]}
+    odd = {"messages": [row["messages"][0], {"role": "assistant", "content": "2", "weight": 0.5}]}
+    conversations, report = to_conversations([row, nothing, odd], messages_field="messages")
+    assert report.first_drops == [(1, "no assistant turn"), (2, "assistant weight not 0 or 1")]
+    input_ids, loss_mask = tokenize_conversation(conversations[0], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask) == ["2<|im_end|>"]  # before: ["3<|im_end|>", "2<|im_end|>"]
+    assert input_ids == tokenize_conversation([{key: value for key, value in message.items() if key != "weight"}
+                                               for message in row["messages"]], tokenizer)[0]
+
+
 def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
@@ -272,6 +379,29 @@ def test_messages_rows_without_a_usable_assistant_turn_are_dropped():
     assert len(conversations) == 1 and report.kept_rows == [0]
     assert report.first_drops == [(1, "no assistant turn"), (2, "no assistant turn"), (3, "malformed messages"),
                                   (4, "starts with assistant turn"), (5, "missing 'messages'")]
+
+
+def test_text_parts_are_read_as_text_and_other_message_forms_are_named(tokenizer):
+    """OpenAI's content parts (`[{"type": "text", "text": ...}]`) are the texts one after another, as templates that
+    take parts write them: such rows were all dropped as "malformed messages". ShareGPT's from/value messages, messages
+    given as JSON text and image parts are named, where each was "malformed messages"."""
+    def parts(*texts):
+        return [{"type": "text", "text": text} for text in texts]
+
+    rows = [{"messages": [{"role": "user", "content": parts("What is ", "2 + 3?")},
+                          {"role": "assistant", "content": parts("2 + 3 = 5")}]},
+            {"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"messages": json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])},
+            {"messages": [{"role": "user", "content": [{"type": "image", "url": "cat.png"}, *parts("What is it?")]},
+                          {"role": "assistant", "content": "A cat."}]}]
+    conversations, report = to_conversations(rows, messages_field="messages")
+    assert conversations == [[{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5"}]]
+    assert report.first_drops == [(1, "ShareGPT's from/value messages, not role/content"), (2, "'messages' not a list (str)"),
+                                  (3, "content parts not text (image)")]
+    input_ids, loss_mask = tokenize_conversation(conversations[0], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask) == ["2 + 3 = 5<|im_end|>"]
+    with pytest.raises(UserError, match=r"not role/content\)\. .*\(data\.messages_field: a column of role/content"):
+        to_conversations(rows[1:2], messages_field="messages")
 
 
 def test_a_template_that_does_not_close_assistant_turns_with_eos_is_refused(checkpoint):
@@ -376,6 +506,21 @@ def test_cached_examples_equal_a_fresh_tokenization_and_follow_every_input(token
     unwritable.mkdir()
     (unwritable / "sft-examples").write_text("a file where the cache's folder would go")
     assert tokenized(cache=unwritable) == fresh  # tokenized, not cached, and the run goes on
+
+
+def test_the_examples_cache_key_follows_the_code_that_finds_each_turns_end(tokenizer, tmp_path, monkeypatch):
+    """`config.hf`'s special-token helpers decide where each learned turn ends: a change to them is a new cache entry,
+    not the old masks read back (the key covered data/sft.py, data/encode.py and data/batches.py, not config/hf.py)."""
+    import config.hf
+    import data.sft as sft_data
+
+    conversations, report = to_conversations([{"question": "1 + 1?", "answer": "2"}])
+    key = sft_data.examples_cache_key(conversations, tokenizer, 32, report)
+    assert sft_data.examples_cache_key(conversations, tokenizer, 32, report) == key
+    changed = tmp_path / "hf.py"
+    changed.write_text(Path(config.hf.__file__).read_text() + "\n# the turn's end found another way\n")
+    monkeypatch.setattr(config.hf, "__file__", str(changed))
+    assert sft_data.examples_cache_key(conversations, tokenizer, 32, report) != key
 
 
 def test_tokenized_examples_are_held_in_flat_arrays_and_index_as_the_list(tokenizer):
@@ -587,6 +732,25 @@ def test_a_held_out_set_smaller_than_the_data_parallel_size_is_a_warning_naming_
         "fewer data-parallel ranks"]
 
 
+def test_held_out_answers_without_the_graded_form_say_there_is_no_accuracy(tokenizer, tmp_path, caplog):
+    """A held-out set with an answer the accuracy cannot grade (no `#### N`) has no held-out accuracy, which was left
+    out without a word: a run on GSM8K-style data with one such row showed no `eval_accuracy`, and nothing said why."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                  + "\n" for index in range(8)))
+    held_out = [{"question": "1 + 1", "answer": "#### 2"}, {"question": "2 + 2", "answer": "4"}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(tmp_path), False, 8
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=1)
+    assert len(data.eval) == 2 and data.eval_prompts == []
+    assert (f"no held-out accuracy: 1 of the 2 held-out answers of `{tmp_path}` (test) have no GSM8K `#### N` line, "
+            "which the accuracy grades (the held-out loss is computed)") in caplog.messages
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 
@@ -641,6 +805,33 @@ def test_split_folders_and_dev_files_keep_held_out_rows_out_of_training(tmp_path
     with caplog.at_level("WARNING"):
         assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
     assert "evaluation is skipped: data.path" in caplog.text and "data.eval_split=dev" in caplog.text
+
+
+def test_hub_shards_name_their_split_whole_so_train_never_reads_train_sft_and_train_gen(tmp_path):
+    """A local copy of HuggingFaceH4/ultrachat_200k (`data/{train,test}_{sft,gen}-00000-of-00001.parquet`) at the default
+    splits trained on train_gen and train_sft together and evaluated on both test sets, where the hub refuses split
+    `train`: a hub shard's name is its split whole, and a split none of them has is a paragraph naming the key."""
+    for split in ("train_sft", "train_gen", "test_sft", "test_gen"):
+        shard = tmp_path / "data" / f"{split}-00000-of-00001.parquet"
+        shard.parent.mkdir(exist_ok=True)
+        datasets.Dataset.from_list([{"question": split, "answer": "a"}]).to_parquet(str(shard))
+    (tmp_path / "data" / "train_sft-00000-of-00001.parquet").rename(
+        tmp_path / "data" / "train_sft-00000-of-00001-2a1df75c6bce91ab.parquet")  # an older push's fingerprint
+    assert [row["question"] for row in load_rows(str(tmp_path), split="train_sft")] == ["train_sft"]
+    assert [row["question"] for row in load_rows(str(tmp_path), split="test_sft")] == ["test_sft"]
+    shards = "laid out as the hub's, in the splits test_gen, test_sft, train_gen, train_sft"
+    with pytest.raises(UserError, match=f"has no train split: its files are {shards}. Set data.train_split to one of them"):
+        load_rows(str(tmp_path))  # before: rows train_gen and train_sft
+    with pytest.raises(UserError, match=f"has no test split: its files are {shards}. Set data.eval_split to one of them"):
+        load_rows(str(tmp_path), split="test")  # before: rows test_gen and test_sft
+    # The hub's Parquet conversion (`refs/convert/parquet`): each split a folder of numbered files.
+    converted = tmp_path / "converted"
+    for split in ("train_sft", "train_gen"):
+        (converted / "default" / split).mkdir(parents=True)
+        datasets.Dataset.from_list([{"question": split, "answer": "a"}]).to_parquet(str(converted / "default" / split / "0000.parquet"))
+    assert [row["question"] for row in load_rows(str(converted), split="train_sft")] == ["train_sft"]
+    with pytest.raises(UserError, match="has no train split: its files are laid out as the hub's, in the splits train_gen, "):
+        load_rows(str(converted))  # before: rows train_gen and train_sft
 
 
 def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
@@ -780,6 +971,35 @@ def test_a_token_budget_groups_rows_of_similar_length_and_agrees_on_the_count():
     # Against 2 rows a micro-batch in order (padded to 104, 32, 104, 64: 608 tokens), 480: 208 + 256 + 16.
     assert sum(len(group) * padded(group)
                for group in token_budget_microbatches(lengths, [list(range(8))], 256, pad, lambda count: count)) == 480
+
+
+def test_held_out_forwards_keep_the_token_budget_of_the_training_micro_batches(tmp_path):
+    """Under `train.micro_batch_tokens` the held-out loss's forwards were `train.micro_batch_size` rows each (32 by
+    default): the baseline evaluation fed 6 rows x 64 = 384 positions at once under a budget of 128. Now they are
+    grouped by the same budget; without one, `train.micro_batch_size` rows a call, as before."""
+    import socket
+
+    import torch.distributed as dist
+
+    from config.loops import SFTConfig
+    from trainer.sft import held_out_calls
+
+    share = [Example(list(range(length + 1)), [0] + [1] * length) for length in (60, 10, 60, 10, 10, 10)]
+    config = SFTConfig()
+    config.data.max_seq_len, config.train.micro_batch_size = 64, 4
+    assert held_out_calls(share, config, interleaved=0) == [[[0, 1, 2, 3]], [[4, 5]]]
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1], [2], [3]], [[4], [5]]]
+    config.train.micro_batch_tokens = 128
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        calls = held_out_calls(share, config, interleaved=0)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [[[0, 2], [1, 3, 4, 5]]]  # 2 rows x 64 and 4 rows x 16 positions, each within 128
+    assert [len(batch) * padded_size(max(len(share[row].input_ids) - 1 for row in batch), 64) for batch in calls[0]] == [128, 64]
 
 
 def test_packed_and_unpacked_batches_give_identical_token_losses(checkpoint, tokenizer):

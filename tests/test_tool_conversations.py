@@ -95,6 +95,41 @@ def test_tool_calls_are_learned_and_tool_results_are_not(tokenizer):
     )
 
 
+# Mistral-7B-Instruct-v0.3's chat template, its tool parts as it ships them (the tools list left out): each call is
+# written with its `id`, which must be 9 characters, and a tool result names the call it answers.
+MISTRAL_TOOL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message.role == 'user' %}[INST] {{ message.content }}[/INST]"
+    "{% elif message.tool_calls is defined and message.tool_calls is not none %}[TOOL_CALLS] ["
+    "{% for tool_call in message.tool_calls %}{% set out = tool_call.function|tojson %}{{ out[:-1] }}"
+    "{% if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ ', \"id\": \"' + tool_call.id + '\"}' }}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif message.role == 'assistant' %} {{ message.content }}{{ eos_token }}"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ message.content }}, "
+    "\"call_id\": \"{{ message.tool_call_id }}\"}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+
+
+def test_a_tool_calls_id_is_kept_and_learned_where_the_template_writes_it():
+    """A call's `id` (OpenAI's form) is kept: Mistral's template writes it into the call the model learns and refuses
+    a call without one. It was dropped, so every tool row was refused for Mistral ("Tool call IDs should be
+    alphanumeric strings with length 9!"), and a template that writes it when given learned calls without it."""
+    mistral = build_tokenizer()
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]})
+    mistral.chat_template = MISTRAL_TOOL_TEMPLATE
+    row = {"messages": [
+        {"role": "user", "content": "What is 12 * 7?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call00001", "type": "function", "function": {
+            "name": "calculator", "arguments": '{"expression": "12 * 7"}'}}]},
+        {"role": "tool", "name": "calculator", "tool_call_id": "call00001", "content": "84"},
+        {"role": "assistant", "content": "84."}]}
+    (conversation,), _ = to_conversations([row], messages_field="messages")
+    assert conversation[1]["tool_calls"][0]["id"] == "call00001"
+    input_ids, loss_mask = tokenize_conversation(conversation, mistral)
+    assert learned_spans(mistral, input_ids, loss_mask) == [
+        '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "12 * 7"}, "id": "call00001"}]<|im_end|>',
+        " 84.<|im_end|>"]
+
+
 def test_a_row_without_tools_renders_and_masks_as_the_plain_template(tokenizer):
     messages = [
         {"role": "system", "content": "Be brief."},

@@ -56,7 +56,11 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
     eval_conversations = prompt_data.trim_for_data_parallel(held_out[1], config.train.eval_samples, data_parallel_size)
     eval_prompts = prompt_data.prompts_from_conversations(eval_conversations, tokenizer)
     # The default reward grades GSM8K-style `#### N` answers; references without one leave nothing to grade.
-    if not all(rewards.has_answer_format(prompt.reference) for prompt in eval_prompts):
+    ungraded = sum(not rewards.has_answer_format(prompt.reference) for prompt in eval_prompts)
+    if ungraded:
+        log.info("no held-out accuracy: %d of the %d held-out answers of %s have no GSM8K `#### N` line, which the "
+                 "accuracy grades (the held-out loss is computed)", ungraded, len(eval_prompts),
+                 prompt_data.held_out_source(data))
         eval_prompts = []
     return SFTData(train, eval_examples, eval_prompts)
 
@@ -159,30 +163,39 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     # Every data-parallel rank scores an equal share (load_data trimmed the set to a multiple of the DP size),
     # so all ranks run the same number of batches and the DP sums stay collective.
     share = data.eval[runtime.dp_rank :: runtime.dp_size]
-    micro = config.train.micro_batch_size
-    # The interleaved schedule (virtual pipeline stages) takes at least PP microbatches a call, all of one shape: there
-    # each batch goes in as one-row microbatches, and a last batch of fewer than PP rows joins the one before it.
     interleaved = config.parallel.pp if len(policy.chunks) > 1 else 0
-    starts = list(range(0, len(share), micro))
-    if interleaved and len(starts) > 1 and len(share) - starts[-1] < interleaved:
-        starts.pop()
+    calls = held_out_calls(share, config, interleaved)
     if interleaved and len(share) < interleaved:  # the same on every rank: the shares are equal
         log.warning("held-out loss skipped: %d held-out rows per data-parallel rank, and virtual pipeline stages need "
                     "at least parallel.pp=%d; raise train.eval_samples", len(share), interleaved)
-        starts = []
+        calls = []
     loss_sum, tokens = 0.0, 0.0
     with contextlib.ExitStack() as modes:
         for chunk in policy.chunks:  # dropout off (LoRA's `peft.dropout`): the held-out loss of the model, not of a draw
             modes.enter_context(build.eval_mode(chunk))
-        for start, end in zip(starts, [*starts[1:], len(share)]):
-            group = share[start:end]
-            rows = [[row] for row in range(len(group))] if interleaved else [list(range(len(group)))]
-            microbatches, seq_len = collate_microbatches(group, rows, config, policy.tokenizer.pad_token_id, runtime.device)
+        for call in calls:
+            microbatches, seq_len = collate_microbatches(share, call, config, policy.tokenizer.pad_token_id, runtime.device)
             batch_loss, batch_tokens = run_microbatches(policy.chunks, microbatches, seq_len, forward_only=True)
             loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
     accuracy = evaluation.held_out_metrics(policy, data.eval_prompts, rewards.get_reward(DEFAULT_REWARD), runtime, config,
                                            max_new_tokens=config.data.max_seq_len // 2)
-    return {**({"eval_loss": loss_sum / max(tokens, 1)} if starts else {}), **accuracy}
+    return {**({"eval_loss": loss_sum / max(tokens, 1)} if calls else {}), **accuracy}
+
+
+def held_out_calls(share, config, interleaved: int) -> list[list[list[int]]]:
+    """This rank's held-out rows (`share`) as the forward-only calls `evaluate` makes, each a list of micro-batches (row
+    indices into `share`). Under `train.micro_batch_tokens`, one call of micro-batches within the training's token
+    budget (collective: the count is agreed over the ranks), where `train.micro_batch_size` rows a forward passed it
+    (32 rows of `data.max_seq_len` tokens by default); else that many rows a call. The interleaved schedule (virtual
+    pipeline stages, `interleaved` = parallel.pp) takes at least PP micro-batches a call, all of one shape: there each
+    call's rows go in as one-row micro-batches, and a last call of fewer than PP rows joins the one before it."""
+    if config.train.micro_batch_tokens:
+        return [token_budget_indices(share, [list(range(len(share)))], config)]
+    starts = list(range(0, len(share), config.train.micro_batch_size))
+    if interleaved and len(starts) > 1 and len(share) - starts[-1] < interleaved:
+        starts.pop()
+    ranges = [range(start, end) for start, end in zip(starts, [*starts[1:], len(share)])]
+    return [[[row] for row in rows] if interleaved else [list(rows)] for rows in ranges]
 
 
 def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_norm: float | None, lr: float,

@@ -1,0 +1,167 @@
+"""Local data files: which of a folder's .json / .jsonl / .parquet files make up a split (by their names, as the hub's
+loader reads them), and reading them into rows, with a paragraph naming the file when one cannot be read.
+"""
+
+import json
+import pathlib
+import re
+
+from config.errors import UserError
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+# A folder's training split never reads a file named after a held-out split, or one in a folder so named: names
+# starting with test, eval or valid, and dev or val as a whole word (`dev.jsonl`, `val-00000.parquet`, not
+# `devices.jsonl`), the hub's datasets library's names for test and validation files.
+HELD_OUT_NAME = re.compile(r"test|eval|valid|(dev|val)(?![a-zA-Z])")
+
+
+# The hub's shard names (`data/train_sft-00000-of-00003.parquet`, older pushes with a fingerprint after them) name their
+# split whole, as does the folder of its Parquet conversion's numbered files (`default/train_sft/0000.parquet`):
+# `train` is not `train_sft`, as the hub's own loader reads them.
+HUB_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?")
+
+
+def hub_split(file: pathlib.Path, folder: pathlib.Path) -> str | None:
+    """The split a file of `folder` is in by the hub's layouts, whole (`HUB_SHARD`); None for a file named otherwise."""
+    if shard := HUB_SHARD.fullmatch(file.stem):
+        return shard.group(1)
+    parts = file.relative_to(folder).parts
+    return parts[-2] if len(parts) > 1 and file.stem.isdigit() else None
+
+
+def split_names(file: pathlib.Path, folder: pathlib.Path) -> list[str]:
+    """The names that say which split a file of `folder` is in: the folders between them, and its own name less the
+    suffix (`train/part-0.jsonl`: train and part-0; the hub's `data/train-00000-of-00001.parquet`: data and train-...)."""
+    relative = file.relative_to(folder)
+    return [*relative.parts[:-1], relative.stem]
+
+
+def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
+    """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
+    named after `split`, or in a folder so named; for the training split, when none is, every file not named after a
+    held-out split (`HELD_OUT_NAME`), nor in a folder so named. A folder without files of a held-out split has no
+    such split: a UserError."""
+    if not path.is_dir():
+        return read_files(path, [path])
+    return read_files(path, split_files(path, folder_files(path), split, held_out))
+
+
+def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The data files under a folder, hidden ones (and those in hidden folders) left out."""
+    return sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS and not hidden_in(file, path))
+
+
+def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
+    """Whether `file` lies in `folder` under a hidden name (`.ipynb_checkpoints/`, `.runs/`), which no split reads."""
+    return any(part.startswith(".") for part in file.relative_to(folder).parts)
+
+
+def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_out: bool) -> list[pathlib.Path]:
+    """Which of a folder's data `files` one split reads (`load_local`)."""
+    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
+    # folder of training files alone must not pass them off as held-out ones.
+    hub = {file: hub_split(file, path) for file in files}
+    named = [file for file in files if hub[file] == split
+             or hub[file] is None and any(name.startswith(split) for name in split_names(file, path))]
+    shard_splits = sorted({name for name in hub.values() if name is not None})
+    if files and not named and shard_splits:  # no other split read in its place (train_sft and train_gen for `train`)
+        key = "data.eval_split" if held_out else "data.train_split"
+        raise UserError(f"data.path {str(path)!r} has no {split} split: its files are laid out as the hub's, in the splits "
+                        f"{', '.join(shard_splits)}. Set {key} to one of them (HuggingFaceH4/ultrachat_200k: "
+                        "--data.train_split train_sft --data.eval_split test_sft)"
+                        + (", or set data.eval_path to a file of held-out rows." if held_out else "."))
+    if files and not named and held_out:
+        others = {str(file.relative_to(path)): match.group(0) for file in files for name in split_names(file, path)
+                  if (match := HELD_OUT_NAME.match(name))}
+        hint = "".join(f"; {other} is named after a held-out split: data.eval_split={name} evaluates on it"
+                       for other, name in list(others.items())[:1])
+        raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
+                        f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
+    training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
+    return named or training or files
+
+
+def reads_any(folder: pathlib.Path, written: list[pathlib.Path], splits: list[tuple[str, bool]]) -> bool:
+    """Whether any of the files a run would write under `folder` (`written`) becomes a row of one of its `splits`
+    ((split, held out)) as the folder's loader picks files, with the folder's files as they are now."""
+    written = [file for file in written if not hidden_in(file, folder)]
+    files = sorted({*folder_files(folder), *written})
+    for split, held_out in splits:
+        try:
+            read = split_files(folder, files, split, held_out)
+        except UserError:  # no such held-out split: nothing read
+            continue
+        if any(file in read for file in written):
+            return True
+    return False
+
+
+def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
+    """The rows of local data files of one format (`path`: the file or folder data.path names, for the errors)."""
+    formats = {LOCAL_FORMATS.get(file.suffix) for file in files}
+    if not files or len(formats) != 1 or None in formats:
+        raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
+                        f"files of one of those formats; found {[file.name for file in files]}.")
+    empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
+    if empty:
+        raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
+    try:
+        return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
+    except UnicodeDecodeError as error:
+        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
+                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
+    except Exception as error:
+        reason = first_bad_file(files) or innermost_reason(error)
+        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
+                        "data.path to another one.") from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def first_bad_file(files: list[pathlib.Path]) -> str | None:
+    """Which of the data files the table reader failed on, and why, or None when none shows a fault: a JSON lines
+    line that is not a JSON object, a Parquet file that is damaged or holds no rows, or files whose columns differ
+    (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
+    import pyarrow.parquet
+
+    columns = {}
+    for file in files:
+        if file.suffix == ".parquet":
+            try:
+                metadata = pyarrow.parquet.read_metadata(file)
+            except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
+                return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
+            if metadata.num_rows == 0:
+                return f"{file.name} holds no rows"
+            columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
+        elif file.suffix == ".jsonl":
+            with open(file, encoding="utf-8-sig", errors="replace") as lines:
+                for number, line in enumerate(lines, 1):
+                    try:
+                        row = json.loads(line) if line.strip() else {}
+                    except ValueError as error:
+                        return f"{file.name}, line {number}, is not JSON: {error}"
+                    if not isinstance(row, dict):
+                        return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object"
+                    if file.name not in columns and row:
+                        columns[file.name] = sorted(row)
+    differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
+    if differing:
+        (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
+        return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
+                "are read as one table, so give them the same columns or point data.path at one kind")
+    return None
+
+
+def innermost_reason(error: BaseException) -> str:
+    """The message of the exception at the bottom of `error`'s chain (datasets wraps pyarrow's, which says why)."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__
+    return " ".join(str(error).split()) or type(error).__name__

@@ -3,6 +3,7 @@
 model's settings, Mixture-of-Experts routers and layouts, recomputation. Each raises a `UserError` naming the key to
 change."""
 
+import logging
 from pathlib import Path
 
 from config import sections
@@ -13,6 +14,8 @@ from config.sections import (
     ATTENTION_NAMES, DTYPE_NAMES, EMBEDDED_MODELS, HF_EXPERT_KEYS, MOE_AUX_LOSS_TYPES, MOE_DISPATCHERS,
     MOE_ROUTER_DTYPES, MOE_ROUTER_KEYS, RECOMPUTE_METHODS, RECOMPUTE_MODULES, RECOMPUTE_NAMES
 )
+
+log = logging.getLogger(__name__)
 
 
 class ModelChecks:
@@ -60,6 +63,12 @@ class ModelChecks:
             check_decoder_classifier(hf, model_path, "model.path")
         parallel = self.parallel
         per_chunk = self.check_layout_divides(hf)
+        positions = hf.get("max_position_embeddings")
+        if positions and self.data.max_seq_len > positions:
+            log.warning("`data.max_seq_len=%d` is longer than `model.path=%s` was trained on (config.json's "
+                        "max_position_embeddings, %d): positions past it are ones its rotary embedding never saw, and "
+                        "long rows may train and generate worse. Lower `--data.max_seq_len` to %d or less unless the "
+                        "checkpoint is known to extend further.", self.data.max_seq_len, model_path, positions, positions)
         layers = hf.get("num_hidden_layers", 1)
         model = self.model
         require(model.recompute != "full" or model.recompute_num_layers <= per_chunk,

@@ -49,6 +49,18 @@ def test_precision_aware_optimizer_with_fp32_is_said_once(caplog):
     assert "`optim.use_precision_aware_optimizer=true` has no effect with `model.dtype=fp32`" in caplog.text
 
 
+def test_rows_longer_than_the_models_positions_are_said(caplog):
+    # The embedded tiny model was built with max_position_embeddings 512: 1024-token rows pass it, 512 do not.
+    from model.tiny import ensure_tiny_checkpoint
+
+    with caplog.at_level(logging.WARNING):
+        make(**{"model.path": str(ensure_tiny_checkpoint()), "data.max_seq_len": 512}).validate(world_size=1)
+        assert "max_position_embeddings" not in caplog.text
+        make(**{"model.path": str(ensure_tiny_checkpoint()), "data.max_seq_len": 1024}).validate(world_size=1)
+    assert "`data.max_seq_len=1024` is longer than `model.path=" in caplog.text
+    assert "(config.json's max_position_embeddings, 512)" in caplog.text and "`--data.max_seq_len` to 512" in caplog.text
+
+
 def test_a_non_utf8_data_file_names_the_file(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(json.dumps({"question": "caf\u00e9?", "answer": "#### 1"}, ensure_ascii=False).encode("latin-1") + b"\n")

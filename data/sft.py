@@ -138,7 +138,10 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
         # a conversation, a quarter of a prompt/response pair's).
         last = rendered if index + 1 == len(messages) else chat_text(messages[: index + 1], tokenizer, tools)
         if not (rendered.startswith(context) and len(context) >= (spans[-1][1] if spans else 0)):
-            raise template_error(tokenizer, "rendering more turns rewrites earlier ones")
+            system = any(message["role"] == "system" for message in messages)
+            raise template_error(tokenizer, "rendering more turns rewrites earlier ones" + (
+                " (this conversation has a system message, which some templates write only before the last user turn, "
+                "Mistral v0.3's among them: fold it into the first user message, or leave it out)" if system else ""))
         if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)):
             header = prompted[len(context) :] if prompted.startswith(context) else prompted
             raise template_error(tokenizer, f"its generation prompt {header!r} is not how it renders an assistant turn "

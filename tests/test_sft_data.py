@@ -187,6 +187,33 @@ MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['
                     "{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
 
 
+# Mistral-7B-Instruct-v0.3's handling of a system message: written into the user turn only when that turn is the last
+# message, so a conversation that ends with the answer never shows it.
+MISTRAL_V03_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+
+
+def test_a_template_that_writes_the_system_message_only_last_is_refused_with_what_to_do(tokenizer):
+    """Mistral v0.3 writes a system message before the last user turn only: the context of the answer shows it, the
+    whole conversation does not, so no mask can be cut from the whole. The refusal says why and what to change."""
+    mistral = transformers.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    mistral.chat_template = MISTRAL_V03_SYSTEM_TEMPLATE
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": "5."}]
+    with pytest.raises(UserError) as error:
+        tokenize_conversation(messages, mistral)
+    assert "rendering more turns rewrites earlier ones (this conversation has a system message" in str(error.value)
+    assert "fold it into the first user message, or leave it out" in str(error.value)
+    # Without the system message the same template is learned as written.
+    input_ids, loss_mask = tokenize_conversation(messages[1:], mistral)
+    assert learned_spans(mistral, input_ids, loss_mask) == [" 5.<|im_end|>"]
+
+
 @pytest.mark.parametrize("legacy, chat_template", [(True, LLAMA2_TEMPLATE), (False, MISTRAL_TEMPLATE)],
                          ids=["llama2", "mistral"])
 def test_sentencepiece_templates_learn_on_the_whole_renderings_ids(legacy, chat_template):

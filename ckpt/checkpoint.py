@@ -55,7 +55,7 @@ class Checkpointer:
         self.config = config
         self.directory, self.model_path = checkpoint_dir(config), Path(model_path)
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
-                                             model_path, config.model.moe_freeze_router)
+                                             model_path, config.model.moe_freeze_router, config.model.dtype)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint, to_dict(config))
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
         self.preemption.checkpoint_dir = self.directory

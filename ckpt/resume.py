@@ -2,7 +2,7 @@
 
 Runs before any model is built (`Checkpointer`), so a bad target costs nothing and overwrites nothing. A checkpoint
 fits when its fingerprint (`model_fingerprint`: the model's shape, the TP/PP/VPP layout, DDP or Megatron-FSDP, the
-distributed optimizer, a Mixture-of-Experts model's EP/ETP and frozen router, LoRA's settings and base) matches this
+distributed optimizer, the parameters' dtype, a Mixture-of-Experts model's EP/ETP and frozen router, LoRA's settings and base) matches this
 run's; data parallelism may differ. A changed setting is refused by name, with both values.
 """
 
@@ -30,6 +30,8 @@ STATE_LAYOUT = {
     "parallel.etp": "the experts' weights and optimizer state are saved split over the expert tensor-parallel ranks, "
                     "which this trainer does not reshard",
     "model.moe_freeze_router": "a frozen router has no optimizer state, so the optimizer holds other parameters",
+    "model.dtype": "the optimizer's state is laid out by the parameters' dtype (bf16 and fp16 keep fp32 main copies in "
+                   "gradient buffers of their own, fp32 none), and megatron-core does not convert one into another",
 }
 
 
@@ -100,7 +102,7 @@ def restore_metrics_row(path: Path, row: dict | None) -> None:
 
 
 def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | None = None,
-                      freeze_router: bool = False) -> dict:
+                      freeze_router: bool = False, dtype: str = "fp32") -> dict:
     """What must match for a checkpoint to load into this model (Megatron-FSDP and DDP write different formats, and
     the optimizer's state follows `STATE_LAYOUT`'s settings; a Mixture-of-Experts model's expert layout too).
 
@@ -110,7 +112,7 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
             "intermediate_size", "vocab_size", "tie_word_embeddings")
     fingerprint = {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp,
                    "vpp": parallel.vpp, "megatron_fsdp": parallel.use_megatron_fsdp,
-                   "parallel.use_distributed_optimizer": parallel.use_distributed_optimizer}
+                   "parallel.use_distributed_optimizer": parallel.use_distributed_optimizer, "model.dtype": dtype}
     if hf_expert_count(hf_config):
         fingerprint.update({"parallel.ep": parallel.ep, "parallel.etp": parallel.expert_tensor_parallel_size,
                             "model.moe_freeze_router": freeze_router})
@@ -161,6 +163,9 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
     saved = state.get("fingerprint") or {}
     if saved.get("lora"):  # checkpoints saved before the adapters' dropout was left out of the fingerprint
         saved = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "dropout"}}
+    saved_dtype = ((state.get("config") or {}).get("model") or {}).get("dtype")
+    if "model.dtype" not in saved and saved_dtype:  # saved before the dtype was fingerprinted: its config has it
+        saved = {**saved, "model.dtype": saved_dtype}
     if saved.get("megatron_fsdp", False) != fingerprint["megatron_fsdp"]:
         saved_by, this_run = ("Megatron-FSDP", "DDP") if saved.get("megatron_fsdp") else ("DDP", "Megatron-FSDP")
         raise UserError(f"Checkpoint `{path}` was saved by a {saved_by} run and this run uses {this_run}; the two keep "

@@ -190,12 +190,22 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8}
     (ParallelConfig(tp=2, etp=1), ParallelConfig(tp=2), "was saved with `parallel.etp=1` and this run has `parallel.etp=2`"),
     (ParallelConfig(), ParallelConfig(use_distributed_optimizer=False),
      "was saved with `parallel.use_distributed_optimizer=true` and this run has `parallel.use_distributed_optimizer=false`"),
+    ("fp32", "bf16", "was saved with `model.dtype=fp32` and this run has `model.dtype=bf16`: the optimizer's state is laid "
+                     "out by the parameters' dtype"),
+    ("bf16", "fp16", "Resume with `--model.dtype=bf16`, or start a new `train.out_dir`."),
 ])
 def test_a_resume_under_another_optimizer_or_expert_layout_names_the_key_and_both_values(tmp_path, saved, now, expected):
-    """Before, these changes passed the fingerprint, the load failed, and the user was told the shards were corrupted."""
-    path = fake_checkpoint(tmp_path, 5, fingerprint=checkpoint.model_fingerprint(MOE, saved))
+    """Before, these changes passed the fingerprint, the load failed, and the user was told the shards were corrupted
+    (`model.dtype` fp32 -> bf16 on the default SFT: `KeyError: optimizer.distributed...dtype_(torch.bfloat16,
+    torch.float32).bucket_idx_0`, said as corrupted shards after the model was built)."""
+    def fingerprint(layout):  # a parallel layout, or a model.dtype
+        if isinstance(layout, str):
+            return checkpoint.model_fingerprint(MOE, DDP_LAYOUT, dtype=layout)
+        return checkpoint.model_fingerprint(MOE, layout)
+
+    path = fake_checkpoint(tmp_path, 5, fingerprint=fingerprint(saved))
     with pytest.raises(UserError) as error:
-        checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(MOE, now))
+        checkpoint.resolve_resume(str(path), tmp_path, fingerprint(now))
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
@@ -207,9 +217,15 @@ def test_a_frozen_router_is_part_of_an_moe_checkpoint_and_not_of_a_dense_one(tmp
     assert checkpoint.resolve_resume(str(dense), tmp_path, checkpoint.model_fingerprint(
         {"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT, freeze_router=True)) == (dense, 5)
     # A checkpoint saved before the optimizer's layout was recorded still resumes.
-    older = {key: value for key, value in FINGERPRINT.items() if key != "parallel.use_distributed_optimizer"}
+    older = {key: value for key, value in FINGERPRINT.items() if key not in ("parallel.use_distributed_optimizer", "model.dtype")}
     old = fake_checkpoint(tmp_path / "old", 3, fingerprint=older)
     assert checkpoint.resolve_resume(str(old), tmp_path, FINGERPRINT) == (old, 3)
+    # One saved before the dtype was fingerprinted is checked against the dtype of the config saved beside it.
+    state = torch.load(old / checkpoint.STATE_FILE, weights_only=False)
+    torch.save({**state, "config": {"model": {"dtype": "fp32"}}}, old / checkpoint.STATE_FILE)
+    with pytest.raises(UserError, match="saved with `model.dtype=fp32` and this run has `model.dtype=bf16`"):
+        checkpoint.resolve_resume(str(old), tmp_path, checkpoint.model_fingerprint(
+            {"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT, dtype="bf16"))
 
 
 def test_saving_a_step_again_keeps_latest_naming_a_complete_checkpoint_at_every_instant(tmp_path, monkeypatch):

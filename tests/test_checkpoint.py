@@ -290,6 +290,37 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_p
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
 
 
+def test_resuming_latest_where_there_is_none_over_a_finished_runs_export_is_refused(tmp_path):
+    """`--resume-from-checkpoint latest` (what scripts/run.sh passes) into a finished run whose checkpoints were deleted
+    or live in another `ckpt.dir`: there is no `latest`, so the run started from step 0 without a word, cut that run's
+    metrics.jsonl to nothing at once and replaced its `hf/` at the end. Refused, nothing touched; a run killed before
+    its first save (metrics, no export) still starts again, and the overwrite key replaces the finished one."""
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}"], "trainer.sft")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_text("weights")
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as error:
+        checkpoint.check_output_dir(config, "latest", is_main=True)
+    message = str(error.value)
+    assert f"`train.out_dir={tmp_path}` holds an earlier run (`{tmp_path / 'hf'}`)" in message
+    assert f"finds no `latest` checkpoint in `ckpt.dir={tmp_path / 'checkpoints'}`" in message and "\n" not in message
+    for way_out in ("`--ckpt.dir`", "new `--train.out_dir`", "`--train.overwrite_output_dir=true`"):
+        assert way_out in message
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    # Killed before its first save: its metrics are this run's own, and it starts again as before.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    checkpoint.check_output_dir(parse_args(SFTConfig, [f"--train.out_dir={killed}"], "trainer.sft")[0], "latest", True)
+    overwrite, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", "--train.overwrite_output_dir=true"], "trainer.sft")
+    checkpoint.check_output_dir(overwrite, "latest", is_main=True)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
     config, resume = used_output_dir(tmp_path, "--train.overwrite_output_dir=true")
     (tmp_path / "notes.txt").write_text("not the trainer's")

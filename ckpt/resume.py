@@ -6,6 +6,7 @@ distributed optimizer, the parameters' dtype, a Mixture-of-Experts model's EP/ET
 run's; data parallelism may differ. A changed setting is refused by name, with both values.
 """
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -107,7 +108,7 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
     the optimizer's state follows `STATE_LAYOUT`'s settings; a Mixture-of-Experts model's expert layout too).
 
     With LoRA a checkpoint holds the adapters only, so their settings and the base they were trained on (the
-    checkpoint's weight files: names and sizes) must match too."""
+    checkpoint's weight files: names, sizes and `sampled_digest`) must match too."""
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "tie_word_embeddings")
     fingerprint = {"model": {key: hf_config.get(key) for key in keys}, "tp": parallel.tp, "pp": parallel.pp,
@@ -118,9 +119,29 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
                             "model.moe_freeze_router": freeze_router})
     if peft is not None and peft.method == "lora":
         # Not `peft.dropout`: it holds no state, so a resume may change it (said with the other changed settings).
+        files = sorted(Path(model_path).glob("*.safetensors"))
         fingerprint["lora"] = {"rank": peft.rank, "alpha": peft.alpha, "target_modules": sorted(peft.target_modules),
-                               "base": sorted((path.name, path.stat().st_size) for path in Path(model_path).glob("*.safetensors"))}
+                               "base": [(path.name, path.stat().st_size) for path in files],
+                               "base_digest": sampled_digest(files)}
     return fingerprint
+
+
+# Where `sampled_digest` reads each weight file: this many places, this many bytes at each.
+DIGEST_PLACES, DIGEST_BYTES = 16, 1 << 16
+
+
+def sampled_digest(files: list[Path]) -> str:
+    """A digest of the bytes at `DIGEST_PLACES` evenly spaced places of each file: two trainings of one architecture (an
+    SFT run again into the same `hf/`) write files of equal names and sizes, never of equal bytes there, and reading 1
+    MiB a file keeps start-up quick where hashing whole files would read the model at every start."""
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as stream:
+            for place in range(DIGEST_PLACES):
+                stream.seek(size * place // DIGEST_PLACES)
+                digest.update(stream.read(DIGEST_BYTES))
+    return digest.hexdigest()
 
 
 def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
@@ -163,6 +184,9 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
     saved = state.get("fingerprint") or {}
     if saved.get("lora"):  # checkpoints saved before the adapters' dropout was left out of the fingerprint
         saved = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "dropout"}}
+        if "base_digest" not in saved["lora"] and fingerprint.get("lora"):  # saved before the base's bytes were read
+            fingerprint = {**fingerprint, "lora": {key: value for key, value in fingerprint["lora"].items()
+                                                   if key != "base_digest"}}
     saved_dtype = ((state.get("config") or {}).get("model") or {}).get("dtype")
     if "model.dtype" not in saved and saved_dtype:  # saved before the dtype was fingerprinted: its config has it
         saved = {**saved, "model.dtype": saved_dtype}
@@ -202,5 +226,6 @@ def _describe_lora(fingerprint: dict) -> str:
     if settings is None:
         return "full fine-tuning (no LoRA)"
     base = ", ".join(f"{name} {size} B" for name, size in settings["base"])
+    content = f" (bytes sampled: {settings['base_digest'][:12]})" if settings.get("base_digest") else ""
     return (f"LoRA rank {settings['rank']}, alpha {settings['alpha']:g} on "
-            f"{', '.join(settings['target_modules'])} over a base of {base}")
+            f"{', '.join(settings['target_modules'])} over a base of {base}{content}")

@@ -94,6 +94,42 @@ def test_a_resume_may_change_the_lora_dropout_but_not_the_adapters(tmp_path, cap
         checkpoint.resolve_resume("latest", tmp_path, fingerprint, to_dict(config))
 
 
+def test_a_lora_resume_onto_another_base_of_the_same_shape_is_refused(tmp_path):
+    """The adapters were fingerprinted with their base's file names and sizes only, which every training of one
+    architecture shares: a LoRA run resumed after its `model.path` was replaced by another training's export (an SFT run
+    again into the same `hf/`) loaded its adapters onto the other base without a word (the default SFT on two such
+    bases: step 3's loss 4.961 straight, 6.012 resumed). Now a sample of the base's bytes is part of the fingerprint;
+    a byte-identical copy elsewhere resumes, and so does a checkpoint saved before the sample was recorded."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+    from model.tiny import ensure_tiny_checkpoint
+
+    base, copy, other = ensure_tiny_checkpoint(), tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(base, copy)
+    shutil.copytree(base, other)
+    weights = load_file(base / "model.safetensors")
+    save_file({name: tensor + 1e-3 for name, tensor in weights.items()}, other / "model.safetensors", {"format": "pt"})
+    assert (other / "model.safetensors").stat().st_size == (base / "model.safetensors").stat().st_size
+
+    peft = parse_args(SFTConfig, ["--peft.method=lora"], "trainer.sft")[0].peft
+    saved = checkpoint.model_fingerprint({"model_type": "qwen2"}, DDP_LAYOUT, peft, base)
+    path = fake_checkpoint(tmp_path / "checkpoints", 4, fingerprint=saved)
+    with pytest.raises(UserError, match=r"over a base of model.safetensors \d+ B \(bytes sampled: \w{12}\) and this "
+                                        r"run uses .* over a base of model.safetensors \d+ B \(bytes sampled: \w{12}\)"):
+        checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint({"model_type": "qwen2"}, DDP_LAYOUT,
+                                                                                    peft, other))
+    assert checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(
+        {"model_type": "qwen2"}, DDP_LAYOUT, peft, copy)) == (path, 4)
+    older = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "base_digest"}}
+    path = fake_checkpoint(tmp_path / "older", 4, fingerprint=older)
+    assert checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(
+        {"model_type": "qwen2"}, DDP_LAYOUT, peft, other)) == (path, 4)
+
+
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     assert checkpoint.resolve_resume("latest", tmp_path / "none", FINGERPRINT) == (None, 0)
     assert checkpoint.resolve_resume("", tmp_path, FINGERPRINT) == (None, 0)

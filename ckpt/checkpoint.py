@@ -25,7 +25,7 @@ from ckpt.export import missing_exports, write_exports
 from ckpt.failures import bytes_in_words
 from ckpt.layout import checkpoint_dir
 from ckpt.publish import tree_bytes, clean_stale_saves, save
-from ckpt.resume import model_fingerprint, resolve_resume, restore_metrics_row
+from ckpt.resume import frozen_inputs, model_fingerprint, resolve_resume, restore_metrics_row
 from ckpt.signals import STOP_FILE_VARIABLE, write_stop_file, catch_stop_signals
 from ckpt.state import estimated_save_bytes, uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
@@ -56,6 +56,7 @@ class Checkpointer:
         self.directory, self.model_path = checkpoint_dir(config), Path(model_path)
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
                                              model_path, config.model.moe_freeze_router, config.model.dtype)
+        self.fingerprint["inputs"] = frozen_inputs(config, self.model_path)
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint, to_dict(config))
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
         self.preemption.checkpoint_dir = self.directory

@@ -126,6 +126,31 @@ def model_fingerprint(hf_config: dict, parallel, peft=None, model_path: Path | N
     return fingerprint
 
 
+def frozen_inputs(config, model_path: Path) -> dict:
+    """{key: `sampled_digest` of its weight files} of the frozen models a GRPO run loads again at every start, which its
+    checkpoint does not hold: the KL reference (`model.path`; with LoRA the adapters' fingerprint holds the base), the
+    reward model and the teacher. Another training's export put where one of them was changes the run on resume."""
+    grpo = getattr(config, "grpo", None)
+    if grpo is None:
+        return {}
+    paths = {"model.path": model_path if grpo.kl_coef > 0 and config.peft.method != "lora" else None,
+             "grpo.reward_model": grpo.reward_model and Path(grpo.reward_model).expanduser(),
+             "grpo.teacher": grpo.teacher and Path(grpo.teacher).expanduser()}
+    return {key: sampled_digest(sorted(Path(path).glob("*.safetensors"))) for key, path in paths.items() if path}
+
+
+def say_changed_inputs(path: Path, saved: dict, current: dict) -> None:
+    """Warn, by key, of each frozen model (`frozen_inputs`) whose weights differ from those the checkpoint was trained
+    with, as a changed setting is said: the run goes on with the new ones."""
+    roles = {"model.path": "the KL reference", "grpo.reward_model": "the reward model", "grpo.teacher": "the teacher"}
+    for key in sorted(saved.keys() & current.keys()):
+        if saved[key] != current[key]:
+            log.warning("`%s`: its weights differ from those checkpoint `%s` was trained with (bytes sampled: %s, now "
+                        "%s), as if another model were put there: the resumed run goes on with these as %s from its "
+                        "next step. To continue as before, put back the model it was trained with.",
+                        key, path, saved[key][:12], current[key][:12], roles[key])
+
+
 # Where `sampled_digest` reads each weight file: this many places, this many bytes at each.
 DIGEST_PLACES, DIGEST_BYTES = 16, 1 << 16
 
@@ -181,7 +206,9 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
     except Exception as error:  # a truncated or foreign file
         raise UserError(f"Checkpoint file `{path / STATE_FILE}` cannot be read ({error}). It is corrupted; "
                         "resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
-    saved = state.get("fingerprint") or {}
+    saved = dict(state.get("fingerprint") or {})
+    saved_inputs, inputs = saved.pop("inputs", {}), fingerprint.get("inputs", {})  # said below, never refused
+    fingerprint = {key: value for key, value in fingerprint.items() if key != "inputs"}
     if saved.get("lora"):  # checkpoints saved before the adapters' dropout was left out of the fingerprint
         saved = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "dropout"}}
         if "base_digest" not in saved["lora"] and fingerprint.get("lora"):  # saved before the base's bytes were read
@@ -217,6 +244,7 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
                         "`model.path` and `parallel.tp`/`parallel.pp`/`parallel.vpp` (data parallelism may differ), or "
                         "start a new `train.out_dir`.")
     check_continued_settings(path, state.get("config"), config)
+    say_changed_inputs(path, saved_inputs, inputs)
     return path, state["step"]
 
 

@@ -130,6 +130,46 @@ def test_a_lora_resume_onto_another_base_of_the_same_shape_is_refused(tmp_path):
         {"model_type": "qwen2"}, DDP_LAYOUT, peft, other)) == (path, 4)
 
 
+def test_a_resume_says_which_frozen_model_was_replaced_by_another_of_the_same_shape(tmp_path, caplog):
+    """GRPO loads its KL reference (`model.path`), reward model and teacher again at every start, and the checkpoint
+    holds none of them: one replaced by another training's export (the SFT run again into the same `hf/`) changed
+    the resumed run's KL penalty, scores or distillation without a word. Now each is said by key; an unchanged one is
+    not, the run goes on, and SFT (whose checkpoint holds every weight) reads none of them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from config.cli import parse_args, to_dict
+    from config.loops import GRPOConfig, SFTConfig
+    from model.tiny import ensure_tiny_checkpoint
+
+    base = tmp_path / "sft"  # the SFT export GRPO starts from, and here also its reward model
+    shutil.copytree(ensure_tiny_checkpoint(), base)
+
+    def fingerprint(*argv: str) -> dict:
+        config = parse_args(GRPOConfig, [f"--grpo.reward_model={base}", *argv], "trainer.grpo")[0]
+        return {**FINGERPRINT, "inputs": checkpoint.frozen_inputs(config, base)}, to_dict(config)
+
+    saved, saved_config = fingerprint()
+    assert sorted(saved["inputs"]) == ["grpo.reward_model", "model.path"]  # the KL reference (grpo.kl_coef > 0)
+    path = fake_checkpoint(tmp_path / "checkpoints", 4, fingerprint=saved)
+    torch.save({"step": 4, "fingerprint": saved, "config": saved_config}, path / checkpoint.STATE_FILE)
+    with caplog.at_level("INFO"):
+        assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints", saved) == (path, 4)
+    assert "its weights differ" not in caplog.text
+    # Another training's export of the same model put in its place: equal names and sizes, other weights.
+    save_file({name: tensor + 1e-3 for name, tensor in load_file(base / "model.safetensors").items()},
+              base / "model.safetensors", {"format": "pt"})
+    replaced, _ = fingerprint()
+    with caplog.at_level("INFO"):
+        assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints", replaced) == (path, 4)
+    said = [record.getMessage() for record in caplog.records if "its weights differ" in record.getMessage()]
+    assert [message.split("`")[1] for message in said] == ["grpo.reward_model", "model.path"]
+    assert f"from those checkpoint `{path}` was trained with (bytes sampled: {saved['inputs']['model.path'][:12]}" in said[0]
+    assert checkpoint.frozen_inputs(parse_args(GRPOConfig, ["--grpo.kl_coef=0"], "trainer.grpo")[0], base) == {}
+    assert checkpoint.frozen_inputs(parse_args(SFTConfig, [], "trainer.sft")[0], base) == {}
+
+
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     assert checkpoint.resolve_resume("latest", tmp_path / "none", FINGERPRINT) == (None, 0)
     assert checkpoint.resolve_resume("", tmp_path, FINGERPRINT) == (None, 0)

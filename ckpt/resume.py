@@ -59,6 +59,20 @@ POSITIONAL = {
 }
 
 
+# The loop each config class runs: a checkpoint resumes only the loop that saved it.
+LOOPS = {"SFTConfig": "trainer.sft", "GRPOConfig": "trainer.grpo", "RMConfig": "trainer.rm"}
+
+
+def loop_of(saved_config: dict | None) -> str | None:
+    """The loop a checkpoint's saved config (`config.cli.to_dict`) was written by, for checkpoints that predate its
+    fingerprint's `loop`: GRPO's has a `grpo` section, `trainer.rm`'s preference fields."""
+    if not saved_config:
+        return None
+    if "grpo" in saved_config:
+        return LOOPS["GRPOConfig"]
+    return LOOPS["RMConfig"] if "chosen_field" in saved_config.get("data", {}) else LOOPS["SFTConfig"]
+
+
 def changed_settings(saved: dict, current: dict) -> dict[str, tuple]:
     """{dotted key: (saved value, this run's)} of the settings two nested configs (`config.cli.to_dict`) differ in
     (compared as JSON: a tuple and a list of the same values are the same setting)."""
@@ -208,7 +222,13 @@ def resolve_resume(resume: str, checkpoint_dir: Path, fingerprint: dict,
                         "resume from an earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
     saved = dict(state.get("fingerprint") or {})
     saved_inputs, inputs = saved.pop("inputs", {}), fingerprint.get("inputs", {})  # said below, never refused
-    fingerprint = {key: value for key, value in fingerprint.items() if key != "inputs"}
+    saved_loop, loop = saved.pop("loop", None) or loop_of(state.get("config")), fingerprint.get("loop")
+    fingerprint = {key: value for key, value in fingerprint.items() if key not in ("inputs", "loop")}
+    if saved_loop and loop and saved_loop != loop:
+        raise UserError(f"Checkpoint `{path}` was saved by `{saved_loop}` and this is `{loop}`: a checkpoint resumes "
+                        f"only the loop that saved it (its schedule, data position and optimizer are that loop's). To "
+                        f"start `{loop}` from that run's model, drop `--resume-from-checkpoint` and set `--model.path` "
+                        "to its export (`<its train.out_dir>/hf`).")
     if saved.get("lora"):  # checkpoints saved before the adapters' dropout was left out of the fingerprint
         saved = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "dropout"}}
         if "base_digest" not in saved["lora"] and fingerprint.get("lora"):  # saved before the base's bytes were read

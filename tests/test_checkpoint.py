@@ -1,6 +1,7 @@
 """Checkpoint resolution, pruning and the errors of `--resume-from-checkpoint`, without launching training."""
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -168,6 +169,37 @@ def test_a_resume_says_which_frozen_model_was_replaced_by_another_of_the_same_sh
     assert f"from those checkpoint `{path}` was trained with (bytes sampled: {saved['inputs']['model.path'][:12]}" in said[0]
     assert checkpoint.frozen_inputs(parse_args(GRPOConfig, ["--grpo.kl_coef=0"], "trainer.grpo")[0], base) == {}
     assert checkpoint.frozen_inputs(parse_args(SFTConfig, [], "trainer.sft")[0], base) == {}
+
+
+def test_a_checkpoint_resumes_only_the_loop_that_saved_it(tmp_path):
+    """`trainer.grpo --resume-from-checkpoint <an SFT run's checkpoint>` (a new `train.out_dir`: a branch) was refused
+    only for the settings that differ (`optim.lr`, ...) with `Resume with --optim.lr=0.002`; given them, it went on into
+    a GRPO run on the SFT's schedule, and with every setting alike it stopped with a FileNotFoundError traceback. Now
+    the loop is named at once, with the way to start GRPO from that SFT; checkpoints that predate the record are
+    read by their saved config."""
+    from config.cli import parse_args, to_dict
+    from config.loops import GRPOConfig, RMConfig, SFTConfig
+
+    configs = {"trainer.sft": (SFTConfig, []), "trainer.grpo": (GRPOConfig, []),
+               "trainer.rm": (RMConfig, ["--model.path=tiny"])}
+    for saved_by, (config_class, argv) in configs.items():
+        saved_config = to_dict(parse_args(config_class, argv, saved_by)[0])
+        assert checkpoint.loop_of(saved_config) == saved_by
+        for age, recorded in (("now", {**FINGERPRINT, "loop": saved_by}), ("before", FINGERPRINT)):
+            path = fake_checkpoint(tmp_path / saved_by / age, 4, fingerprint=recorded)
+            torch.save({"step": 4, "fingerprint": recorded, "config": saved_config}, path / checkpoint.STATE_FILE)
+            for loop in configs:
+                resolve = functools.partial(checkpoint.resolve_resume, str(path), tmp_path, {**FINGERPRINT, "loop": loop})
+                if loop == saved_by:
+                    assert resolve() == (path, 4)
+                    continue
+                with pytest.raises(UserError) as error:
+                    resolve()
+                assert str(error.value) == (
+                    f"Checkpoint `{path}` was saved by `{saved_by}` and this is `{loop}`: a checkpoint resumes only the "
+                    "loop that saved it (its schedule, data position and optimizer are that loop's). To start "
+                    f"`{loop}` from that run's model, drop `--resume-from-checkpoint` and set `--model.path` to its "
+                    "export (`<its train.out_dir>/hf`).")
 
 
 def test_latest_without_checkpoint_starts_fresh(tmp_path):

@@ -112,6 +112,7 @@ def restore_metrics_row(path: Path, row: dict | None) -> None:
     rows = outputs.read_rows(path) if row is not None else []
     if row is None or any(kept.get("step") == row.get("step") for kept in rows):
         return
+    path.parent.mkdir(parents=True, exist_ok=True)  # a branch of another run's checkpoint into a new train.out_dir
     outputs.write_rows(path, [*rows, row])
     log.info("metrics.jsonl: the row of step %d, written into the checkpoint but not the file, restored", row["step"])
 

@@ -108,6 +108,8 @@ def launches(tmp_path_factory):
     seen["dp1"] = yield launch([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
                                 command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
                                 {**command(RUN, ddp / "buckets", *resume, buckets), "expect_error": True},
+                                command(RUN, ddp / "branch", "--resume-from-checkpoint",
+                                        str(ddp / "dp1" / "checkpoints" / "step_00000015"), "--train.exit_interval=16"),
                                 command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], nproc=1)
     return seen
 
@@ -173,6 +175,14 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):
         "(CheckpointingException: Global shape mismatch" in refused
     assert "corrupted" not in refused and "`ddp.override_ddp_config`" in refused
     assert "ddp.override_ddp_config {} -> {'overlap_grad_reduce': True, 'bucket_size': 100000}" in runs["dp1"][2]["log"]
+
+    # 6c. Another run's checkpoint branched into a new `train.out_dir` (a directory not made yet): it stopped with a
+    # FileNotFoundError traceback, restoring the checkpoint's own metrics row into the missing directory. Now the
+    # branch has that row, then its own, which continue the run it branched from.
+    branch = metrics_rows(root / "ddp" / "branch")
+    assert [row["step"] for row in branch] == [15, 16] and runs["dp1"][3]["error"] is None
+    assert branch[0]["loss"] == reference[15]  # the row the checkpoint holds
+    assert abs(branch[1]["loss"] - reference[16]) < 1e-4 * reference[16]
 
     # 7. A truncated model/optimizer shard is a one-paragraph error naming the checkpoint, on every rank, exit 2.
     broken = root / "ddp" / "broken"

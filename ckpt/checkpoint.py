@@ -25,7 +25,7 @@ from ckpt.export import missing_exports, write_exports
 from ckpt.failures import bytes_in_words
 from ckpt.layout import checkpoint_dir
 from ckpt.publish import tree_bytes, clean_stale_saves, save
-from ckpt.resume import model_fingerprint, resolve_resume, restore_metrics_row
+from ckpt.resume import LOOPS, frozen_inputs, model_fingerprint, resolve_resume, restore_metrics_row
 from ckpt.signals import STOP_FILE_VARIABLE, write_stop_file, catch_stop_signals
 from ckpt.state import estimated_save_bytes, uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
@@ -38,6 +38,7 @@ from config.hf import read_hf_config
 from ckpt.layout import LATEST, PARTIAL, PREFIX, REPLACED, SHARDED_DIR, STATE_FILE, checkpoint_name  # noqa: F401
 from ckpt.output_dir import check_output_dir, check_shared_directories  # noqa: F401
 from ckpt.publish import prune_checkpoints, publish_checkpoint  # noqa: F401
+from ckpt.resume import loop_of  # noqa: F401
 from ckpt.signals import REPEAT_AFTER_S, Preemption  # noqa: F401
 from ckpt.state import load_model_and_optimizer, materialise_optimizer_state  # noqa: F401
 from ckpt.writer import WriteResults  # noqa: F401
@@ -55,7 +56,8 @@ class Checkpointer:
         self.config = config
         self.directory, self.model_path = checkpoint_dir(config), Path(model_path)
         self.fingerprint = model_fingerprint(read_hf_config(model_path, "model.path"), config.parallel, config.peft,
-                                             model_path, config.model.moe_freeze_router)
+                                             model_path, config.model.moe_freeze_router, config.model.dtype)
+        self.fingerprint.update(inputs=frozen_inputs(config, self.model_path), loop=LOOPS[type(config).__name__])
         self.resume_path, self.resume_step = resolve_resume(resume, self.directory, self.fingerprint, to_dict(config))
         self.policy, self.parts, self.preemption = None, {}, catch_stop_signals()
         self.preemption.checkpoint_dir = self.directory

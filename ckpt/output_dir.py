@@ -39,15 +39,26 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     _check_inputs_survive(config, [out_dir / name for name in outputs.EXPORTS],
                           "writes after its last step (its Hugging Face export)")
     foreign = resume and _resumes_another_run(config, resume)
-    if resume and not foreign:
-        return
     earlier = _earlier_run(config)
+    unpointed = resume == LATEST and not (checkpoint_dir(config) / LATEST).is_file()
+    if resume and not foreign and not unpointed:
+        return
+    if unpointed:  # `latest` names nothing, so this run starts fresh: over a run killed before its first save (whose
+        # metrics are its own to replace), or over a finished run whose checkpoints are gone and whose export is not
+        earlier = [path for path in earlier if path.name in outputs.EXPORTS or path.name.startswith(PREFIX)]
     if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
-               for path in earlier):
+               or (unpointed and path.name in outputs.EXPORTS) for path in earlier):
         return
     if not config.train.overwrite_output_dir:
         held = (f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
                 f"{', ...' if len(earlier) > 3 else ''})")
+        if unpointed:
+            raise UserError(
+                f"{held}, and `--resume-from-checkpoint latest` finds no `latest` checkpoint in "
+                f"`ckpt.dir={checkpoint_dir(config)}`, so this run would start from step 0 and replace that run's "
+                "metrics and export. Resume it from its checkpoints with `--ckpt.dir` (or `--resume-from-checkpoint "
+                "PATH`), write this run elsewhere with a new `--train.out_dir`, or replace the earlier run with "
+                "`--train.overwrite_output_dir=true`.")
         if foreign:
             raise UserError(
                 f"{held}, and this run resumes from `{resume}`, a checkpoint outside its own `ckpt.dir` "

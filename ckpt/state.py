@@ -200,9 +200,17 @@ def load(path: Path, chunks: list, optimizer) -> dict:
     # A truncated or corrupted shard: torch.distributed.checkpoint gathers every rank's failure (an EOFError, say) into
     # one CheckpointException, raised on every rank alike (it derives from BaseException, not Exception).
     except (Exception, CheckpointException) as error:
-        raise UserError(f"Checkpoint `{path}` cannot be loaded: {_damaged_shard(path / SHARDED_DIR)} "
-                        f"({underlying_error(error)}). Resume from an earlier checkpoint with "
-                        "`--resume-from-checkpoint PATH`.") from None
+        damage = _damaged_shard(path / SHARDED_DIR)
+        if damage is None:  # every shard whole, as its index says: the checkpoint is sound, and this run differs
+            raise UserError(f"Checkpoint `{path}` cannot be loaded into this run: its shards are all there, as long as "
+                            "its index says, but this run "
+                            f"lays out its model or optimizer state otherwise ({underlying_error(error)}). A setting "
+                            "that shapes the state differs from the run that saved it, such as the distributed "
+                            "optimizer's gradient buckets (`ddp.override_ddp_config`: `bucket_size`, "
+                            "`overlap_grad_reduce`); the line `resuming with settings changed` above names the changed "
+                            "settings. Resume with the checkpoint's settings, or start a new `train.out_dir`.") from None
+        raise UserError(f"Checkpoint `{path}` cannot be loaded: {damage} ({underlying_error(error)}). Resume from an "
+                        "earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         try:
@@ -217,8 +225,9 @@ def load(path: Path, chunks: list, optimizer) -> dict:
     return torch.load(path / STATE_FILE, weights_only=False)
 
 
-def _damaged_shard(directory: Path) -> str:
-    """Which shard file of a torch.distributed.checkpoint directory is missing or shorter than its index says."""
+def _damaged_shard(directory: Path) -> str | None:
+    """Which shard file of a torch.distributed.checkpoint directory is missing or shorter than its index says, or that
+    its index cannot be read; None when every shard is whole."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -234,7 +243,7 @@ def _damaged_shard(directory: Path) -> str:
             return f"its shard `{file}` is missing"
         if file.stat().st_size < size:
             return f"its shard `{file}` is truncated ({file.stat().st_size} of {size} bytes)"
-    return f"its model/optimizer shards in `{directory}` are corrupted"
+    return None
 
 
 def load_model_and_optimizer(chunks: list, optimizer, directory: Path) -> None:

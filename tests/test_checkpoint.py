@@ -1,6 +1,7 @@
 """Checkpoint resolution, pruning and the errors of `--resume-from-checkpoint`, without launching training."""
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -92,6 +93,113 @@ def test_a_resume_may_change_the_lora_dropout_but_not_the_adapters(tmp_path, cap
     with pytest.raises(UserError, match="was saved with LoRA rank 8, alpha 16 on .* and this run uses LoRA rank 4, "
                                         "alpha 16 on"):
         checkpoint.resolve_resume("latest", tmp_path, fingerprint, to_dict(config))
+
+
+def test_a_lora_resume_onto_another_base_of_the_same_shape_is_refused(tmp_path):
+    """The adapters were fingerprinted with their base's file names and sizes only, which every training of one
+    architecture shares: a LoRA run resumed after its `model.path` was replaced by another training's export (an SFT run
+    again into the same `hf/`) loaded its adapters onto the other base without a word (the default SFT on two such
+    bases: step 3's loss 4.961 straight, 6.012 resumed). Now a sample of the base's bytes is part of the fingerprint;
+    a byte-identical copy elsewhere resumes, and so does a checkpoint saved before the sample was recorded."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+    from model.tiny import ensure_tiny_checkpoint
+
+    base, copy, other = ensure_tiny_checkpoint(), tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(base, copy)
+    shutil.copytree(base, other)
+    weights = load_file(base / "model.safetensors")
+    save_file({name: tensor + 1e-3 for name, tensor in weights.items()}, other / "model.safetensors", {"format": "pt"})
+    assert (other / "model.safetensors").stat().st_size == (base / "model.safetensors").stat().st_size
+
+    peft = parse_args(SFTConfig, ["--peft.method=lora"], "trainer.sft")[0].peft
+    saved = checkpoint.model_fingerprint({"model_type": "qwen2"}, DDP_LAYOUT, peft, base)
+    path = fake_checkpoint(tmp_path / "checkpoints", 4, fingerprint=saved)
+    with pytest.raises(UserError, match=r"over a base of model.safetensors \d+ B \(bytes sampled: \w{12}\) and this "
+                                        r"run uses .* over a base of model.safetensors \d+ B \(bytes sampled: \w{12}\)"):
+        checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint({"model_type": "qwen2"}, DDP_LAYOUT,
+                                                                                    peft, other))
+    assert checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(
+        {"model_type": "qwen2"}, DDP_LAYOUT, peft, copy)) == (path, 4)
+    older = {**saved, "lora": {key: value for key, value in saved["lora"].items() if key != "base_digest"}}
+    path = fake_checkpoint(tmp_path / "older", 4, fingerprint=older)
+    assert checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(
+        {"model_type": "qwen2"}, DDP_LAYOUT, peft, other)) == (path, 4)
+
+
+def test_a_resume_says_which_frozen_model_was_replaced_by_another_of_the_same_shape(tmp_path, caplog):
+    """GRPO loads its KL reference (`model.path`), reward model and teacher again at every start, and the checkpoint
+    holds none of them: one replaced by another training's export (the SFT run again into the same `hf/`) changed
+    the resumed run's KL penalty, scores or distillation without a word. Now each is said by key; an unchanged one is
+    not, the run goes on, and SFT (whose checkpoint holds every weight) reads none of them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from config.cli import parse_args, to_dict
+    from config.loops import GRPOConfig, SFTConfig
+    from model.tiny import ensure_tiny_checkpoint
+
+    base = tmp_path / "sft"  # the SFT export GRPO starts from, and here also its reward model
+    shutil.copytree(ensure_tiny_checkpoint(), base)
+
+    def fingerprint(*argv: str) -> dict:
+        config = parse_args(GRPOConfig, [f"--grpo.reward_model={base}", *argv], "trainer.grpo")[0]
+        return {**FINGERPRINT, "inputs": checkpoint.frozen_inputs(config, base)}, to_dict(config)
+
+    saved, saved_config = fingerprint()
+    assert sorted(saved["inputs"]) == ["grpo.reward_model", "model.path"]  # the KL reference (grpo.kl_coef > 0)
+    path = fake_checkpoint(tmp_path / "checkpoints", 4, fingerprint=saved)
+    torch.save({"step": 4, "fingerprint": saved, "config": saved_config}, path / checkpoint.STATE_FILE)
+    with caplog.at_level("INFO"):
+        assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints", saved) == (path, 4)
+    assert "its weights differ" not in caplog.text
+    # Another training's export of the same model put in its place: equal names and sizes, other weights.
+    save_file({name: tensor + 1e-3 for name, tensor in load_file(base / "model.safetensors").items()},
+              base / "model.safetensors", {"format": "pt"})
+    replaced, _ = fingerprint()
+    with caplog.at_level("INFO"):
+        assert checkpoint.resolve_resume("latest", tmp_path / "checkpoints", replaced) == (path, 4)
+    said = [record.getMessage() for record in caplog.records if "its weights differ" in record.getMessage()]
+    assert [message.split("`")[1] for message in said] == ["grpo.reward_model", "model.path"]
+    assert f"from those checkpoint `{path}` was trained with (bytes sampled: {saved['inputs']['model.path'][:12]}" in said[0]
+    assert checkpoint.frozen_inputs(parse_args(GRPOConfig, ["--grpo.kl_coef=0"], "trainer.grpo")[0], base) == {}
+    assert checkpoint.frozen_inputs(parse_args(SFTConfig, [], "trainer.sft")[0], base) == {}
+
+
+def test_a_checkpoint_resumes_only_the_loop_that_saved_it(tmp_path):
+    """`trainer.grpo --resume-from-checkpoint <an SFT run's checkpoint>` (a new `train.out_dir`: a branch) was refused
+    only for the settings that differ (`optim.lr`, ...) with `Resume with --optim.lr=0.002`; given them, it went on into
+    a GRPO run on the SFT's schedule, and with every setting alike it stopped with a FileNotFoundError traceback. Now
+    the loop is named at once, with the way to start GRPO from that SFT; checkpoints that predate the record are
+    read by their saved config."""
+    from config.cli import parse_args, to_dict
+    from config.loops import GRPOConfig, RMConfig, SFTConfig
+
+    configs = {"trainer.sft": (SFTConfig, []), "trainer.grpo": (GRPOConfig, []),
+               "trainer.rm": (RMConfig, ["--model.path=tiny"])}
+    for saved_by, (config_class, argv) in configs.items():
+        saved_config = to_dict(parse_args(config_class, argv, saved_by)[0])
+        assert checkpoint.loop_of(saved_config) == saved_by
+        for age, recorded in (("now", {**FINGERPRINT, "loop": saved_by}), ("before", FINGERPRINT)):
+            path = fake_checkpoint(tmp_path / saved_by / age, 4, fingerprint=recorded)
+            torch.save({"step": 4, "fingerprint": recorded, "config": saved_config}, path / checkpoint.STATE_FILE)
+            for loop in configs:
+                resolve = functools.partial(checkpoint.resolve_resume, str(path), tmp_path, {**FINGERPRINT, "loop": loop})
+                if loop == saved_by:
+                    assert resolve() == (path, 4)
+                    continue
+                with pytest.raises(UserError) as error:
+                    resolve()
+                assert str(error.value) == (
+                    f"Checkpoint `{path}` was saved by `{saved_by}` and this is `{loop}`: a checkpoint resumes only the "
+                    "loop that saved it (its schedule, data position and optimizer are that loop's). To start "
+                    f"`{loop}` from that run's model, drop `--resume-from-checkpoint` and set `--model.path` to its "
+                    "export (`<its train.out_dir>/hf`).")
 
 
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
@@ -190,12 +298,22 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8}
     (ParallelConfig(tp=2, etp=1), ParallelConfig(tp=2), "was saved with `parallel.etp=1` and this run has `parallel.etp=2`"),
     (ParallelConfig(), ParallelConfig(use_distributed_optimizer=False),
      "was saved with `parallel.use_distributed_optimizer=true` and this run has `parallel.use_distributed_optimizer=false`"),
+    ("fp32", "bf16", "was saved with `model.dtype=fp32` and this run has `model.dtype=bf16`: the optimizer's state is laid "
+                     "out by the parameters' dtype"),
+    ("bf16", "fp16", "Resume with `--model.dtype=bf16`, or start a new `train.out_dir`."),
 ])
 def test_a_resume_under_another_optimizer_or_expert_layout_names_the_key_and_both_values(tmp_path, saved, now, expected):
-    """Before, these changes passed the fingerprint, the load failed, and the user was told the shards were corrupted."""
-    path = fake_checkpoint(tmp_path, 5, fingerprint=checkpoint.model_fingerprint(MOE, saved))
+    """Before, these changes passed the fingerprint, the load failed, and the user was told the shards were corrupted
+    (`model.dtype` fp32 -> bf16 on the default SFT: `KeyError: optimizer.distributed...dtype_(torch.bfloat16,
+    torch.float32).bucket_idx_0`, said as corrupted shards after the model was built)."""
+    def fingerprint(layout):  # a parallel layout, or a model.dtype
+        if isinstance(layout, str):
+            return checkpoint.model_fingerprint(MOE, DDP_LAYOUT, dtype=layout)
+        return checkpoint.model_fingerprint(MOE, layout)
+
+    path = fake_checkpoint(tmp_path, 5, fingerprint=fingerprint(saved))
     with pytest.raises(UserError) as error:
-        checkpoint.resolve_resume(str(path), tmp_path, checkpoint.model_fingerprint(MOE, now))
+        checkpoint.resolve_resume(str(path), tmp_path, fingerprint(now))
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
@@ -207,9 +325,15 @@ def test_a_frozen_router_is_part_of_an_moe_checkpoint_and_not_of_a_dense_one(tmp
     assert checkpoint.resolve_resume(str(dense), tmp_path, checkpoint.model_fingerprint(
         {"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT, freeze_router=True)) == (dense, 5)
     # A checkpoint saved before the optimizer's layout was recorded still resumes.
-    older = {key: value for key, value in FINGERPRINT.items() if key != "parallel.use_distributed_optimizer"}
+    older = {key: value for key, value in FINGERPRINT.items() if key not in ("parallel.use_distributed_optimizer", "model.dtype")}
     old = fake_checkpoint(tmp_path / "old", 3, fingerprint=older)
     assert checkpoint.resolve_resume(str(old), tmp_path, FINGERPRINT) == (old, 3)
+    # One saved before the dtype was fingerprinted is checked against the dtype of the config saved beside it.
+    state = torch.load(old / checkpoint.STATE_FILE, weights_only=False)
+    torch.save({**state, "config": {"model": {"dtype": "fp32"}}}, old / checkpoint.STATE_FILE)
+    with pytest.raises(UserError, match="saved with `model.dtype=fp32` and this run has `model.dtype=bf16`"):
+        checkpoint.resolve_resume(str(old), tmp_path, checkpoint.model_fingerprint(
+            {"model_type": "qwen2", "hidden_size": 128}, DDP_LAYOUT, dtype="bf16"))
 
 
 def test_saving_a_step_again_keeps_latest_naming_a_complete_checkpoint_at_every_instant(tmp_path, monkeypatch):
@@ -272,6 +396,37 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_p
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
     checkpoint.check_output_dir(config, "latest", is_main=True)  # resuming continues it: no error, nothing deleted
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+
+
+def test_resuming_latest_where_there_is_none_over_a_finished_runs_export_is_refused(tmp_path):
+    """`--resume-from-checkpoint latest` (what scripts/run.sh passes) into a finished run whose checkpoints were deleted
+    or live in another `ckpt.dir`: there is no `latest`, so the run started from step 0 without a word, cut that run's
+    metrics.jsonl to nothing at once and replaced its `hf/` at the end. Refused, nothing touched; a run killed before
+    its first save (metrics, no export) still starts again, and the overwrite key replaces the finished one."""
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}"], "trainer.sft")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_text("weights")
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as error:
+        checkpoint.check_output_dir(config, "latest", is_main=True)
+    message = str(error.value)
+    assert f"`train.out_dir={tmp_path}` holds an earlier run (`{tmp_path / 'hf'}`)" in message
+    assert f"finds no `latest` checkpoint in `ckpt.dir={tmp_path / 'checkpoints'}`" in message and "\n" not in message
+    for way_out in ("`--ckpt.dir`", "new `--train.out_dir`", "`--train.overwrite_output_dir=true`"):
+        assert way_out in message
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    # Killed before its first save: its metrics are this run's own, and it starts again as before.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    checkpoint.check_output_dir(parse_args(SFTConfig, [f"--train.out_dir={killed}"], "trainer.sft")[0], "latest", True)
+    overwrite, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", "--train.overwrite_output_dir=true"], "trainer.sft")
+    checkpoint.check_output_dir(overwrite, "latest", is_main=True)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):

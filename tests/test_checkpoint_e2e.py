@@ -81,6 +81,7 @@ def launches(tmp_path_factory):
     for layout in (ddp, fsdp):
         seen[layout.name, "stopped"] = checkpoints(layout / "resumed"), max(losses(layout / "resumed"))
         shutil.copytree(layout / "resumed" / "checkpoints", layout / "dp1" / "checkpoints")  # for the DP change
+    shutil.copytree(ddp / "resumed" / "checkpoints", ddp / "buckets" / "checkpoints")  # for another bucket layout
 
     # 2. A save killed with -9 leaves a partial directory and a stray pointer file; `latest` is untouched.
     partial = ddp / "resumed" / "checkpoints" / ".partial-step_00000020"
@@ -100,11 +101,16 @@ def launches(tmp_path_factory):
     seen["resumes"] = yield launch([command(RUN, ddp / "resumed", *resume), command(RUN, ddp / "resumed", *resume),
                                     command(FSDP_RUN, fsdp / "resumed", *resume)])
 
-    # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism), and an overwritten earlier run, on one process.
+    # 6. DP=2 -> DP=1 (the optimizer format reshards over data parallelism), and an overwritten earlier run, on one
+    # process; a resume whose distributed optimizer cuts its gradient buffer into other buckets is refused.
     shutil.copytree(ddp / "straight", ddp / "overwritten")
-    yield launch([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
-                  command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
-                  command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], nproc=1)
+    buckets = "--ddp.override_ddp_config={overlap_grad_reduce: true, bucket_size: 100000}"
+    seen["dp1"] = yield launch([command(RUN, ddp / "overwritten", "--train.steps=2", "--train.overwrite_output_dir=true"),
+                                command(RUN, ddp / "dp1", *resume, "--train.exit_interval=18"),
+                                {**command(RUN, ddp / "buckets", *resume, buckets), "expect_error": True},
+                                command(RUN, ddp / "branch", "--resume-from-checkpoint",
+                                        str(ddp / "dp1" / "checkpoints" / "step_00000015"), "--train.exit_interval=16"),
+                                command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], nproc=1)
     return seen
 
 
@@ -160,6 +166,23 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):
     for step in (16, 17, 18):
         print(f"DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")
         assert abs(continued[step] - reference[step]) < 1e-4 * reference[step]
+
+    # 6b. A sound checkpoint resumed with other gradient buckets: said as such, not as corrupted shards (it was, and the
+    # user was sent to an earlier checkpoint, which fails alike).
+    refused = runs["dp1"][2]["error"]
+    assert refused.startswith("Checkpoint `") and "step_00000015` cannot be loaded into this run: its shards are all " \
+        "there, as long as its index says, but this run lays out its model or optimizer state otherwise " \
+        "(CheckpointingException: Global shape mismatch" in refused
+    assert "corrupted" not in refused and "`ddp.override_ddp_config`" in refused
+    assert "ddp.override_ddp_config {} -> {'overlap_grad_reduce': True, 'bucket_size': 100000}" in runs["dp1"][2]["log"]
+
+    # 6c. Another run's checkpoint branched into a new `train.out_dir` (a directory not made yet): it stopped with a
+    # FileNotFoundError traceback, restoring the checkpoint's own metrics row into the missing directory. Now the
+    # branch has that row, then its own, which continue the run it branched from.
+    branch = metrics_rows(root / "ddp" / "branch")
+    assert [row["step"] for row in branch] == [15, 16] and runs["dp1"][3]["error"] is None
+    assert branch[0]["loss"] == reference[15]  # the row the checkpoint holds
+    assert abs(branch[1]["loss"] - reference[16]) < 1e-4 * reference[16]
 
     # 7. A truncated model/optimizer shard is a one-paragraph error naming the checkpoint, on every rank, exit 2.
     broken = root / "ddp" / "broken"

@@ -96,20 +96,31 @@ def ddp_config(config, optimizer=None, extra_defaults: dict | None = None, envir
     return DistributedDataParallelConfig(**settings)
 
 
-def overlap_settings(config, distributed_optimizer: bool, environment: Environment) -> dict:
-    """Communication overlap as Megatron-Bridge's performance recipes set it: on CUDA with the distributed optimizer
-    and more than one data-parallel rank, gradient reduce-scatters run during backward and parameter all-gathers during
-    the next forward; with virtual pipeline stages every stage starts its all-gathers together (`align_param_gather`).
+# The distributed optimizer's checkpoints (`dp_reshardable`) are keyed by gradient bucket, so the bucket layout must
+# not follow the data-parallel size, or a run saved at one size cannot resume at another: megatron-core's default is
+# max(40M, 1M x DP) parameters a bucket, and one bucket for the whole model where gradients are not overlapped.
+BUCKET_SIZE = 40_000_000
 
-    Empty (megatron-core's synchronous defaults) elsewhere: on CPU, gloo's communication runs on the cores the
-    compute it would hide behind needs (it works there when forced: tests/test_levers.py); with one data-parallel
-    rank there is nothing to reduce.
+
+def overlap_settings(config, distributed_optimizer: bool, environment: Environment) -> dict:
+    """Communication overlap as Megatron-Bridge's performance recipes set it: on CUDA with the distributed optimizer,
+    gradient reduce-scatters run during backward in buckets of `BUCKET_SIZE` parameters at every data-parallel size
+    (one rank included, where the reduce-scatter is a copy: so a checkpoint resumes at any other size), and with more
+    than one data-parallel rank parameter all-gathers run during the next forward; with virtual pipeline stages every
+    stage starts its all-gathers together (`align_param_gather`).
+
+    Empty (megatron-core's synchronous defaults, one bucket) elsewhere: on CPU, gloo's communication runs on the
+    cores the compute it would hide behind needs (it works there when forced: tests/test_levers.py); under
+    Megatron-FSDP, whose checkpoints are laid out per parameter, only the all-gathers.
     """
-    if not (environment.cuda and distributed_optimizer and environment.data_parallel_size > 1):
+    if not (environment.cuda and distributed_optimizer):
         return {}
     parallel = config.parallel
-    return {"overlap_grad_reduce": True, "overlap_param_gather": True,
-            "align_param_gather": parallel.pp > 1 and parallel.vpp > 1}
+    settings = {} if parallel.use_megatron_fsdp else {"overlap_grad_reduce": True, "bucket_size": BUCKET_SIZE}
+    if environment.data_parallel_size > 1:
+        settings.update(overlap_grad_reduce=True, overlap_param_gather=True,
+                        align_param_gather=parallel.pp > 1 and parallel.vpp > 1)
+    return settings
 
 
 # Blackwell (compute capability 10) and newer: Megatron-Bridge's performance scripts give every run 32 connections.

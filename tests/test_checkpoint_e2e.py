@@ -81,7 +81,8 @@ def launches(tmp_path_factory):
     for layout in (ddp, fsdp):
         seen[layout.name, "stopped"] = checkpoints(layout / "resumed"), max(losses(layout / "resumed"))
         shutil.copytree(layout / "resumed" / "checkpoints", layout / "dp1" / "checkpoints")  # for the DP change
-    shutil.copytree(ddp / "resumed" / "checkpoints", ddp / "buckets" / "checkpoints")  # for another bucket layout
+    for name in ("buckets", "gpu_buckets"):  # for another bucket layout, and for the one GPUs get at DP=1
+        shutil.copytree(ddp / "resumed" / "checkpoints", ddp / name / "checkpoints")
 
     # 2. A save killed with -9 leaves a partial directory and a stray pointer file; `latest` is untouched.
     partial = ddp / "resumed" / "checkpoints" / ".partial-step_00000020"
@@ -110,7 +111,10 @@ def launches(tmp_path_factory):
                                 {**command(RUN, ddp / "buckets", *resume, buckets), "expect_error": True},
                                 command(RUN, ddp / "branch", "--resume-from-checkpoint",
                                         str(ddp / "dp1" / "checkpoints" / "step_00000015"), "--train.exit_interval=16"),
-                                command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8")], nproc=1)
+                                command(FSDP_RUN, fsdp / "dp1", *resume, "--train.exit_interval=8"),
+                                command(RUN, ddp / "gpu_buckets", *resume, "--train.exit_interval=18",
+                                        "--ddp.override_ddp_config={overlap_grad_reduce: true, bucket_size: 40000000}")],
+                               nproc=1)
     return seen
 
 
@@ -166,6 +170,10 @@ def test_exact_resume_after_exit_interval_sigterm_and_a_killed_save(runs):
     for step in (16, 17, 18):
         print(f"DP=1 after DP=2 checkpoint, step {step}: {continued[step]:.6f} vs {reference[step]:.6f}")
         assert abs(continued[step] - reference[step]) < 1e-4 * reference[step]
+
+    # The settings a GPU gets at DP=1 (`model.rules.overlap_settings`: overlapped reduce-scatters over one rank, in
+    # buckets of 40M parameters, here one as in the DP=2 save): the DP=2 checkpoint loads, and the run continues alike.
+    assert losses(root / "ddp" / "gpu_buckets") == continued
 
     # 6b. A sound checkpoint resumed with other gradient buckets: said as such, not as corrupted shards (it was, and the
     # user was sent to an earlier checkpoint, which fails alike).

@@ -198,10 +198,10 @@ OVERLAP_TABLE = [
     ([], rules.Environment(data_parallel_size=2), (False, False, False, None)),  # CPU: gloo has nothing to overlap
     (["--parallel.tp=2"], rules.Environment(data_parallel_size=2), (False, False, False, None)),
     ([], gpu(), (True, True, False, None)),
-    ([], gpu(data_parallel_size=1), (False, False, False, None)),  # nothing to reduce
+    ([], gpu(data_parallel_size=1), (True, False, False, None)),  # the buckets of any other size, nothing to gather
     (["--parallel.use_distributed_optimizer=false"], gpu(), (False, False, False, None)),
     (["--parallel.tp=2"], gpu(), (True, True, False, "1")),  # Hopper and older: TP collectives queue in order
-    (["--parallel.tp=2"], gpu(data_parallel_size=1), (False, False, False, "1")),
+    (["--parallel.tp=2"], gpu(data_parallel_size=1), (True, False, False, "1")),
     (["--parallel.pp=2", "--parallel.vpp=2"], gpu(), (True, True, True, None)),  # all stages gather together
     (["--parallel.pp=2"], gpu(), (True, True, False, None)),
     (["--parallel.tp=2"], gpu(B200), (True, True, False, "32")),  # Blackwell: more connections, never 1
@@ -220,6 +220,19 @@ def test_overlap_and_connection_rules(argv, environment, expected):
     built = rules.ddp_config(config, environment=environment)
     connections = rules.cuda_device_max_connections(config.parallel, environment)
     assert (built.overlap_grad_reduce, built.overlap_param_gather, built.align_param_gather, connections) == expected
+
+
+@pytest.mark.parametrize("argv", [[], ["--parallel.tp=2"], ["--parallel.pp=2", "--parallel.vpp=2"]])
+def test_gradient_buckets_do_not_follow_the_data_parallel_size_on_gpus(argv):
+    """The distributed optimizer's checkpoint is keyed by gradient bucket: megatron-core's own default (one bucket
+    without overlap, max(40M, 1M x DP) parameters with it) gave a model over 40M parameters other buckets at DP=1 than
+    at DP=2, and at DP=64 than at DP=8, so a GPU run could not resume at another data-parallel size."""
+    config = make(*argv)
+    layouts = {(rules.ddp_config(config, environment=gpu(data_parallel_size=size)).overlap_grad_reduce,
+                rules.ddp_config(config, environment=gpu(data_parallel_size=size)).bucket_size) for size in (1, 2, 8, 64)}
+    assert layouts == {(True, rules.BUCKET_SIZE)}
+    # Megatron-FSDP's checkpoints are per parameter: its settings are its own.
+    assert rules.ddp_config(make("--parallel.use_megatron_fsdp=true"), environment=gpu(data_parallel_size=64)).bucket_size is None
 
 
 def test_settings_table_shows_every_lever():

@@ -173,6 +173,7 @@ def test_recipes_set_what_their_papers_name():
     assert (dapo.dynamic_sampling, dapo.overlong_buffer, dapo.clip_high, dapo.kl_coef) == (True, 6, 0.28, 0.0)
     # Several updates a step, so pi_old lags and the clip can act; the filter counts accuracy, as the paper's does.
     assert (dapo.mini_batches, dapo.filter_metric) == (4, "accuracy")
+    assert dapo.dual_clip == 10.0  # the paper has none; verl's DAPO scripts' clip_ratio_c, not its GRPO default 3
     gspo = parse_args(GRPOConfig, ["--config", "gspo"], "trainer.grpo")[0].grpo
     assert (gspo.importance_ratio, gspo.clip_low, gspo.clip_high, gspo.loss_aggregation) == ("sequence", 3e-4, 4e-4, "seq_mean_token_mean")
     assert gspo.mini_batches == 4  # the paper's four minibatches per batch

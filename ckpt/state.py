@@ -203,12 +203,13 @@ def load(path: Path, chunks: list, optimizer) -> dict:
         damage = _damaged_shard(path / SHARDED_DIR)
         if damage is None:  # every shard whole, as its index says: the checkpoint is sound, and this run differs
             raise UserError(f"Checkpoint `{path}` cannot be loaded into this run: its shards are all there, as long as "
-                            "its index says, but this run "
-                            f"lays out its model or optimizer state otherwise ({underlying_error(error)}). A setting "
-                            "that shapes the state differs from the run that saved it, such as the distributed "
-                            "optimizer's gradient buckets (`ddp.override_ddp_config`: `bucket_size`, "
-                            "`overlap_grad_reduce`); the line `resuming with settings changed` above names the changed "
-                            "settings. Resume with the checkpoint's settings, or start a new `train.out_dir`.") from None
+                            "its index says, but this run lays out its model or optimizer state otherwise "
+                            f"({underlying_error(error)}). Something that shapes the state differs from the run that "
+                            "saved it, such as the distributed optimizer's gradient buckets (`ddp.override_ddp_config`: "
+                            "`bucket_size`, `overlap_grad_reduce`, or their defaults in the version of this trainer that "
+                            "saved it); the settings that changed, if any, are named above in the line `resuming with "
+                            "settings changed`. Resume with the checkpoint's settings, or start a new `train.out_dir`."
+                            ) from None
         raise UserError(f"Checkpoint `{path}` cannot be loaded: {damage} ({underlying_error(error)}). Resume from an "
                         "earlier checkpoint with `--resume-from-checkpoint PATH`.") from None
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"

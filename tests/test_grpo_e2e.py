@@ -179,6 +179,8 @@ def test_recipes_set_what_their_papers_name():
     assert gspo.mini_batches == 4  # the paper's four minibatches per batch
     dr_grpo = parse_args(GRPOConfig, ["--config", "dr_grpo"], "trainer.grpo")[0].grpo
     assert (dr_grpo.scale_rewards, dr_grpo.loss_aggregation) == (False, "seq_mean_token_sum_norm")
+    # No KL term, as the authors' scripts (`--beta 0`) and TRL's / verl's defaults: no reference model is built.
+    assert dr_grpo.kl_coef == 0.0
     rloo = parse_args(GRPOConfig, ["--config", "rloo"], "trainer.grpo")[0].grpo
     assert (rloo.baseline, rloo.scale_rewards) == ("leave_one_out", False)
     # The spelled-out default is the default.

@@ -119,4 +119,5 @@ def test_every_readme_torchrun_command_logs_step_one(joint_launches):
     assert {"grpo", "dapo", "dr_grpo", "gspo", "rloo"} <= set(by_recipe)
     assert by_recipe["dapo"]["sampling_rounds"] >= 1 and by_recipe["dapo"]["overlong_penalty"] <= 0
     assert by_recipe["dapo"]["kl"] is None and by_recipe["gspo"]["kl"] is None and by_recipe["grpo"]["kl"] is not None
+    assert by_recipe["dr_grpo"]["kl"] is None  # no KL term, as Dr. GRPO's scripts (`--beta 0`)
     assert "sampling_rounds" not in by_recipe["gspo"]

@@ -351,3 +351,71 @@ def test_a_step_whose_rejection_left_every_token_out_is_said(caplog):
     assert ("step 7: `grpo.rollout_correction=sequence_reject` left every trained token out of the loss "
             "(pi_old / pi_sampler outside [1/2, 2]; its mean 0.375)") in caplog.text
     assert "`grpo.top_k=3` / `grpo.top_p=1`" in caplog.text and "--grpo.rollout_correction tis" in caplog.text
+
+
+# ---------------------------------------------------------------- the loss of a micro-batch, in a process group
+
+
+def _gspo_with_token_rejection(rank: int, port: int, results) -> None:
+    """`trainer.grpo_update.policy_loss` at GSPO's settings with `token_reject`, in a one-process gloo group (TP=1)."""
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from config.sections import GRPOSection
+    from model import output
+    from trainer.grpo_update import LossSettings, policy_loss
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    parallel_state.initialize_model_parallel(1)
+    try:
+        logits = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(0))  # [batch, seq, vocab]
+        labels = torch.tensor([[0, 1, 2, 3, 0], [0, 4, 5, 0, 0]])
+        mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]])
+        logprobs = logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0] * mask  # [batch, seq]
+        # pi / pi_old: 1e-4 on row 0's first two tokens, 2e-3 on its third, whose pi_old / pi_sampler = 3 is out of
+        # [1/2, 2]: `token_reject` leaves it out. Row 1: pi = pi_old, nothing rejected.
+        old = logprobs - torch.tensor([[0.0, 1e-4, 1e-4, 2e-3, 0.0], [0.0] * 5]) * mask
+        sampler = old - torch.tensor([[0.0, 0.0, 0.0, math.log(3.0), 0.0], [0.0] * 5])
+        grpo = GRPOSection(importance_ratio="sequence", clip_low=3e-4, clip_high=4e-4, dual_clip=0.0,
+                           loss_aggregation="seq_mean_token_mean", kl_coef=0.0, rollout_correction="token_reject")
+        read = output.ReadPositions.where(mask, None, 5)
+        picked = read.pick(logits).clone().requires_grad_(True)  # [1, positions, vocab]
+        batch = {"loss_mask": mask, "read": read, "labels": labels, "old_logprobs": old, "pi_old_recomputed": True,
+                 "advantages": torch.tensor([[1.0], [-0.5]]), "sampler_logprobs": sampler, "ref_logprobs": None}
+        total, count, _ = policy_loss(batch, LossSettings.from_config(grpo), picked)
+        (total / count).backward()
+        softmax = logits.softmax(-1)
+        results["loss"] = float(total / count)
+        # d loss / d log pi per position, by the chain rule through log_softmax: grad_logits = g (onehot - softmax).
+        onehot = torch.nn.functional.one_hot(labels, 6).float()
+        per_logprob = (picked.grad[0] / (read.pick(onehot) - read.pick(softmax))[0]).mean(-1)  # [positions]
+        results["per_logprob"] = per_logprob.tolist()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_gspo_sequence_ratio_leaves_out_the_tokens_a_rejection_masks():
+    """GSPO's ratio of a completion is the geometric mean over the tokens it trains on: under `token_reject` a rejected
+    token leaves the ratio as it leaves the loss (verl's rollout_rs masks response_mask before its gspo loss reads it).
+    Before, row 0's ratio counted its rejected token, exp((1e-4 + 1e-4 + 2e-3) / 3) = 1.00073, past 1 + 4e-4: its
+    kept tokens were clipped and got no gradient. Over its kept tokens it is exp(1e-4), inside the range."""
+    import torch.multiprocessing as multiprocessing
+
+    from model.parallel import free_port
+
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        multiprocessing.start_processes(_gspo_with_token_rejection, args=(free_port(), results), nprocs=1,
+                                        start_method="spawn", join=True)
+        results = dict(results)
+    s = math.exp(1e-4)
+    # Loss: the mean over 2 completions of each one's token mean over its kept tokens of -A s.
+    assert results["loss"] == pytest.approx((-1.0 * s + 0.5 * 1.0) / 2, rel=1e-6)
+    # d loss / d log pi: -A s / (kept tokens) / 2 completions on row 0's two kept tokens, 0 on the rejected one;
+    # row 1: 0.5 / 2 / 2.
+    assert results["per_logprob"] == pytest.approx([-s / 2 / 2, -s / 2 / 2, 0.0, 0.5 / 2 / 2, 0.5 / 2 / 2], abs=1e-6)

@@ -134,18 +134,19 @@ def policy_loss(batch: dict, settings: LossSettings, logits: torch.Tensor):
     # With one update per step pi_old is the policy itself: its own log-probs, detached (the same values a
     # separate forward-only pass gives, without the pass).
     old_logprobs = batch["old_logprobs"] if batch["pi_old_recomputed"] else logprobs.detach()  # [batch, seq]
-    log_ratio = settings.importance_ratio(logprobs, old_logprobs, mask)  # [batch, seq]
+    # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
+    gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
+    trained = mask  # the tokens the loss averages over
+    if settings.correction not in ("none", "tis"):  # rejection: tokens or completions out of bounds leave the loss
+        trained = mask * grpo_math.rejection_keep(gap, mask, settings.correction_cap, settings.correction)
+    # GSPO's sequence ratio over the trained tokens only, as verl's gspo loss reads the mask its rollout_rs left.
+    log_ratio = settings.importance_ratio(logprobs, old_logprobs, trained)  # [batch, seq]
     teacher = batch.get("teacher_logprobs")
     advantages = distilled_advantages(batch["advantages"], mask, teacher, old_logprobs, settings)
     per_token, clipped = grpo_math.clipped_policy_loss(log_ratio, advantages, settings.clip_low,
                                                        settings.clip_high, settings.dual_clip)
-    # The rollout/training gap on the trained tokens: log pi_old - log pi_sampler.
-    gap = torch.where(mask > 0, old_logprobs - batch["sampler_logprobs"], 0.0)  # [batch, seq]
-    trained = mask  # the tokens the loss averages over
     if settings.correction == "tis":  # truncated importance sampling: pi_old / pi_sampler, at most the cap
         per_token = per_token * grpo_math.truncated_importance_weights(gap, settings.correction_cap)
-    elif settings.correction != "none":  # rejection: tokens or completions out of bounds leave the loss
-        trained = mask * grpo_math.rejection_keep(gap, mask, settings.correction_cap, settings.correction)
     kl = torch.zeros_like(logprobs) if batch["ref_logprobs"] is None else settings.kl_estimator(logprobs, batch["ref_logprobs"])
     per_token = per_token + settings.kl_coef * kl
     if settings.entropy_coef > 0:

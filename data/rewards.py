@@ -16,6 +16,7 @@ from config.errors import UserError
 from config import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 from tool_runtime import runner as tool_runner
+from tool_runtime import worker as tool_worker
 
 RewardFunction = Callable[[str, str], float]
 
@@ -304,7 +305,8 @@ def describe_failure(reward: RewardFunction, error: Exception, completion: str) 
     name = f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', repr(reward))}"
     text = " ".join(str(error).split())[:200]
     shown = completion if len(completion) <= 120 else completion[:117] + "..."
-    return f"`{name}` raised {type(error).__name__}: {text} (on the completion {shown!r})"
+    where = next((note for note in getattr(error, "__notes__", []) if note.startswith(tool_worker.RAISED_AT)), "")
+    return f"`{name}` raised {type(error).__name__}: {text}{f' ({where})' if where else ''} (on the completion {shown!r})"
 
 
 def score(reward: RewardFunction, completions: list[str], references: list[str], format_bonus: float = 0.0) -> Scores:
@@ -340,4 +342,4 @@ def call(reward: RewardFunction, completion: str, reference: str):
     try:
         return reward(completion, reference)
     except Exception as error:  # a user's reward function may fail in any way on odd model output
-        return error
+        return tool_worker.note_where_raised(error, reward)

@@ -221,8 +221,10 @@ def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(t
         assert remote.rewards == local.rewards == [0.6, 0.9, 0.0, 0.0, 0.0, 1.3]
         assert remote.correct == local.correct == [True, False, False, False, False, True]
         assert remote.errors == local.errors == 3
+        # Where in the user's file it raised: said in the paragraph that stops a run (before, the error alone).
         assert remote.failures["ValueError"] == local.failures["ValueError"] == (
-            "`user_rewards:graded` raised ValueError: cannot parse boom here (on the completion 'boom here')")
+            f"`user_rewards:graded` raised ValueError: cannot parse boom here (raised at {tmp_path / 'user_rewards.py'}, "
+            "line 10) (on the completion 'boom here')")
         # An exception that cannot be read back arrives as its text; a value that cannot be sent is a failure.
         assert "raised RuntimeError: Unreadable: needs two (on the completion 'odd one')" in remote.failures["RuntimeError"]
         assert rewards.score(isolated, ["object"], [REFERENCE]).failures["RuntimeError"].startswith(

@@ -8,6 +8,7 @@ called in worker processes, each call within `grpo.reward_timeout` seconds (`Iso
 
 import dataclasses
 import inspect
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from config import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 from tool_runtime import runner as tool_runner
 from tool_runtime import worker as tool_worker
+
+log = logging.getLogger(__name__)
 
 RewardFunction = Callable[[str, str], float]
 
@@ -260,6 +263,35 @@ def get_reward(name: str, timeout: float = 0.0, workers: int = 0) -> "RewardFunc
 def has_answer_format(completion: str) -> bool:
     """Whether the completion gives its answer as GSM8K does: `#### N`."""
     return extract_final_answer(completion, strict=True) is not None
+
+
+# The built-in rewards that grade a completion against its reference's `#### N` line: a reference without one scores
+# every completion 0. How many references start-up reads for it (`check_references_graded`).
+GRADE_AGAINST_ANSWER_LINE = ("arithmetic", "gsm8k", "gsm8k_flexible")
+REFERENCES_CHECKED = 1000
+
+
+def check_references_graded(grpo, prompts, path: str) -> None:
+    """Refuse a built-in reward (`grpo` section) that grades against a `#### N` line where none of the first
+    `REFERENCES_CHECKED` training `prompts` (of `path`) has one and nothing else rewards (a reward model, an
+    environment, a teacher, a format bonus): every reward would be 0, and the run would learn nothing. Some without one
+    are said in a warning."""
+    if grpo.reward not in GRADE_AGAINST_ANSWER_LINE:
+        return
+    checked = min(len(prompts), REFERENCES_CHECKED)
+    ungraded = sum(not has_answer_format(prompts[index].reference) for index in range(checked))
+    if not ungraded:
+        return
+    alone = not (grpo.reward_model or grpo.environment or grpo.teacher or grpo.format_bonus)
+    if ungraded == checked and alone:
+        raise UserError(
+            f"`grpo.reward={grpo.reward}` grades each completion against its reference's GSM8K answer line (`#### N`), "
+            f"and none of the {checked} references of {path} read has one (e.g. {prompts[0].reference[:60]!r}): every "
+            "completion would score 0, every group's advantage would be 0, and the run would learn nothing. Give your own "
+            "reward as `--grpo.reward module:function` (called as function(completion, reference), docs/rewards.md), "
+            "or write each reference's answer as a last line `#### N`.")
+    log.warning("%d of the first %d references of %s have no GSM8K answer line (`#### N`), which `grpo.reward=%s` grades "
+                "against: their completions score 0 under it", ungraded, checked, path, grpo.reward)
 
 
 @dataclasses.dataclass

@@ -84,11 +84,12 @@ def check_rope_scaling(hf: dict, name: str, key: str) -> None:
             "with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (docs/models.md).")
 
 
-# ---------------------------------------------------------------- attention settings Bridge drops
+# ---------------------------------------------------------------- attention and layer settings Bridge drops
 
 # Megatron-Bridge 0.6.2 carries a sliding window only for Mistral (MistralBridge.provider_bridge, every layer); its Qwen2,
 # Qwen3 and Qwen3-MoE bridges leave it out, and Qwen3's sets no attention bias (`add_qkv_bias = False`), while Llama's
-# maps `attention_bias` and `mlp_bias` to biases its weight mappings do not load.
+# maps `attention_bias` and `mlp_bias` to biases its weight mappings do not load; its Qwen3-MoE bridge builds experts
+# in every layer, whatever `mlp_only_layers` and `decoder_sparse_step` say.
 WINDOWS_CARRIED = ("mistral",)
 NO_BIAS_CARRIED = ("llama", "qwen3", "qwen3_moe")
 
@@ -101,6 +102,12 @@ def dropped_attention_settings(hf: dict, positions: int) -> str | None:
     model_type = hf.get("model_type")
     if model_type not in ROPE_TYPES_CARRIED:
         return None
+    dense = {name: hf[name] for name, every_layer in (("mlp_only_layers", []), ("decoder_sparse_step", 1))
+             if model_type == "qwen3_moe" and hf.get(name, every_layer) != every_layer}
+    if dense:
+        return (f"{', '.join(f'`{name}: {value}`' for name, value in dense.items())}, dense layers among the "
+                "Mixture-of-Experts ones, which Megatron-Bridge does not carry for a qwen3_moe checkpoint (it builds "
+                "experts in every layer: their weights are never loaded, the logits were NaN, and the export failed)")
     biases = [name for name in ("attention_bias", "mlp_bias") if model_type in NO_BIAS_CARRIED and hf.get(name)]
     if biases:
         return (f"{' and '.join(f'`{name}: true`' for name in biases)}, biases Megatron-Bridge does not carry for a "

@@ -293,14 +293,14 @@ def tool_call_function(call) -> dict | None:
     function = named_function(call)
     arguments = function.get("arguments")
     return {"name": function["name"],
-            "arguments": without_nulls(json.loads(arguments) if isinstance(arguments, str) else arguments)}
+            "arguments": json.loads(arguments) if isinstance(arguments, str) else without_nulls(arguments)}
 
 
 def without_nulls(value):
     """`value` with every mapping's null entries left out, at any depth. A Parquet table (the hub's format, or rows
     written by pandas or pyarrow) holds one schema for a column, so each row's tool-call arguments and tool schemas
     came back with every other row's names as nulls: `{"city": null, "expression": "2+3"}` was trained on, and offered
-    as a tool's parameter. An argument given as null is so left out too, as most tools read a missing one."""
+    as a tool's parameter. Arguments and schemas given as JSON text keep theirs: no table schema touched them."""
     if isinstance(value, dict):
         return {key: without_nulls(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
@@ -334,8 +334,9 @@ def row_tools(tools) -> tuple[list[dict] | None, str | None]:
 
     `tools` is a list of OpenAI function schemas (`{"type": "function", "function": {"name", "description",
     "parameters"}}`, or the flat function), or that list as JSON text; the schemas are passed on as they are, but for
-    their null entries (`without_nulls`)."""
-    if isinstance(tools, str) and tools.strip():
+    a list's null entries (`without_nulls`)."""
+    as_text = isinstance(tools, str) and tools.strip()
+    if as_text:
         try:
             tools = json.loads(tools)
         except ValueError:
@@ -344,4 +345,4 @@ def row_tools(tools) -> tuple[list[dict] | None, str | None]:
         return None, None
     if not isinstance(tools, list) or not all(map(named_function, tools)):
         return None, "malformed tools"
-    return without_nulls(tools), None
+    return tools if as_text else without_nulls(tools), None

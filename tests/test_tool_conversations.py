@@ -123,6 +123,12 @@ def test_a_parquet_files_unified_schema_adds_no_null_arguments_or_parameters(tmp
     input_ids, loss_mask = tokenize_conversation(conversations[1], tokenizer)
     assert learned_spans(tokenizer, input_ids, loss_mask)[0] == (
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call><|im_end|>')
+    # Arguments as JSON text (the OpenAI API's form) passed through no table schema: a null there is the data's own.
+    texts = {"messages": [weather_row["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "unit": null}'}}]},
+        *weather_row["messages"][2:]]}
+    (conversation,), _ = to_conversations([texts], messages_field="messages")
+    assert conversation[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": None}
 
 
 # Mistral-7B-Instruct-v0.3's chat template, its tool parts as it ships them (the tools list left out): each call is

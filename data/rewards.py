@@ -331,6 +331,17 @@ def as_reward(value) -> float:
     return number
 
 
+def as_verdict(value) -> bool | None:
+    """The `correct` of a `(reward, correct)` return value as a bool: true or false (numpy's too), or a number 0 or 1;
+    None (no verdict: full marks decide) as it is; TypeError saying what it was instead (`bool("False")` is True: a
+    text verdict counted every completion correct)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__") or float(value) not in (0.0, 1.0):
+        raise TypeError(f"it returned (reward, {type(value).__name__} {repr(value)[:40]}): `correct` is not true or false")
+    return bool(value)
+
+
 def describe_failure(reward: RewardFunction, error: Exception, completion: str) -> str:
     """One line naming the reward function, its exception and the completion (cut) it failed on."""
     reward = getattr(reward, "function", reward)  # an IsolatedReward's own
@@ -357,7 +368,7 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
             if isinstance(value, Exception):
                 raise value
             if isinstance(value, tuple) and len(value) == 2:
-                value, verdict = value[0], bool(value[1])
+                value, verdict = value[0], as_verdict(value[1])
             value = as_reward(value)
         except Exception as error:  # a user's reward function may fail in any way on odd model output
             value, verdict, failure = 0.0, None, True

@@ -224,7 +224,7 @@ class EpisodeTools:
             value, correct = tool_runner.call_on_main_thread_within(
                 seconds, self.environment.reward, f"it did not return within {seconds:g} s (grpo.reward_timeout)"), None
             if isinstance(value, tuple) and len(value) == 2:
-                value, correct = value[0], bool(value[1])
+                value, correct = value[0], rewards.as_verdict(value[1])
             return rewards.as_reward(value), correct, None
         except Exception as error:  # as a failing reward function: scores 0, is counted and said, and the run goes on
             where = tool_worker.where_raised(error, getattr(getattr(self.environment.reward, "__code__", None),

@@ -284,3 +284,21 @@ def test_a_built_in_reward_on_references_without_an_answer_line_is_refused_when_
     for name in ("none", "user_rewards:graded"):
         rewards.check_references_graded(GRPOSection(reward=name), plain, "qa.jsonl")
     rewards.check_references_graded(grpo, [SimpleNamespace(reference="#### 6")], "qa.jsonl")
+
+
+def test_a_graded_rewards_verdict_must_be_true_or_false():
+    """`(reward, correct)` with a text verdict: `bool("False")` is True, so every such completion counted correct (in
+    `accuracy`, and in what DAPO's filter reads). Now a failure, counted and said; None leaves it to full marks."""
+    def graded(completion, reference):
+        return {"text": (0.5, "False"), "half": (0.5, 0.5), "numpy": (0.2, numpy.bool_(True)), "int": (0.3, 0),
+                "none": (1.0, None)}[completion]
+
+    import numpy
+
+    scores = rewards.score(graded, ["text", "half", "numpy", "int", "none"], [REFERENCE] * 5)
+    assert scores.rewards == [0.0, 0.0, 0.2, 0.3, 1.0]
+    assert scores.correct == [False, False, True, False, True]
+    assert scores.errors == 2
+    assert scores.failures["TypeError"].endswith(
+        "graded` raised TypeError: it returned (reward, str 'False'): `correct` is not true or false (on the completion "
+        "'text')")

@@ -84,6 +84,60 @@ def check_rope_scaling(hf: dict, name: str, key: str) -> None:
             "with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (docs/models.md).")
 
 
+# ---------------------------------------------------------------- attention and layer settings Bridge drops
+
+# Megatron-Bridge 0.6.2 carries a sliding window only for Mistral (MistralBridge.provider_bridge, every layer); its Qwen2,
+# Qwen3 and Qwen3-MoE bridges leave it out, and Qwen3's sets no attention bias (`add_qkv_bias = False`), while Llama's
+# maps `attention_bias` and `mlp_bias` to biases its weight mappings do not load; its Qwen3-MoE bridge builds experts
+# in every layer, whatever `mlp_only_layers` and `decoder_sparse_step` say.
+WINDOWS_CARRIED = ("mistral",)
+NO_BIAS_CARRIED = ("llama", "qwen3", "qwen3_moe")
+
+
+def dropped_attention_settings(hf: dict, positions: int) -> str | None:
+    """What of a verified family's config.json (`hf`) megatron-core, built through Megatron-Bridge, would not compute as
+    transformers does on rows of up to `positions` tokens, as a clause; None where nothing is dropped."""
+    import transformers
+
+    model_type = hf.get("model_type")
+    if model_type not in ROPE_TYPES_CARRIED:
+        return None
+    dense = {name: hf[name] for name, every_layer in (("mlp_only_layers", []), ("decoder_sparse_step", 1))
+             if model_type == "qwen3_moe" and hf.get(name, every_layer) != every_layer}
+    if dense:
+        return (f"{', '.join(f'`{name}: {value}`' for name, value in dense.items())}, dense layers among the "
+                "Mixture-of-Experts ones, which Megatron-Bridge does not carry for a qwen3_moe checkpoint (it builds "
+                "experts in every layer: their weights are never loaded, the logits were NaN, and the export failed)")
+    biases = [name for name in ("attention_bias", "mlp_bias") if model_type in NO_BIAS_CARRIED and hf.get(name)]
+    if biases:
+        return (f"{' and '.join(f'`{name}: true`' for name in biases)}, biases Megatron-Bridge does not carry for a "
+                f"{model_type} checkpoint (it would train without them, or fail loading them)")
+    if model_type in WINDOWS_CARRIED:
+        return None
+    settings = {key: value for key, value in hf.items() if key != "model_type"}
+    config = transformers.AutoConfig.for_model(model_type, **settings)  # transformers' own reading of the window
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers  # Qwen3-MoE: all
+    sliding = [index for index, kind in enumerate(kinds) if kind == "sliding_attention"]
+    if sliding and window and positions > window:
+        return (f"a sliding window of {window} tokens on layers {sliding} (`use_sliding_window`, `sliding_window`, "
+                f"`max_window_layers`), which Megatron-Bridge does not carry for a {model_type} checkpoint: megatron-core "
+                f"would attend over whole rows of up to {positions} tokens where transformers attends over the window "
+                f"(a window no row reaches changes nothing: `--data.max_seq_len={window}` or less also does)")
+    return None
+
+
+def check_attention_settings(hf: dict, name: str, key: str, positions: int) -> None:
+    """Refuse attention settings (config.json `hf` of the `name` model at `key`) that megatron-core would drop on rows of
+    up to `positions` tokens (`data.max_seq_len`)."""
+    dropped = dropped_attention_settings(hf, positions)
+    if dropped:
+        raise UserError(
+            f"The {name}'s config.json (`{key}`) sets {dropped}. Trained here, the model would compute another function "
+            "than its config says (and than transformers computes), and its export would disagree with what was "
+            f"trained. Point `--{key}` at another checkpoint (docs/models.md: Model families verified).")
+
+
 # ---------------------------------------------------------------- the tokenizer against the embedding
 
 def check_tokenizer_fits(tokenizer, hf: dict, path, key: str) -> None:

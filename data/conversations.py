@@ -292,7 +292,20 @@ def tool_call_function(call) -> dict | None:
         return None
     function = named_function(call)
     arguments = function.get("arguments")
-    return {"name": function["name"], "arguments": json.loads(arguments) if isinstance(arguments, str) else arguments}
+    return {"name": function["name"],
+            "arguments": json.loads(arguments) if isinstance(arguments, str) else without_nulls(arguments)}
+
+
+def without_nulls(value):
+    """`value` with every mapping's null entries left out, at any depth. A Parquet table (the hub's format, or rows
+    written by pandas or pyarrow) holds one schema for a column, so each row's tool-call arguments and tool schemas
+    came back with every other row's names as nulls: `{"city": null, "expression": "2+3"}` was trained on, and offered
+    as a tool's parameter. Arguments and schemas given as JSON text keep theirs: no table schema touched them."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
 
 
 def copied_message(message: dict) -> dict:
@@ -320,8 +333,10 @@ def row_tools(tools) -> tuple[list[dict] | None, str | None]:
     """Return a row's tool schemas (None when it offers none) and why they are unusable (None when fine).
 
     `tools` is a list of OpenAI function schemas (`{"type": "function", "function": {"name", "description",
-    "parameters"}}`, or the flat function), or that list as JSON text; the schemas are passed on as they are."""
-    if isinstance(tools, str) and tools.strip():
+    "parameters"}}`, or the flat function), or that list as JSON text; the schemas are passed on as they are, but for
+    a list's null entries (`without_nulls`)."""
+    as_text = isinstance(tools, str) and tools.strip()
+    if as_text:
         try:
             tools = json.loads(tools)
         except ValueError:
@@ -330,4 +345,4 @@ def row_tools(tools) -> tuple[list[dict] | None, str | None]:
         return None, None
     if not isinstance(tools, list) or not all(map(named_function, tools)):
         return None, "malformed tools"
-    return tools, None
+    return tools if as_text else without_nulls(tools), None

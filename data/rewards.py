@@ -8,6 +8,7 @@ called in worker processes, each call within `grpo.reward_timeout` seconds (`Iso
 
 import dataclasses
 import inspect
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -16,6 +17,9 @@ from config.errors import UserError
 from config import user_code
 from data.arithmetic import NUMBER, OPERATIONS, extract_final_answer
 from tool_runtime import runner as tool_runner
+from tool_runtime import worker as tool_worker
+
+log = logging.getLogger(__name__)
 
 RewardFunction = Callable[[str, str], float]
 
@@ -261,6 +265,35 @@ def has_answer_format(completion: str) -> bool:
     return extract_final_answer(completion, strict=True) is not None
 
 
+# The built-in rewards that grade a completion against its reference's `#### N` line: a reference without one scores
+# every completion 0. How many references start-up reads for it (`check_references_graded`).
+GRADE_AGAINST_ANSWER_LINE = ("arithmetic", "gsm8k", "gsm8k_flexible")
+REFERENCES_CHECKED = 1000
+
+
+def check_references_graded(grpo, prompts, path: str) -> None:
+    """Refuse a built-in reward (`grpo` section) that grades against a `#### N` line where none of the first
+    `REFERENCES_CHECKED` training `prompts` (of `path`) has one and nothing else rewards (a reward model, an
+    environment, a teacher, a format bonus): every reward would be 0, and the run would learn nothing. Some without one
+    are said in a warning."""
+    if grpo.reward not in GRADE_AGAINST_ANSWER_LINE:
+        return
+    checked = min(len(prompts), REFERENCES_CHECKED)
+    ungraded = sum(not has_answer_format(prompts[index].reference) for index in range(checked))
+    if not ungraded:
+        return
+    alone = not (grpo.reward_model or grpo.environment or grpo.teacher or grpo.format_bonus)
+    if ungraded == checked and alone:
+        raise UserError(
+            f"`grpo.reward={grpo.reward}` grades each completion against its reference's GSM8K answer line (`#### N`), "
+            f"and none of the {checked} references of {path} read has one (e.g. {prompts[0].reference[:60]!r}): every "
+            "completion would score 0, every group's advantage would be 0, and the run would learn nothing. Give your own "
+            "reward as `--grpo.reward module:function` (called as function(completion, reference), docs/rewards.md), "
+            "or write each reference's answer as a last line `#### N`.")
+    log.warning("%d of the first %d references of %s have no GSM8K answer line (`#### N`), which `grpo.reward=%s` grades "
+                "against: their completions score 0 under it", ungraded, checked, path, grpo.reward)
+
+
 @dataclasses.dataclass
 class Scores:
     """Rewards of a list of completions, which earned full marks, how many the reward function failed on, and what
@@ -298,13 +331,25 @@ def as_reward(value) -> float:
     return number
 
 
+def as_verdict(value) -> bool | None:
+    """The `correct` of a `(reward, correct)` return value as a bool: true or false (numpy's too), or a number 0 or 1;
+    None (no verdict: full marks decide) as it is; TypeError saying what it was instead (`bool("False")` is True: a
+    text verdict counted every completion correct)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__") or float(value) not in (0.0, 1.0):
+        raise TypeError(f"it returned (reward, {type(value).__name__} {repr(value)[:40]}): `correct` is not true or false")
+    return bool(value)
+
+
 def describe_failure(reward: RewardFunction, error: Exception, completion: str) -> str:
     """One line naming the reward function, its exception and the completion (cut) it failed on."""
     reward = getattr(reward, "function", reward)  # an IsolatedReward's own
     name = f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', repr(reward))}"
     text = " ".join(str(error).split())[:200]
     shown = completion if len(completion) <= 120 else completion[:117] + "..."
-    return f"`{name}` raised {type(error).__name__}: {text} (on the completion {shown!r})"
+    where = next((note for note in getattr(error, "__notes__", []) if note.startswith(tool_worker.RAISED_AT)), "")
+    return f"`{name}` raised {type(error).__name__}: {text}{f' ({where})' if where else ''} (on the completion {shown!r})"
 
 
 def score(reward: RewardFunction, completions: list[str], references: list[str], format_bonus: float = 0.0) -> Scores:
@@ -323,7 +368,7 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
             if isinstance(value, Exception):
                 raise value
             if isinstance(value, tuple) and len(value) == 2:
-                value, verdict = value[0], bool(value[1])
+                value, verdict = value[0], as_verdict(value[1])
             value = as_reward(value)
         except Exception as error:  # a user's reward function may fail in any way on odd model output
             value, verdict, failure = 0.0, None, True
@@ -340,4 +385,4 @@ def call(reward: RewardFunction, completion: str, reference: str):
     try:
         return reward(completion, reference)
     except Exception as error:  # a user's reward function may fail in any way on odd model output
-        return error
+        return tool_worker.note_where_raised(error, reward)

@@ -15,11 +15,13 @@ import dataclasses
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Callable
 
 from config.errors import UserError
 from config import user_code
 from tool_runtime import runner as tool_runner
+from tool_runtime import worker as tool_worker
 from data import rewards
 from data.tool_text import Call
 
@@ -93,8 +95,10 @@ class Toolset:
         try:
             environment, extra = tool_runner.call_within(timeout, start_environment, self.environment, row, seed)
         except Exception as error:  # a user's environment may fail in any way; no episode can start without it
+            where = tool_worker.where_raised(error, getattr(sys.modules.get(self.environment.__module__), "__file__", None))
             raise UserError(f"`grpo.environment`: {self.environment.__name__}() or its reset(row) raised "
-                            f"{type(error).__name__}: {error} (row: {str(row)[:200]}). Fix the environment, or change "
+                            f"{type(error).__name__}: {error}{f' ({tool_worker.RAISED_AT}{where})' if where else ''} "
+                            f"(row: {str(row)[:200]}). Fix the environment, or change "
                             "`--grpo.environment`" + (" (or raise `--grpo.tool_timeout`)." if isinstance(error, TimeoutError)
                                                       else ".")) from None
         tools = {**self.functions, **dict(environment_methods(environment))}
@@ -220,8 +224,11 @@ class EpisodeTools:
             value, correct = tool_runner.call_on_main_thread_within(
                 seconds, self.environment.reward, f"it did not return within {seconds:g} s (grpo.reward_timeout)"), None
             if isinstance(value, tuple) and len(value) == 2:
-                value, correct = value[0], bool(value[1])
+                value, correct = value[0], rewards.as_verdict(value[1])
             return rewards.as_reward(value), correct, None
         except Exception as error:  # as a failing reward function: scores 0, is counted and said, and the run goes on
+            where = tool_worker.where_raised(error, getattr(getattr(self.environment.reward, "__code__", None),
+                                                            "co_filename", None))
             return 0.0, None, (type(error).__name__, f"{name} raised {type(error).__name__}: "
-                                                     f"{' '.join(str(error).split())[:200]}")
+                                                     f"{' '.join(str(error).split())[:200]}"
+                                                     f"{f' ({tool_worker.RAISED_AT}{where})' if where else ''}")

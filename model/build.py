@@ -112,14 +112,15 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
-    bridge = auto_bridge(model_path)
+    setting = f"{key}={functools.reduce(getattr, key.split('.'), config)}"
+    bridge = auto_bridge(model_path, setting)
     on_phase("megatron and Bridge import")
     provider = configure_provider(
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
         attention=config.model.attention, ep=config.parallel.ep, etp=config.parallel.expert_tensor_parallel_size,
         moe_dispatcher=config.model.moe_dispatcher, moe_router=rules.moe_router_overrides(config.model),
-        setting=f"{key}={functools.reduce(getattr, key.split('.'), config)}",
+        setting=setting,
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()
     kind = Policy if score_head is None else score_heads.Classifier

@@ -39,8 +39,9 @@ FAMILY_BRIDGES = {"Qwen2ForCausalLM": "megatron.bridge.models.qwen", "Qwen3ForCa
 EAGER_BRIDGE_PACKAGES = ("megatron.bridge", "megatron.bridge.models")
 
 
-def auto_bridge(hf_path: str | Path):
-    """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored)."""
+def auto_bridge(hf_path: str | Path, setting: str | None = None):
+    """Megatron-Bridge's AutoBridge for a local HF checkpoint directory (fp32 weights as stored); an architecture it has
+    no bridge for is refused naming `setting` (`KEY=VALUE`, default `model.path=` the directory)."""
     lora.allow_import_without_te()  # Bridge's import reaches its LoRA layers, which import TE
     # Bridge's import helper logs a traceback at INFO for every optional TE symbol it cannot find,
     # and forces its own level and handler at import; disabling the logger is the only switch.
@@ -57,6 +58,14 @@ def auto_bridge(hf_path: str | Path):
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
 
     freeze_imported_objects()
+    hf = read_hf_config(Path(hf_path), "model.path")
+    if not AutoBridge.can_handle(str(hf_path)):  # Bridge's own test: a registered bridge for the architecture
+        key, _, path = (setting or f"model.path={hf_path}").partition("=")
+        raise UserError(
+            f"`{key}={path}` is a {architecture(hf) or hf.get('model_type')} checkpoint, an architecture Megatron-Bridge "
+            "0.6.2 has no bridge for, so its weights cannot be loaded into megatron-core (nor exported back). Point "
+            f"`--{key}` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: Model families "
+            "verified).")
     return AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch.float32)
 
 
@@ -141,6 +150,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     """
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider, setting)
+    _refuse_norms_needing_transformer_engine(bridge, provider, setting)
     fill_yarn_defaults(provider)
     # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
     # set it routes as without, so it costs nothing until GRPO records or replays routes.
@@ -230,6 +240,20 @@ def _refuse_family_specific_layer_spec(bridge, provider, setting: str | None = N
         "family's own layers (for Gemma 2 and 3: post-attention and post-MLP norms, logit soft-capping, per-layer sliding "
         "windows, norms scaled by 1 + weight), so it would train a different model and refuses the checkpoint. Point "
         f"`--{key}` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: Model families verified).")
+
+
+def _refuse_norms_needing_transformer_engine(bridge, provider, setting: str | None = None) -> None:
+    """Without Transformer Engine, refuse a family whose norms scale by 1 + weight (Gemma's), naming `setting` as
+    `_refuse_family_specific_layer_spec` does: megatron-core's torch norms cannot (model/norm.py raised in the build)."""
+    if HAVE_TRANSFORMER_ENGINE or not getattr(provider, "layernorm_zero_centered_gamma", False):
+        return
+    key, _, path = (setting or f"model.path={bridge.hf_pretrained.model_name_or_path}").partition("=")
+    named = (getattr(bridge.hf_pretrained.config, "architectures", None) or ["this"])[0]
+    raise UserError(
+        f"`{key}={path}` is a {named} checkpoint, whose norms scale by 1 + weight (`layernorm_zero_centered_gamma`), "
+        "which only Transformer Engine's norms compute; it is not installed, and megatron-core's torch norms refuse "
+        f"the setting. Point `--{key}` at a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE checkpoint (docs/models.md: "
+        "Model families verified), or install Transformer Engine on a CUDA machine (README, GPUs).")
 
 
 # Fusions a Bridge provider may switch on whose only implementation is Transformer Engine's. The rest

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from config.errors import UserError
 from tests.conftest import REPO, worker_output
 
 WORKER = "tests/distributed/family_worker.py"
@@ -216,3 +217,38 @@ print("RESULT", AutoBridge is type(bridge))
     # (Bridge's own loggers print to stdout too: only the script's lines are read.)
     assert [line for line in result.stdout.splitlines() if line.startswith("RESULT ")] == [
         "RESULT Qwen2Bridge False False", "RESULT LlamaBridge False", "RESULT Gemma2Bridge True", "RESULT True"]
+
+
+@pytest.mark.parametrize("config_class, architecture", [("Phi3Config", "Phi3ForCausalLM"),
+                                                        ("MixtralConfig", "MixtralForCausalLM")])
+def test_an_architecture_without_a_bridge_is_refused_in_one_paragraph(tmp_path, config_class, architecture):
+    """It was Megatron-Bridge's ValueError under a traceback on every rank (a 60-line list of its architectures and how
+    to write a bridge), after the data was read: now a `UserError` naming the setting, before any weight is read."""
+    import transformers
+
+    from model import providers
+
+    config = getattr(transformers, config_class)(**SHAPE, vocab_size=512)
+    config.architectures = [architecture]
+    config.save_pretrained(tmp_path)  # the config alone: Bridge decides from it
+    with pytest.raises(UserError, match=f"`grpo.teacher={tmp_path}` is a {architecture} checkpoint, an architecture "
+                                        "Megatron-Bridge 0.6.2 has no bridge for.*Point `--grpo.teacher` at a Llama"):
+        providers.auto_bridge(tmp_path, f"grpo.teacher={tmp_path}")
+
+
+def test_gemma_without_transformer_engine_is_refused_in_one_paragraph(tmp_path):
+    """Gemma (1)'s norms scale by 1 + weight: the build raised `ValueError: layernorm_zero_centered_gamma is not
+    supported by torch's LayerNorm/RMSNorm` under a traceback, after the data was read."""
+    import transformers
+
+    from model import providers
+
+    if providers.HAVE_TRANSFORMER_ENGINE:
+        pytest.skip("Transformer Engine's norms compute 1 + weight")
+    config = transformers.GemmaConfig(**SHAPE, head_dim=16, vocab_size=512)
+    config.architectures = ["GemmaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    bridge = providers.auto_bridge(tmp_path)
+    with pytest.raises(UserError, match=f"`model.path={tmp_path}` is a GemmaForCausalLM checkpoint, whose norms scale "
+                                        r"by 1 \+ weight .*Point `--model.path` at a Llama"):
+        providers.configure_provider(bridge, dtype="fp32", tp=1, pp=1, vpp=None, seq_length=64, load_weights=False)

@@ -355,13 +355,17 @@ def test_a_reward_that_fails_everywhere_stops_at_step_1_and_one_failing_sometime
     stuck = result(runs, "stuck")
     assert stuck["error"].startswith("The reward (`grpo.reward=none` plus the environment's `reward()`) failed on every "
                                      "one of the 32 completions of step 1")
-    assert "`Stuck.reward()` raised TimeoutError: it did not return within 1 s (grpo.reward_timeout). An " \
-           "environment's `reward()` returns a number or `(reward, correct)` within `grpo.reward_timeout` (1 s" in stuck["error"]
+    # Where in the user's file: the line the stopped call was on.
+    assert "`Stuck.reward()` raised TimeoutError: it did not return within 1 s (grpo.reward_timeout) (raised at " in \
+           stuck["error"]
+    assert "fidelity_rewards.py, line 25). An environment's `reward()` returns a number or `(reward, correct)` within " \
+           "`grpo.reward_timeout` (1 s" in stuck["error"]
     third = result(runs, "third")
     rows = [row for row in metrics(runs["root"] / "third") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["reward_errors"] > 0 for row in rows)
     assert third["log"].count("the first ValueError failure: `fidelity_rewards:third` raised ValueError: cannot parse "
-                              "this one (on the completion") == 1
+                              "this one (raised at ") == 1
+    assert "fidelity_rewards.py, line 6) (on the completion" in third["log"]
 
 
 @pytest.mark.distributed

@@ -221,8 +221,10 @@ def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(t
         assert remote.rewards == local.rewards == [0.6, 0.9, 0.0, 0.0, 0.0, 1.3]
         assert remote.correct == local.correct == [True, False, False, False, False, True]
         assert remote.errors == local.errors == 3
+        # Where in the user's file it raised: said in the paragraph that stops a run (before, the error alone).
         assert remote.failures["ValueError"] == local.failures["ValueError"] == (
-            "`user_rewards:graded` raised ValueError: cannot parse boom here (on the completion 'boom here')")
+            f"`user_rewards:graded` raised ValueError: cannot parse boom here (raised at {tmp_path / 'user_rewards.py'}, "
+            "line 10) (on the completion 'boom here')")
         # An exception that cannot be read back arrives as its text; a value that cannot be sent is a failure.
         assert "raised RuntimeError: Unreadable: needs two (on the completion 'odd one')" in remote.failures["RuntimeError"]
         assert rewards.score(isolated, ["object"], [REFERENCE]).failures["RuntimeError"].startswith(
@@ -254,3 +256,49 @@ def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(t
         assert scores.errors == 50 and scores.rewards == [0.0] * 50
     finally:
         rewards.close(hanging)
+
+
+def test_a_built_in_reward_on_references_without_an_answer_line_is_refused_when_it_is_the_whole_signal(caplog):
+    """GRPO with the default reward on a user's own rows (`{"question": "What is 3 plus 3?", "answer": "6"}`) ran with
+    every reward 0 (a 1-step run: reward_mean=0, loss=0, grad_norm=0), without a word."""
+    from types import SimpleNamespace
+
+    from config.sections import GRPOSection
+
+    plain = [SimpleNamespace(reference=str(number)) for number in range(5)]
+    grpo = GRPOSection()
+    assert grpo.reward in rewards.GRADE_AGAINST_ANSWER_LINE  # the default
+    with pytest.raises(UserError, match=r"`grpo.reward=arithmetic` grades each completion against its reference's GSM8K "
+                                        r"answer line \(`#### N`\), and none of the 5 references of qa.jsonl read has one "
+                                        r"\(e.g. '0'\).*`--grpo.reward module:function`"):
+        rewards.check_references_graded(grpo, plain, "qa.jsonl")
+    # Another part of the reward, or some references with the line: said, not refused; `none` and your own read none.
+    for changes in ({"reward_model": "rm/hf"}, {"environment": "guess:Guess"}, {"teacher": "big/hf"}, {"format_bonus": 0.1}):
+        with caplog.at_level("WARNING", logger="data.rewards"):
+            caplog.clear()
+            rewards.check_references_graded(GRPOSection(**changes), plain, "qa.jsonl")
+        assert "5 of the first 5 references of qa.jsonl have no GSM8K answer line" in caplog.text
+    caplog.clear()
+    rewards.check_references_graded(grpo, plain + [SimpleNamespace(reference="3 + 3 = 6\n#### 6")], "qa.jsonl")
+    assert "5 of the first 6 references" in caplog.text
+    for name in ("none", "user_rewards:graded"):
+        rewards.check_references_graded(GRPOSection(reward=name), plain, "qa.jsonl")
+    rewards.check_references_graded(grpo, [SimpleNamespace(reference="#### 6")], "qa.jsonl")
+
+
+def test_a_graded_rewards_verdict_must_be_true_or_false():
+    """`(reward, correct)` with a text verdict: `bool("False")` is True, so every such completion counted correct (in
+    `accuracy`, and in what DAPO's filter reads). Now a failure, counted and said; None leaves it to full marks."""
+    def graded(completion, reference):
+        return {"text": (0.5, "False"), "half": (0.5, 0.5), "numpy": (0.2, numpy.bool_(True)), "int": (0.3, 0),
+                "none": (1.0, None)}[completion]
+
+    import numpy
+
+    scores = rewards.score(graded, ["text", "half", "numpy", "int", "none"], [REFERENCE] * 5)
+    assert scores.rewards == [0.0, 0.0, 0.2, 0.3, 1.0]
+    assert scores.correct == [False, False, True, False, True]
+    assert scores.errors == 2
+    assert scores.failures["TypeError"].endswith(
+        "graded` raised TypeError: it returned (reward, str 'False'): `correct` is not true or false (on the completion "
+        "'text')")

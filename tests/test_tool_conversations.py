@@ -95,6 +95,42 @@ def test_tool_calls_are_learned_and_tool_results_are_not(tokenizer):
     )
 
 
+def test_a_parquet_files_unified_schema_adds_no_null_arguments_or_parameters(tmp_path, tokenizer):
+    """A Parquet column has one schema, so pyarrow gives each row's call arguments and tool schemas every other row's
+    names as nulls: the calculator call was trained as `{"city": null, "expression": "12 * 7"}` and offered a `city`
+    parameter. Read through `data.path` as a user's file is."""
+    import pyarrow
+    import pyarrow.parquet
+
+    from data.conversations import load_rows
+
+    weather_row = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "name": "weather", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}], "tools": [WEATHER_SCHEMA]}
+    calculator_row = {"messages": TOOL_ROW["messages"][:2] + TOOL_ROW["messages"][3:], "tools": [CALCULATOR_SCHEMA]}
+    calculator_row["messages"][1] = {**calculator_row["messages"][1], "tool_calls": calculator_row["messages"][1]["tool_calls"][:1]}
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([weather_row, calculator_row]), tmp_path / "train.parquet")
+    rows = load_rows(str(tmp_path / "train.parquet"))
+    assert rows[1]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": None, "expression": "12 * 7"}
+
+    conversations, report = to_conversations(rows, messages_field="messages")
+    assert report.used == 2
+    assert [conversation.tools for conversation in conversations] == [[WEATHER_SCHEMA], [CALCULATOR_SCHEMA]]
+    assert conversations[1][1]["tool_calls"][0]["function"]["arguments"] == {"expression": "12 * 7"}
+    input_ids, loss_mask = tokenize_conversation(conversations[1], tokenizer)
+    assert learned_spans(tokenizer, input_ids, loss_mask)[0] == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call><|im_end|>')
+    # Arguments as JSON text (the OpenAI API's form) passed through no table schema: a null there is the data's own.
+    texts = {"messages": [weather_row["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "unit": null}'}}]},
+        *weather_row["messages"][2:]]}
+    (conversation,), _ = to_conversations([texts], messages_field="messages")
+    assert conversation[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": None}
+
+
 # Mistral-7B-Instruct-v0.3's chat template, its tool parts as it ships them (the tools list left out): each call is
 # written with its `id`, which must be 9 characters, and a tool result names the call it answers.
 MISTRAL_TOOL_TEMPLATE = (

@@ -3,6 +3,7 @@ them (errors, timeouts, unknown names), the chat template's check, and the rollo
 appended (never trained), what each bad input counts, the limits. The real generation under torchrun is in
 test_tools_e2e.py."""
 
+import inspect
 import json
 import os
 import threading
@@ -272,10 +273,14 @@ def test_an_environment_that_fails_is_one_paragraph_or_scores_zero(tokenizer):
 
     loaded = toolset(environment="tests.tool_fixtures:Counter")
     loaded.environment = Broken
-    with pytest.raises(UserError, match=r"Broken\(\) or its reset\(row\) raised KeyError: 'answer'"):
+    # Where in the user's file (here this one) it raised, said in the paragraph (before, the error alone).
+    line = inspect.getsourcelines(Broken)[1]
+    with pytest.raises(UserError, match=rf"Broken\(\) or its reset\(row\) raised KeyError: 'answer' \(raised at "
+                                        rf"{__file__}, line {line + 2}\) \(row: "):
         loaded.episode({"question": "q"})
     assert tools.EpisodeTools({}, Broken()).reward() == (0.0, None, ("ZeroDivisionError",
-                                                                     "`Broken.reward()` raised ZeroDivisionError: no calls"))
+                                                                     "`Broken.reward()` raised ZeroDivisionError: no calls "
+                                                                     f"(raised at {__file__}, line {line + 5})"))
 
     class Stuck(tool_fixtures.Counter):
         def reset(self, row):
@@ -329,8 +334,9 @@ def test_an_environments_reward_that_fails_or_hangs_scores_0_and_counts_as_a_rew
             return "half"
 
     started = time.monotonic()
-    assert tools.EpisodeTools({}, Hung()).reward(0.2) == (0.0, None, (
-        "TimeoutError", "`Hung.reward()` raised TimeoutError: it did not return within 0.2 s (grpo.reward_timeout)"))
+    assert tools.EpisodeTools({}, Hung()).reward(0.2) == (0.0, None, (  # the line it was stopped on
+        "TimeoutError", "`Hung.reward()` raised TimeoutError: it did not return within 0.2 s (grpo.reward_timeout) "
+                        f"(raised at {__file__}, line {inspect.getsourcelines(Hung)[1] + 3})"))
     assert time.monotonic() - started < 1.0
     assert tools.EpisodeTools({}, Worded()).reward(0.2)[2] == ("TypeError", "`Worded.reward()` raised TypeError: it "
                                                                "returned str 'half', not a number")

@@ -46,15 +46,37 @@ def error_text(error: BaseException) -> str:
     return f"Error: {type(error).__name__}: {error}"
 
 
+RAISED_AT = "raised at "  # the note `note_where_raised` adds to an exception
+
+
+def where_raised(error: BaseException, own_file: str | None) -> str:
+    """`FILE, line N`: the innermost frame of `error`'s traceback in `own_file` (the user's code, not a library it
+    called into); "" when none of its frames is there (or it has no traceback)."""
+    import traceback
+
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if own_file and frame.filename == own_file]
+    return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
+
+
+def note_where_raised(error: BaseException, function: Callable) -> BaseException:
+    """`error` with a note naming where in `function`'s own file it was raised (`raised at FILE, line N`), if there:
+    a note travels with the exception through pickle, where its traceback does not."""
+    where = where_raised(error, getattr(getattr(function, "__code__", None), "co_filename", None))
+    if where:
+        error.add_note(RAISED_AT + where)
+    return error
+
+
 def call_tool(function: Callable, arguments: dict | tuple) -> Outcome:
     """One call in this process: a tool's (keyword `arguments`) as its text, or its error's; a reward function's (a
-    tuple of positional ones) with its value, or its exception, kept. Never raises."""
+    tuple of positional ones) with its value, or its exception (noted where it was raised), kept. Never raises."""
     try:
         if isinstance(arguments, tuple):
             return Outcome("", "ok", function(*arguments))
         return Outcome(result_text(function(**arguments)), "ok")
     except Exception as error:  # a user's tool may fail in any way
-        return Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
+        return Outcome(error_text(error), "error",
+                       note_where_raised(error, function) if isinstance(arguments, tuple) else None)
 
 
 def _send(stream, value) -> None:

@@ -137,6 +137,7 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
                              tools=episode_sampler.schemas or None,
                              cache_dir=process.cache_dir() if config.data.cache else None)
     train_prompts = load(config.data.path, config.data.train_split)
+    rewards.check_references_graded(config.grpo, train_prompts, config.data.path)
     tool_data.check_offered_tools_run(toolset, train_prompts, config.data.path)
     tool_data.check_filter_reads_accuracy(toolset, config.grpo, train_prompts[0].row)
     eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],

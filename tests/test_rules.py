@@ -120,6 +120,15 @@ def test_fsdp_defaults_and_their_overrides():
         "optim_grads", False, False)
 
 
+def test_fsdp_gives_a_precision_aware_optimizer_its_gradients_in_decoupled_grad():
+    """megatron-core's optimizer reads a precision-aware optimizer's gradients from `decoupled_grad` under Megatron-FSDP,
+    where Megatron-FSDP writes them only when told (Megatron-Bridge's rule); left in `.grad`, bf16 trained nothing
+    (grad_norm 0 at every step: test_precision_e2e's precision_aware_bf16_fsdp)."""
+    bf16_fsdp = make("bf16", **{"parallel.use_megatron_fsdp": True})
+    assert rules.ddp_config(bf16_fsdp, FakeOptimizer(True, torch.float32)).megatron_fsdp_use_decoupled_grad is True
+    assert rules.ddp_config(bf16_fsdp).megatron_fsdp_use_decoupled_grad is False  # torch's Adam reads `.grad`
+
+
 def test_environment_defaults_lose_to_user_overrides():
     gloo = {"gradient_reduce_div_fusion": False}
     assert rules.ddp_config(make(), extra_defaults=gloo).gradient_reduce_div_fusion is False

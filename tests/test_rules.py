@@ -150,6 +150,24 @@ def test_validation_errors_name_the_key(with_transformer_engine, changes, expect
     assert expected in str(error.value)
 
 
+@pytest.mark.parametrize("dtype, changes, expected", [
+    ("bf16", {"optim.exp_avg_dtype": "bf16"}, "`optim.exp_avg_dtype=bf16` would do nothing: they set the precision-aware "
+                                              "optimizer's state, which this run (`model.dtype=bf16`, "
+                                              "`optim.use_precision_aware_optimizer=false`) does not use"),
+    ("fp32", {"optim.use_precision_aware_optimizer": True, "optim.main_grads_dtype": "bf16",
+              "optim.exp_avg_sq_dtype": "bf16"}, "`optim.main_grads_dtype=bf16`, `optim.exp_avg_sq_dtype=bf16` would do nothing"),
+    ("fp16", {"optim.exp_avg_dtype": "bf16"}, "`model.dtype=fp16` keeps its main gradients and Adam moments in fp32"),
+    ("fp16", {"parallel.use_megatron_fsdp": True}, "`model.dtype=fp16` with `parallel.use_megatron_fsdp=true` is not supported"),
+])
+def test_precision_settings_that_would_be_dropped_or_fail_are_refused(with_transformer_engine, dtype, changes, expected):
+    """Lower-precision optimizer state outside bf16's precision-aware optimizer was dropped without a word (megatron-core
+    itself asserts it away); fp16 under Megatron-FSDP failed at its first step with a traceback."""
+    with pytest.raises(UserError) as error:
+        make(dtype, **changes).validate(world_size=1)
+    assert expected in str(error.value) and "--" in str(error.value)
+    make("bf16", **{**changes, "optim.use_precision_aware_optimizer": True}).validate(world_size=1)  # where they act
+
+
 def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(sections, "have_transformer_engine", lambda: False)
     for config in (make("bf16", **{"optim.use_precision_aware_optimizer": True}), make("fp16")):

@@ -137,7 +137,15 @@ class TrainingChecks:
         optim = self.optim
         lowered = [f"`optim.{key}={getattr(optim, key)}`" for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
                    if getattr(optim, key) != "fp32"]
-        if not lowered or (self.model.dtype == "bf16" and optim.use_precision_aware_optimizer):
+        if not lowered:
+            return
+        if self.model.dtype == "bf16" and optim.use_precision_aware_optimizer:
+            # megatron-core's DDP keeps main gradients in fp32 or, with grad_reduce_in_fp32 off, in the parameters' dtype.
+            require(optim.main_grads_dtype != "fp16",
+                    "`optim.main_grads_dtype=fp16` is not one megatron-core keeps: its gradient buffers hold fp32, or "
+                    "the parameters' bf16 when not fp32, so the run would reduce and step on bf16 gradients without a "
+                    "word (Megatron-LM's --main-grads-dtype offers fp32 and bf16). Use `--optim.main_grads_dtype=bf16` "
+                    "or fp32.")
             return
         where = ("`model.dtype=fp16` keeps its main gradients and Adam moments in fp32 (fp16's rule: the gradients "
                  "are unscaled and checked for overflow there)" if self.model.dtype == "fp16" else

@@ -168,6 +168,16 @@ def test_precision_settings_that_would_be_dropped_or_fail_are_refused(with_trans
     make("bf16", **{**changes, "optim.use_precision_aware_optimizer": True}).validate(world_size=1)  # where they act
 
 
+def test_fp16_main_gradients_which_megatron_core_keeps_in_bf16_are_refused(with_transformer_engine):
+    """megatron-core's DDP keeps main gradients in fp32 or the parameters' dtype: `optim.main_grads_dtype=fp16` in bf16
+    ran on bf16 gradient buffers (measured with the FusedAdam double: buffers and `decoupled_grad` bf16, the losses and
+    grad norms of `main_grads_dtype=bf16` bit for bit)."""
+    aware = {"optim.use_precision_aware_optimizer": True}
+    with pytest.raises(UserError, match=r"`optim.main_grads_dtype=fp16` is not one megatron-core keeps.*--optim.main_grads_dtype=bf16"):
+        make("bf16", **aware, **{"optim.main_grads_dtype": "fp16"}).validate(world_size=1)
+    make("bf16", **aware, **{"optim.main_grads_dtype": "bf16"}).validate(world_size=1)
+
+
 def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(sections, "have_transformer_engine", lambda: False)
     for config in (make("bf16", **{"optim.use_precision_aware_optimizer": True}), make("fp16")):

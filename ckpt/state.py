@@ -336,7 +336,9 @@ def _adapter_state(sharded_state: dict) -> dict:
 
 def _load_adapters(module, state: dict) -> None:
     """Load adapter tensors into a LoRA model; every key it has besides them must be a frozen base weight."""
-    result = module.load_state_dict(state, strict=False)
+    # In bf16 and fp16 the chunk's model is megatron-core's Float16Module, whose load_state_dict passes the load on to
+    # the model it wraps (same keys) but returns None: ask that model, whose answer lists the keys.
+    result = getattr(module, "module", module).load_state_dict(state, strict=False)
     stray = [key for key in result.missing_keys if ADAPTER_KEY in key] + list(result.unexpected_keys)
     if stray:
         raise RuntimeError(f"the checkpoint's adapters do not match the model's: {stray[:4]}")

@@ -110,9 +110,17 @@ class TrainingChecks:
         if optim.use_precision_aware_optimizer and self.model.dtype == "fp32":
             log.warning("`optim.use_precision_aware_optimizer=true` has no effect with `model.dtype=fp32`: fp32 training "
                         "keeps fp32 weights, gradients and Adam state already (set `--model.dtype=bf16` to use it).")
+        self._validate_state_dtypes()
         if not self.precision_aware:
             return
         why = "`model.dtype=fp16`" if self.model.dtype == "fp16" else "`optim.use_precision_aware_optimizer=true`"
+        require(not (self.model.dtype == "fp16" and self.parallel.use_megatron_fsdp),
+                 "`model.dtype=fp16` with `parallel.use_megatron_fsdp=true` is not supported: megatron-core 0.19's "
+                 "loss-scale check reads the gradient of every parameter, and Megatron-FSDP leaves a rank none for a "
+                 "parameter that lies wholly in other ranks' shards (the first step fails); nor do Megatron-FSDP's "
+                 "checkpoints hold the dynamic loss scale, so a resume would restart it. Use `--model.dtype=bf16` with "
+                 "Megatron-FSDP, or keep fp16 with `--parallel.use_megatron_fsdp=false` (the distributed optimizer "
+                 "shards the optimizer state).")
         optimizer = optim.override_optimizer_config.get("optimizer", "adam")
         require(optimizer == "adam", f"{why} needs the adam optimizer, but `optim.override_optimizer_config.optimizer={optimizer}`.")
         require(self.parallel.use_distributed_optimizer or self.parallel.use_megatron_fsdp,
@@ -121,6 +129,31 @@ class TrainingChecks:
                  f"{why} uses Transformer Engine's FusedAdam, and Transformer Engine is not installed. Install it "
                  "(`uv sync --extra te` on a CUDA machine, or use NVIDIA's NGC PyTorch container), or use "
                  "`--model.dtype=bf16 --optim.use_precision_aware_optimizer=false`.")
+
+    def _validate_state_dtypes(self) -> None:
+        """`optim.main_grads_dtype`, `optim.exp_avg_dtype`, `optim.exp_avg_sq_dtype` below fp32 act only with bf16's
+        precision-aware optimizer (megatron-core refuses them without it; the fp16 rule keeps them fp32): elsewhere they
+        would be dropped without a word."""
+        optim = self.optim
+        lowered = [f"`optim.{key}={getattr(optim, key)}`" for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+                   if getattr(optim, key) != "fp32"]
+        if not lowered:
+            return
+        if self.model.dtype == "bf16" and optim.use_precision_aware_optimizer:
+            # megatron-core's DDP keeps main gradients in fp32 or, with grad_reduce_in_fp32 off, in the parameters' dtype.
+            require(optim.main_grads_dtype != "fp16",
+                    "`optim.main_grads_dtype=fp16` is not one megatron-core keeps: its gradient buffers hold fp32, or "
+                    "the parameters' bf16 when not fp32, so the run would reduce and step on bf16 gradients without a "
+                    "word (Megatron-LM's --main-grads-dtype offers fp32 and bf16). Use `--optim.main_grads_dtype=bf16` "
+                    "or fp32.")
+            return
+        where = ("`model.dtype=fp16` keeps its main gradients and Adam moments in fp32 (fp16's rule: the gradients "
+                 "are unscaled and checked for overflow there)" if self.model.dtype == "fp16" else
+                 f"they set the precision-aware optimizer's state, which this run (`model.dtype={self.model.dtype}`, "
+                 f"`optim.use_precision_aware_optimizer={str(optim.use_precision_aware_optimizer).lower()}`) does not use")
+        raise UserError(f"{', '.join(lowered)} would do nothing: {where}, so the run would keep fp32 state without a word. "
+                        "Set `--model.dtype=bf16 --optim.use_precision_aware_optimizer=true` to keep the state in lower "
+                        "precision, or leave these keys at fp32.")
 
     def _validate_schedule(self) -> None:
         train, ckpt = self.train, self.ckpt

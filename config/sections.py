@@ -121,7 +121,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"help": "Adam betas [beta1, beta2]"})
     eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
     use_precision_aware_optimizer: bool = field(default=False, metadata={"help": "bf16: keep optimizer state in the dtypes below (needs Transformer Engine)"})
-    main_grads_dtype: str = field(default="fp32", metadata={"help": "precision-aware: main gradient dtype fp32 | bf16 | fp16"})
+    main_grads_dtype: str = field(default="fp32", metadata={"help": "precision-aware: main gradient dtype fp32 | bf16"})
     exp_avg_dtype: str = field(default="fp32", metadata={"help": "precision-aware: Adam first-moment dtype fp32 | bf16 | fp16"})
     exp_avg_sq_dtype: str = field(default="fp32", metadata={"help": "precision-aware: Adam second-moment dtype fp32 | bf16 | fp16"})
     override_optimizer_config: dict = field(default_factory=dict, metadata={"help": "megatron-core OptimizerConfig fields set last (win over everything)"})

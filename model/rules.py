@@ -89,6 +89,11 @@ def ddp_config(config, optimizer=None, extra_defaults: dict | None = None, envir
             # Megatron-FSDP ignores grad_reduce_in_fp32 and keeps gradients in the compute dtype unless
             # told: apply the same rule (fp32 unless the optimizer's main gradients are lower).
             megatron_fsdp_main_grads_dtype=optimizer.main_grads_dtype if low_precision_grads else torch.float32,
+            # megatron-core's optimizer reads a precision-aware optimizer's gradients from `decoupled_grad` under
+            # Megatron-FSDP ("Megatron-FSDP always uses decoupled_grad with FusedAdam"), where Megatron-FSDP installs
+            # them only when told (Megatron-Bridge's rule). Without it the gradients stay in `.grad`: bf16 trained
+            # nothing (grad_norm 0, every update empty) and fp16 failed at its first step.
+            megatron_fsdp_use_decoupled_grad=optimizer.use_precision_aware_optimizer,
         )
     settings.update(overlap_settings(config, optimizer.use_distributed_optimizer, environment))
     settings.update(extra_defaults or {})

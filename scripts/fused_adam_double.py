@@ -15,7 +15,9 @@ moments, fp32 master weights held by the optimizer, bf16 main gradients read fro
   copies them into the (bf16) parameter in place: megatron hands the optimizer views into its
   parameter buffer and all-gathers that buffer afterwards;
 - the step count in each param group (`group["step"]`), as TE keeps it;
-- `load_state_dict` storing the loaded states back in their configured dtypes (torch's casts them to the parameter's).
+- `load_state_dict` storing the loaded states back in their configured dtypes (torch's casts them to the parameter's);
+- Megatron-FSDP's DTensor parameters: as TE's `empty_like(param)` makes them, their states are DTensors too (what
+  the fsdp_dtensor checkpoints save), and the update runs on each rank's local shard.
 
 It models TE 2.0: whole fp32 master weights only. TE 2.1 added `store_param_remainders` (bf16 param
 plus an int16 remainder instead of an fp32 copy), which megatron turns on by default when
@@ -69,8 +71,8 @@ class FusedAdamDouble(torch.optim.Optimizer):
 
     def initialize_state(self, param, store_param_remainders=False):
         """Zero moments in their configured dtypes, and an fp32 copy of the parameter when master_weights."""
-        self.state[param]["exp_avg"] = torch.zeros(param.shape, dtype=self.name_to_dtype_map["exp_avg"], device=param.device)
-        self.state[param]["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.name_to_dtype_map["exp_avg_sq"], device=param.device)
+        self.state[param]["exp_avg"] = torch.zeros_like(param, dtype=self.name_to_dtype_map["exp_avg"])
+        self.state[param]["exp_avg_sq"] = torch.zeros_like(param, dtype=self.name_to_dtype_map["exp_avg_sq"])
         if self.master_weights:
             self.state[param]["master_param"] = param.detach().clone().float()
 
@@ -85,8 +87,8 @@ class FusedAdamDouble(torch.optim.Optimizer):
         assert unscaled_state.dtype == torch.float32, unscaled_state.dtype
         if state_name not in self.state[param]:
             dtype = self.name_to_dtype_map[state_name]
-            self.state[param][state_name] = torch.empty(param.shape, dtype=dtype, device=param.device)
-        self.state[param][state_name].copy_(unscaled_state)
+            self.state[param][state_name] = torch.empty_like(param, dtype=dtype)
+        _local(self.state[param][state_name]).copy_(_local(unscaled_state))
 
     def load_state_dict(self, state_dict):
         """torch's loader casts every state tensor to its parameter's dtype; as TE's FusedAdam does, store each one
@@ -118,10 +120,16 @@ class FusedAdamDouble(torch.optim.Optimizer):
             raise NotImplementedError("the FusedAdam double does not take a grad_scaler")
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            params = [param for param in group["params"] if self._gradient(param) is not None]
-            if not params:
-                continue  # like TE, a group with no gradients does not count a step
+            if not group["params"]:
+                continue
+            # As TE: every group with parameters counts the step, and every parameter gets its state, gradient or not
+            # (megatron-core's load under Megatron-FSDP makes the state it loads into with a step whose gradients are
+            # in `.grad`, not `decoupled_grad`).
             group["step"] = group.get("step", 0) + 1
+            for param in group["params"]:
+                if not self.state[param]:
+                    self.initialize_state(param, self.store_param_remainders)
+            params = [param for param in group["params"] if self._gradient(param) is not None]
             beta1, beta2 = group["betas"]
             if group["bias_correction"]:
                 correction1, correction2 = 1 - beta1 ** group["step"], 1 - beta2 ** group["step"]
@@ -129,15 +137,14 @@ class FusedAdamDouble(torch.optim.Optimizer):
                 correction1 = correction2 = 1.0
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
             for param in params:
-                if not self.state[param]:
-                    self.initialize_state(param, self.store_param_remainders)
                 # The fp32 weights the update applies to: the master copy, or the parameter itself.
-                weights = self.get_unscaled_state(param, "master_param") if self.master_weights else param.detach().float()
-                grad = self._gradient(param).float()
+                weights = _local(self.get_unscaled_state(param, "master_param") if self.master_weights
+                                 else param.detach().float())
+                grad = _local(self._gradient(param)).float()
                 if not self.adam_w_mode:
                     grad = grad + decay * weights  # Adam with L2 regularisation folds the decay into the gradient
-                exp_avg = self.get_unscaled_state(param, "exp_avg")
-                exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
+                exp_avg = _local(self.get_unscaled_state(param, "exp_avg"))
+                exp_avg_sq = _local(self.get_unscaled_state(param, "exp_avg_sq"))
                 exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 update = (exp_avg / correction1) / ((exp_avg_sq / correction2).sqrt() + eps)
@@ -149,13 +156,18 @@ class FusedAdamDouble(torch.optim.Optimizer):
                 if self.master_weights:
                     self.set_scaled_state(param, "master_param", weights)
                 # In place: the parameter is a view into megatron's buffer, which is all-gathered next.
-                if param.data_ptr() != weights.data_ptr():
-                    param.copy_(weights)
+                if _local(param).data_ptr() != weights.data_ptr():
+                    _local(param).copy_(weights)
         return loss
 
     def _gradient(self, param):
         """Where megatron put this parameter's gradient."""
         return getattr(param, "decoupled_grad", None) if self.use_decoupled_grad else param.grad
+
+
+def _local(tensor):
+    """A DTensor's shard on this rank (Megatron-FSDP's parameters, gradients and states); any other tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 # ---------------------------------------------------------------- wiring it into megatron-core

@@ -80,3 +80,19 @@ def test_install_feeds_megatron_the_double_and_hides_nothing_else():
     assert not sections.have_transformer_engine()
     with pytest.raises(RuntimeError, match="FusedAdam"):
         OptimizerConfig(**precision_aware)
+
+
+def test_a_step_without_gradients_makes_the_state_and_counts_it_as_te_does():
+    """TE's FusedAdam gives every parameter its state and every group with parameters its step count, gradient or not.
+    megatron-core's load under Megatron-FSDP makes the state it loads into with a zero-gradient step that writes `.grad`
+    where the precision-aware optimizer reads `decoupled_grad`: the double left the state empty, the checkpoint's moments
+    had nowhere to go, and a bf16 precision-aware resume left the straight run at the second step after it."""
+    param = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
+    before = param.detach().clone()
+    double = FusedAdamDouble([param], lr=1e-2, master_weights=True, use_decoupled_grad=True,
+                             exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    param.grad = torch.zeros_like(param)  # `_init_optimizer_states_with_dummy_values`
+    double.step()
+    assert set(double.state[param]) == {"exp_avg", "exp_avg_sq", "master_param"}
+    assert double.param_groups[0]["step"] == 1
+    assert torch.equal(param.detach(), before)  # no gradient where it reads them: no update

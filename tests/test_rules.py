@@ -120,6 +120,15 @@ def test_fsdp_defaults_and_their_overrides():
         "optim_grads", False, False)
 
 
+def test_fsdp_gives_a_precision_aware_optimizer_its_gradients_in_decoupled_grad():
+    """megatron-core's optimizer reads a precision-aware optimizer's gradients from `decoupled_grad` under Megatron-FSDP,
+    where Megatron-FSDP writes them only when told (Megatron-Bridge's rule); left in `.grad`, bf16 trained nothing
+    (grad_norm 0 at every step: test_precision_e2e's precision_aware_bf16_fsdp)."""
+    bf16_fsdp = make("bf16", **{"parallel.use_megatron_fsdp": True})
+    assert rules.ddp_config(bf16_fsdp, FakeOptimizer(True, torch.float32)).megatron_fsdp_use_decoupled_grad is True
+    assert rules.ddp_config(bf16_fsdp).megatron_fsdp_use_decoupled_grad is False  # torch's Adam reads `.grad`
+
+
 def test_environment_defaults_lose_to_user_overrides():
     gloo = {"gradient_reduce_div_fusion": False}
     assert rules.ddp_config(make(), extra_defaults=gloo).gradient_reduce_div_fusion is False
@@ -139,6 +148,34 @@ def test_validation_errors_name_the_key(with_transformer_engine, changes, expect
     with pytest.raises(UserError) as error:
         make("bf16", **changes).validate(world_size=1)
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("dtype, changes, expected", [
+    ("bf16", {"optim.exp_avg_dtype": "bf16"}, "`optim.exp_avg_dtype=bf16` would do nothing: they set the precision-aware "
+                                              "optimizer's state, which this run (`model.dtype=bf16`, "
+                                              "`optim.use_precision_aware_optimizer=false`) does not use"),
+    ("fp32", {"optim.use_precision_aware_optimizer": True, "optim.main_grads_dtype": "bf16",
+              "optim.exp_avg_sq_dtype": "bf16"}, "`optim.main_grads_dtype=bf16`, `optim.exp_avg_sq_dtype=bf16` would do nothing"),
+    ("fp16", {"optim.exp_avg_dtype": "bf16"}, "`model.dtype=fp16` keeps its main gradients and Adam moments in fp32"),
+    ("fp16", {"parallel.use_megatron_fsdp": True}, "`model.dtype=fp16` with `parallel.use_megatron_fsdp=true` is not supported"),
+])
+def test_precision_settings_that_would_be_dropped_or_fail_are_refused(with_transformer_engine, dtype, changes, expected):
+    """Lower-precision optimizer state outside bf16's precision-aware optimizer was dropped without a word (megatron-core
+    itself asserts it away); fp16 under Megatron-FSDP failed at its first step with a traceback."""
+    with pytest.raises(UserError) as error:
+        make(dtype, **changes).validate(world_size=1)
+    assert expected in str(error.value) and "--" in str(error.value)
+    make("bf16", **{**changes, "optim.use_precision_aware_optimizer": True}).validate(world_size=1)  # where they act
+
+
+def test_fp16_main_gradients_which_megatron_core_keeps_in_bf16_are_refused(with_transformer_engine):
+    """megatron-core's DDP keeps main gradients in fp32 or the parameters' dtype: `optim.main_grads_dtype=fp16` in bf16
+    ran on bf16 gradient buffers (measured with the FusedAdam double: buffers and `decoupled_grad` bf16, the losses and
+    grad norms of `main_grads_dtype=bf16` bit for bit)."""
+    aware = {"optim.use_precision_aware_optimizer": True}
+    with pytest.raises(UserError, match=r"`optim.main_grads_dtype=fp16` is not one megatron-core keeps.*--optim.main_grads_dtype=bf16"):
+        make("bf16", **aware, **{"optim.main_grads_dtype": "fp16"}).validate(world_size=1)
+    make("bf16", **aware, **{"optim.main_grads_dtype": "bf16"}).validate(world_size=1)
 
 
 def test_precision_aware_without_transformer_engine_says_how_to_get_it(monkeypatch):

@@ -48,6 +48,8 @@ def describe(chunks, optimizer) -> dict:
                         found[name].add(dtype_name(value.dtype))
                         found["state_tensors"] += 1
     for chunk in chunks:
+        if chunk.ddp_config.use_megatron_fsdp:  # its gradient buffers are its own (`megatron_fsdp_main_grads_dtype`)
+            continue
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             found["grad_buffer"].add(dtype_name(buffer.grad_dtype))
             found["grad_buffer_data"].add(dtype_name(buffer.grad_data.dtype))

@@ -84,6 +84,27 @@ def check_rope_scaling(hf: dict, name: str, key: str) -> None:
             "with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (docs/models.md).")
 
 
+# ---------------------------------------------------------------- dense layers among the experts
+
+def check_every_layer_sparse(hf: dict, name: str, key: str) -> None:
+    """Refuse a Qwen3-MoE config.json (`hf`, of the `name` model at `key`) that makes some layers dense: Megatron-Bridge
+    0.6.2's Qwen3-MoE bridge builds every layer as a Mixture-of-Experts layer, finds no router or experts in the
+    checkpoint for a dense one (only a warning) and leaves them uninitialised: NaN logits, trained without an error."""
+    if hf.get("model_type") != "qwen3_moe":
+        return
+    layers, step = hf.get("num_hidden_layers") or 0, hf.get("decoder_sparse_step") or 1
+    # transformers' Qwen3MoeDecoderLayer: sparse where not in mlp_only_layers and (index + 1) % decoder_sparse_step == 0.
+    dense = sorted({*(hf.get("mlp_only_layers") or []), *(index for index in range(layers) if (index + 1) % step)})
+    if dense:
+        raise UserError(
+            f"The {name}'s config.json (`{key}`) makes layers {dense} dense (`mlp_only_layers` "
+            f"{hf.get('mlp_only_layers') or []}, `decoder_sparse_step` {step}), and Megatron-Bridge 0.6.2 builds every "
+            "layer of a Qwen3-MoE checkpoint as a Mixture-of-Experts layer: those layers' MLP weights would go unread "
+            "and their router and experts stay uninitialised (NaN logits), trained without an error. Point "
+            f"`--{key}` at a Qwen3-MoE checkpoint whose every layer is sparse (`mlp_only_layers` empty and "
+            "`decoder_sparse_step` 1, as Qwen3-30B-A3B's and Qwen3-235B-A22B's).")
+
+
 # ---------------------------------------------------------------- the tokenizer against the embedding
 
 def check_tokenizer_fits(tokenizer, hf: dict, path, key: str) -> None:

@@ -84,12 +84,11 @@ def check_rope_scaling(hf: dict, name: str, key: str) -> None:
             "with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192 (docs/models.md).")
 
 
-# ---------------------------------------------------------------- attention and layer settings Bridge drops
+# ---------------------------------------------------------------- attention settings Bridge drops
 
 # Megatron-Bridge 0.6.2 carries a sliding window only for Mistral (MistralBridge.provider_bridge, every layer); its Qwen2,
 # Qwen3 and Qwen3-MoE bridges leave it out, and Qwen3's sets no attention bias (`add_qkv_bias = False`), while Llama's
-# maps `attention_bias` and `mlp_bias` to biases its weight mappings do not load; its Qwen3-MoE bridge builds experts
-# in every layer, whatever `mlp_only_layers` and `decoder_sparse_step` say.
+# maps `attention_bias` and `mlp_bias` to biases its weight mappings do not load.
 WINDOWS_CARRIED = ("mistral",)
 NO_BIAS_CARRIED = ("llama", "qwen3", "qwen3_moe")
 
@@ -102,12 +101,6 @@ def dropped_attention_settings(hf: dict, positions: int) -> str | None:
     model_type = hf.get("model_type")
     if model_type not in ROPE_TYPES_CARRIED:
         return None
-    dense = {name: hf[name] for name, every_layer in (("mlp_only_layers", []), ("decoder_sparse_step", 1))
-             if model_type == "qwen3_moe" and hf.get(name, every_layer) != every_layer}
-    if dense:
-        return (f"{', '.join(f'`{name}: {value}`' for name, value in dense.items())}, dense layers among the "
-                "Mixture-of-Experts ones, which Megatron-Bridge does not carry for a qwen3_moe checkpoint (it builds "
-                "experts in every layer: their weights are never loaded, the logits were NaN, and the export failed)")
     biases = [name for name in ("attention_bias", "mlp_bias") if model_type in NO_BIAS_CARRIED and hf.get(name)]
     if biases:
         return (f"{' and '.join(f'`{name}: true`' for name in biases)}, biases Megatron-Bridge does not carry for a "
@@ -136,6 +129,27 @@ def check_attention_settings(hf: dict, name: str, key: str, positions: int) -> N
             f"The {name}'s config.json (`{key}`) sets {dropped}. Trained here, the model would compute another function "
             "than its config says (and than transformers computes), and its export would disagree with what was "
             f"trained. Point `--{key}` at another checkpoint (docs/models.md: Model families verified).")
+
+
+# ---------------------------------------------------------------- dense layers among the experts
+
+def check_every_layer_sparse(hf: dict, name: str, key: str) -> None:
+    """Refuse a Qwen3-MoE config.json (`hf`, of the `name` model at `key`) that makes some layers dense: Megatron-Bridge
+    0.6.2's Qwen3-MoE bridge builds every layer as a Mixture-of-Experts layer, finds no router or experts in the
+    checkpoint for a dense one (only a warning) and leaves them uninitialised: NaN logits, trained without an error."""
+    if hf.get("model_type") != "qwen3_moe":
+        return
+    layers, step = hf.get("num_hidden_layers") or 0, hf.get("decoder_sparse_step") or 1
+    # transformers' Qwen3MoeDecoderLayer: sparse where not in mlp_only_layers and (index + 1) % decoder_sparse_step == 0.
+    dense = sorted({*(hf.get("mlp_only_layers") or []), *(index for index in range(layers) if (index + 1) % step)})
+    if dense:
+        raise UserError(
+            f"The {name}'s config.json (`{key}`) makes layers {dense} dense (`mlp_only_layers` "
+            f"{hf.get('mlp_only_layers') or []}, `decoder_sparse_step` {step}), and Megatron-Bridge 0.6.2 builds every "
+            "layer of a Qwen3-MoE checkpoint as a Mixture-of-Experts layer: those layers' MLP weights would go unread "
+            "and their router and experts stay uninitialised (NaN logits), trained without an error. Point "
+            f"`--{key}` at a Qwen3-MoE checkpoint whose every layer is sparse (`mlp_only_layers` empty and "
+            "`decoder_sparse_step` 1, as Qwen3-30B-A3B's and Qwen3-235B-A22B's).")
 
 
 # ---------------------------------------------------------------- the tokenizer against the embedding

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 
 from config import sections
-from config.checkpoint_shape import check_attention_settings, check_rope_scaling, check_shape_settings
+from config.checkpoint_shape import (check_attention_settings, check_every_layer_sparse, check_rope_scaling,
+                                     check_shape_settings)
 from config.checks import require
 from config.hf import architecture, causal_architecture, hf_expert_count, is_classifier, read_hf_config
 from config.sections import (
@@ -31,6 +32,7 @@ class ModelChecks:
         check_shape_settings(hf, name)
         check_rope_scaling(hf, name, key)
         check_attention_settings(hf, name, key, self.data.max_seq_len)
+        check_every_layer_sparse(hf, name, key)
         heads = hf.get("num_attention_heads", 1)
         kv_heads = hf.get("num_key_value_heads") or heads
         require(heads % parallel.tp == 0 and kv_heads % parallel.tp == 0,

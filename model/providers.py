@@ -151,6 +151,7 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     _refuse_family_specific_layer_spec(bridge, provider, setting)
     _refuse_norms_needing_transformer_engine(bridge, provider, setting)
+    keep_checkpoint_aux_loss_coeff(bridge, provider)
     fill_yarn_defaults(provider)
     # Every router of a Mixture-of-Experts model gets megatron-core's RouterReplay (model/routing.py): with no action
     # set it routes as without, so it costs nothing until GRPO records or replays routes.
@@ -207,6 +208,15 @@ def fill_yarn_defaults(provider) -> None:
     for key, value in YARN_DEFAULTS.items():
         if getattr(provider, key, None) is None:
             setattr(provider, key, value)
+
+
+def keep_checkpoint_aux_loss_coeff(bridge, provider) -> None:
+    """A Mixture-of-Experts checkpoint's own load-balancing coefficient (config.json's `router_aux_loss_coef`), the
+    default `model.moe_aux_loss_coeff` promises: Megatron-Bridge 0.6.2 reads it, then its Qwen3-MoE bridge sets 1e-3
+    over it whatever the checkpoint says."""
+    coefficient = getattr(bridge.hf_pretrained.config, "router_aux_loss_coef", None)
+    if getattr(provider, "num_moe_experts", None) and coefficient is not None:
+        provider.moe_aux_loss_coeff = coefficient
 
 
 def keep_routes_visible(provider) -> None:

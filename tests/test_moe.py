@@ -100,6 +100,31 @@ def test_expert_parallelism_is_checked_against_the_checkpoint(tmp_path, fields, 
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("fields, dense", [({"mlp_only_layers": [0]}, [0]), ({"decoder_sparse_step": 2}, [0, 2]),
+                                           ({"mlp_only_layers": [3], "decoder_sparse_step": 2}, [0, 2, 3]), ({}, [])])
+def test_a_qwen3_moe_checkpoint_with_dense_layers_is_refused_naming_them(tmp_path, fields, dense):
+    """Megatron-Bridge 0.6.2 builds every layer of a Qwen3-MoE checkpoint as an MoE layer: with `mlp_only_layers=[0]` it
+    only warned that layer 0's router and experts were not in the checkpoint, and megatron-core's logits were NaN (a
+    4-expert, 2-layer copy of tests/test_model_families.py's shape; 6e-7 from transformers' without the dense layer).
+    The layers named are the ones transformers builds dense."""
+    import transformers
+
+    hf = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "hidden_size": 32,
+          "intermediate_size": 64, "vocab_size": 64, **fields}
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **hf, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, head_dim=8))
+    built_dense = [index for index, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "gate")]
+    assert built_dense == dense
+    config = make(f"--model.path={write_config(tmp_path, **hf)}", "--train.micro_batch_size=1")
+    if not dense:
+        config.validate(1)
+        return
+    with pytest.raises(UserError) as error:
+        config.validate(1)
+    assert str(error.value).startswith(f"The model's config.json (`model.path`) makes layers {dense} dense") and (
+        "Point `--model.path` at a Qwen3-MoE checkpoint whose every layer is sparse" in str(error.value))
+
+
 # ---------------------------------------------------------------- end to end, in the shared launch
 
 

@@ -55,6 +55,28 @@ def test_router_keys_reach_megatron_core(argv, config_class, expected):
     assert {key: getattr(built, key) for key in expected} == expected
 
 
+@pytest.mark.parametrize("written, expected", [(0.02, 0.02), (None, 1e-3)])  # None: transformers' default, 1e-3
+def test_an_unset_aux_loss_coefficient_is_the_checkpoints(tmp_path, written, expected):
+    """`model.moe_aux_loss_coeff` unset is the checkpoint's (config.json's `router_aux_loss_coef`): Megatron-Bridge 0.6.2's
+    Qwen3-MoE bridge wrote 1e-3 over it, so a checkpoint saying 0.02 trained its SFT at 1e-3 without a word."""
+    import shutil
+
+    from model import providers
+    from model.tiny import ensure_tiny_checkpoint
+
+    model = shutil.copytree(ensure_tiny_checkpoint(name="tiny-moe"), tmp_path / "model")
+    hf = json.loads((model / "config.json").read_text())
+    hf.pop("router_aux_loss_coef")
+    (model / "config.json").write_text(json.dumps({**hf, **({"router_aux_loss_coef": written} if written else {})}))
+    provider = providers.configure_provider(providers.auto_bridge(model), dtype="fp32", tp=1, pp=1, vpp=None,
+                                            seq_length=64, load_weights=False)
+    assert provider.moe_aux_loss_coeff == expected
+    overridden = providers.configure_provider(providers.auto_bridge(model), dtype="fp32", tp=1, pp=1, vpp=None,
+                                              seq_length=64, load_weights=False,
+                                              moe_router=rules.moe_router_overrides(make("--model.moe_aux_loss_coeff=0.005").model))
+    assert overridden.moe_aux_loss_coeff == 0.005  # a coefficient set wins
+
+
 @pytest.mark.parametrize("argv, config_class, expected", [
     (["--model.moe_aux_loss_type=aux"], SFTConfig, "`model.moe_aux_loss_type=aux` is not one of default, aux_loss, "
                                                    "seq_aux_loss, global_aux_loss, none. Change `--model.moe_aux_loss_type`."),

@@ -151,7 +151,7 @@ class Checkpointer:
         self.slowest_step_s = max(self.slowest_step_s, (row or {}).get("step_time_s", 0.0))
         if self.background is not None:
             self.background.finish(wait=False)
-        stop = self.preemption.agreed() or step == train.exit_interval
+        stop = self.preemption.agreed() or train.exits_at(step)
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)

@@ -178,7 +178,7 @@ class TrainConfig:
     seed: int = field(default=1234, metadata={"help": "seed for weights init, data order and sampling"})
     out_dir: str = field(default="outputs/sft", metadata={"help": "directory for metrics.jsonl, metrics.png, hf/ and checkpoints (on a shared file system for several nodes)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "a fresh run may replace an earlier run in train.out_dir (its checkpoints and metrics are deleted first); without it such a run is refused"})
-    exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 at this step (0: off)"})
+    exit_interval: int = field(default=0, metadata={"help": "save a checkpoint and exit 0 after every N-th step before the last, as Megatron's exit_interval (a resumed run stops at the next multiple: jobs of N steps each; 0: off)"})
     eval_interval: int = field(default=300, metadata={"help": "evaluate on held-out data every N steps and at the end (0: only at the end)"})
     eval_samples: int = field(default=100, metadata={"help": "held-out samples per evaluation (0: no evaluation)"})
     log_interval: int = field(default=20, metadata={"help": "console line every N steps, and GRPO's sampled completions to samples.jsonl (metrics.jsonl, TensorBoard and W&B get every step)"})
@@ -186,6 +186,11 @@ class TrainConfig:
     def evaluates_at(self, step: int) -> bool:
         """Held-out evaluation after `step`: every `eval_interval` steps, and after the last."""
         return step == self.steps or bool(self.eval_interval and step % self.eval_interval == 0)
+
+    def exits_at(self, step: int) -> bool:
+        """Stop (saved) after `step`: every `exit_interval` steps, as Megatron-LM's and Megatron-Bridge's `step %
+        exit_interval == 0`, so each resumed job runs N steps more; the last step is a finish, not a stop."""
+        return bool(self.exit_interval and step % self.exit_interval == 0 and step < self.steps)
 
     def logs_at(self, step: int) -> bool:
         """A console line (and GRPO's samples) after `step`: the first step, every `log_interval` steps, and the last."""

@@ -537,3 +537,22 @@ def test_a_torn_last_row_is_left_out_and_the_checkpoints_row_comes_back(tmp_path
         {"step": 0, "eval_loss": 2.0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.25}, {"step": 3, "loss": 1.0},
         {"step": 4, "loss": 0.5}]
     assert not list(tmp_path.glob(".*writing"))
+
+
+def test_exit_interval_stops_after_every_multiple_as_megatron_does():
+    """`train.exit_interval=N` stops (saved) after every N-th step, as Megatron-LM's and Megatron-Bridge's `step %
+    exit_interval == 0`: a job resumed at step N stops at 2N, so each job of a chain runs N steps. Only step N itself
+    stopped a run before, and every job after the first trained to the end. The last step is a finish (exported)."""
+    import types
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    config, _ = parse_args(SFTConfig, ["--train.steps=10", "--train.exit_interval=3"], "trainer.sft")
+    checkpointer, written = object.__new__(checkpoint.Checkpointer), []
+    checkpointer.config, checkpointer.background, checkpointer.slowest_step_s, checkpointer.last_save_s = config, None, 0.0, 0.0
+    checkpointer.preemption = types.SimpleNamespace(agreed=lambda: False, requested_anywhere=False)
+    checkpointer.save, checkpointer.wait, checkpointer.export = written.append, lambda: None, lambda: written.append("hf")
+    stops = [step for step in range(4, 11) if checkpointer.maybe_save_or_export(step)]  # a job resumed at step 3
+    assert stops == [6, 9]
+    assert written == [6, 9, 10, "hf"]

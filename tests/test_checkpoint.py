@@ -556,3 +556,39 @@ def test_exit_interval_stops_after_every_multiple_as_megatron_does():
     stops = [step for step in range(4, 11) if checkpointer.maybe_save_or_export(step)]  # a job resumed at step 3
     assert stops == [6, 9]
     assert written == [6, 9, 10, "hf"]
+
+
+def test_tensorboard_holds_each_step_once_after_a_resume_the_restored_row_included(tmp_path):
+    """A resume logs its checkpoint's own step to TensorBoard again, once: the stopped run's events from that step on
+    are purged. A run that died after the save of step 3 and before writing its row gets the row back in metrics.jsonl
+    from the checkpoint (`restore_metrics_row`); TensorBoard lacked step 3 for good before (steps 1, 2, 4)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ckpt.resume import restore_metrics_row
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+    from trainer.metrics import MetricsWriter
+
+    def run(out_dir, start_step, steps, restored=None):
+        config, _ = parse_args(SFTConfig, [f"--train.out_dir={out_dir}", "--log.tensorboard=true", "--train.steps=4"],
+                               "trainer.sft")
+        if restored:
+            restore_metrics_row(out_dir / "metrics.jsonl", restored)
+        writer = MetricsWriter(config, True, start_step)
+        for step in steps:
+            writer.write({"step": step, "loss": 10.0 * step + start_step, "lr": 0.1})
+        writer.close(draw=False)
+
+    def tensorboard_losses(out_dir):
+        accumulator = EventAccumulator(str(out_dir / "tb"), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        return [(event.step, event.value) for event in accumulator.Scalars("loss")]
+
+    died = tmp_path / "died-after-the-save"
+    run(died, 0, [1, 2])  # step 3 was saved with its row, then the run died before writing it
+    run(died, 3, [4], restored={"step": 3, "loss": 30.0, "lr": 0.1})
+    assert tensorboard_losses(died) == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 43.0)]
+    stopped = tmp_path / "stopped-after-step-4"
+    run(stopped, 0, [1, 2, 3, 4])  # resumed from the checkpoint of step 3: step 4 is trained again
+    run(stopped, 3, [4])
+    assert tensorboard_losses(stopped) == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 43.0)]

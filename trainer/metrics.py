@@ -60,7 +60,7 @@ class MetricsWriter:
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:
-                self.loggers.append(TensorBoardLogger(self.out_dir / outputs.TENSORBOARD, start_step))
+                self.loggers.append(TensorBoardLogger(self.out_dir, start_step))
             if config.log.wandb:
                 self.loggers.append(WandbLogger(config, self.out_dir, start_step))
 
@@ -70,9 +70,8 @@ class MetricsWriter:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        scalars = {key: value for key, value in row.items() if key != "step" and _is_number(value)}
         for logger in self.loggers:
-            logger.scalars(row["step"], scalars)
+            logger.scalars(row["step"], _scalars(row))
         if self.progress is not None and "loss" in row:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
@@ -123,6 +122,11 @@ def _continue_file(path: Path, start_step: int):
     return open(path, "a")
 
 
+def _scalars(row: dict) -> dict:
+    """The numbers of a metrics row, what the loggers take (`step` is their x axis)."""
+    return {key: value for key, value in row.items() if key != "step" and _is_number(value)}
+
+
 def _is_number(value) -> bool:
     """Scalars the loggers take: ints and floats (None, e.g. `kl` without a KL penalty, is left out)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -131,11 +135,19 @@ def _is_number(value) -> bool:
 class TensorBoardLogger:
     """Scalars under their metrics.jsonl names, and samples as a text table, in `<train.out_dir>/tb/`."""
 
-    def __init__(self, directory: Path, start_step: int):
+    def __init__(self, out_dir: Path, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run hides what a stopped run logged after its checkpoint (TensorBoard's purge_step).
-        self.writer = SummaryWriter(str(directory), purge_step=start_step + 1 if start_step else None)
+        # A resumed run hides what a stopped run logged from its checkpoint's step on (TensorBoard's purge_step), and
+        # logs that step again from metrics.jsonl and samples.jsonl, once: a row the checkpoint restored to
+        # metrics.jsonl (a run that died in its final export, after the save) had never reached TensorBoard.
+        self.writer = SummaryWriter(str(out_dir / outputs.TENSORBOARD), purge_step=start_step or None)
+        for row in outputs.read_rows(out_dir / outputs.METRICS) if start_step else []:
+            if row.get("step") == start_step:
+                self.scalars(start_step, _scalars(row))
+        samples = [row for row in outputs.read_rows(out_dir / outputs.SAMPLES) if start_step and row.get("step") == start_step]
+        if samples:
+            self.samples(start_step, [{key: value for key, value in row.items() if key != "step"} for row in samples])
 
     def scalars(self, step: int, scalars: dict) -> None:
         """One step's scalars."""

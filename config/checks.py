@@ -103,6 +103,15 @@ class TrainingChecks:
             from megatron.core.optimizer import OptimizerConfig
 
             check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
+            # Its lr and min_lr are the schedule's peak and floor (model.build.warmup_cosine_schedule).
+            overrides = optim.override_optimizer_config
+            lr, min_lr = overrides.get("lr", optim.lr), overrides.get("min_lr", optim.final_lr)
+            require(min_lr <= lr,
+                     f"`optim.override_optimizer_config` gives the schedule a floor, min_lr={min_lr:g}, above its "
+                     f"peak, lr={lr:g} "
+                     "(the schedule decays from lr down to min_lr, and megatron-core refuses a floor above the peak). "
+                     "Set `min_lr` beside `lr` in `optim.override_optimizer_config`, or set `--optim.lr` and "
+                     "`--optim.min_lr` instead.")
         if self.ddp.override_ddp_config:
             from megatron.core.distributed import DistributedDataParallelConfig
 

@@ -165,9 +165,13 @@ def build_frozen_dense(config, model_path: Path, tokenizer, key: str, score_head
 
 
 def warmup_cosine_schedule(optimizer, config):
-    """megatron-core's LR schedule: linear warmup over `optim.warmup_steps`, cosine decay to `optim.final_lr` at `train.steps`."""
+    """megatron-core's LR schedule: linear warmup over `optim.warmup_steps`, cosine decay to `optim.final_lr` at `train.steps`.
+
+    Its peak, floor and weight decay are the resolved OptimizerConfig's (`optim.override_optimizer_config` included):
+    the schedule sets every group's weight decay at each step, so `optim.weight_decay` here would undo an override."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    resolved = rules.optimizer_config(config)
     warmup = min(config.optim.warmup_steps, max(config.train.steps - 1, 0))
     if warmup < config.optim.warmup_steps:
         log.info("optim.warmup_steps=%d is cut to %d: the run has %d step%s (the rate reaches optim.lr at the last)",
@@ -175,13 +179,13 @@ def warmup_cosine_schedule(optimizer, config):
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=config.optim.lr,
-        min_lr=config.optim.final_lr,
+        max_lr=resolved.lr,
+        min_lr=resolved.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=config.train.steps,
         lr_decay_style="cosine",
-        start_wd=config.optim.weight_decay,
-        end_wd=config.optim.weight_decay,
+        start_wd=resolved.weight_decay,
+        end_wd=resolved.weight_decay,
         wd_incr_steps=config.train.steps,
         wd_incr_style="constant",
     )

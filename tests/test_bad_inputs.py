@@ -263,7 +263,7 @@ def test_an_optimizer_override_of_the_wrong_kind_is_named(override, expected):
     """They were a TypeError inside megatron-core's optimizer build, or its "lion optimizer requires ..."."""
     with pytest.raises(UserError, match=re.escape(expected)):
         make(**{"optim.override_optimizer_config": override}).validate(world_size=1)
-    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2, "lr": 1e-5}}).validate(world_size=1)
+    make(**{"optim.override_optimizer_config": {"adam_beta1": 0.8, "clip_grad": 2, "lr": 1e-5, "min_lr": 1e-6}}).validate(world_size=1)
 
 
 def test_a_project_name_wandb_refuses_is_said_before_the_model_is_built(monkeypatch):

@@ -178,6 +178,18 @@ def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
     assert parse_args(SFTConfig, ["--optim.min_lr=null", "--optim.lr=1e-3"], "trainer.sft")[0].optim.final_lr == 5e-5
 
 
+def test_an_override_lr_below_the_schedule_floor_is_refused_at_start_up():
+    """`optim.override_optimizer_config` `lr` is the peak the schedule runs (model.build.warmup_cosine_schedule): one
+    below the floor (optim.lr x min_lr_ratio, 1e-4 by default) failed megatron-core's scheduler assertion after the
+    model was built; refused here naming both keys. With its own `min_lr` under it, it passes."""
+    config, _ = parse_args(SFTConfig, ["--optim.override_optimizer_config={lr: 1.0e-5}"], "trainer.sft")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=1)
+    assert "min_lr=0.0001, above its peak, lr=1e-05" in str(error.value) and "`optim.override_optimizer_config`" in str(error.value)
+    config, _ = parse_args(SFTConfig, ["--optim.override_optimizer_config={lr: 1.0e-5, min_lr: 1.0e-6}"], "trainer.sft")
+    config.validate(world_size=1)
+
+
 def test_the_config_reference_in_docs_is_current():
     """docs/config.md is generated from both loops' `--help`; a new or changed key must regenerate it."""
     import subprocess

@@ -87,6 +87,26 @@ def test_override_optimizer_config_wins_last():
     assert (built.lr, built.adam_beta2) == (5e-5, 0.9)
 
 
+def test_the_schedule_applies_the_overridden_weight_decay_lr_and_min_lr():
+    """megatron-core's OptimizerParamScheduler sets every group's `weight_decay` (start_wd x wd_mult) at each step, so an
+    `optim.override_optimizer_config` weight decay the settings table shows was silently replaced by
+    `optim.weight_decay` (0.01 where 0.1 was asked). The schedule now takes the resolved OptimizerConfig's values: a
+    decayed group at the override, an excluded one (megatron's `wd_mult=0`: biases, 1-D parameters) at 0; the peak
+    and floor the override's."""
+    from model import build
+
+    config = make("fp32", **{"optim.weight_decay": 0.01, "optim.lr": 1e-3, "train.steps": 10, "optim.warmup_steps": 0,
+                             "optim.override_optimizer_config": {"weight_decay": 0.1, "lr": 4e-3, "min_lr": 4e-4}})
+    weights, biases = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([{"params": [weights], "wd_mult": 1.0}, {"params": [biases], "wd_mult": 0.0}])
+    schedule = build.warmup_cosine_schedule(optimizer, config)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(4e-3)
+    schedule.step(increment=10)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(4e-4)
+
+
 class FakeOptimizer:
     """Stands for a built OptimizerConfig in the DDP rule (only the fields it reads)."""
 

@@ -778,6 +778,29 @@ def test_held_out_answers_without_the_graded_form_say_there_is_no_accuracy(token
             "which the accuracy grades (the held-out loss is computed)") in caplog.messages
 
 
+def test_held_out_accuracy_is_measured_on_the_rows_the_held_out_loss_keeps(tokenizer, tmp_path, caplog):
+    """A held-out row too long for `data.max_seq_len` (no response token left) is dropped from the held-out loss, and the
+    log says which rows are evaluated; the accuracy's prompts were built from every held-out row, so the accuracy was
+    measured on rows the log said were not evaluated (measured: 2 rows for `eval_loss`, 4 for `eval_accuracy`, the
+    dropped 360-token prompt among them, generated past data.max_seq_len). Both now read the same rows."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                  + "\n" for index in range(8)))
+    held_out = [{"question": f"{index} + 1" + " Think it over." * 60 * (index == 1), "answer": f"#### {index + 1}"}
+                for index in range(4)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(tmp_path), False, 8
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=2)
+    assert f"held-out `{tmp_path}` (test): 2 of its 3 rows are evaluated (train.eval_samples=100), a multiple of the " \
+           "data-parallel size 2 so that every rank scores an equal share" in caplog.messages
+    assert len(data.eval) == 2 and [prompt.reference for prompt in data.eval_prompts] == ["#### 1", "#### 3"]
+    assert [tokenizer.decode(example.input_ids).count("Think") for example in data.eval] == [0, 0]
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 

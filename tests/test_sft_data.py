@@ -917,8 +917,35 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
         with caplog.at_level("WARNING"):
             assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
         assert "evaluation is skipped" in caplog.text
-    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"), eval_split="test")
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"), eval_split="test",
+                                 train_split="train")
     assert held_out_split(data, lambda path, split: load_rows(path, split=split)) == rows
+
+
+def test_a_held_out_file_the_training_folder_also_reads_is_refused(tmp_path):
+    """`data.path=folder` with `prompts.jsonl` and `heldout.jsonl`, `data.eval_path=folder/heldout.jsonl`: the folder's
+    training split reads every file not named after a held-out split, so the held-out rows were trained on too (both
+    loads returned the 2 held-out rows: 5 training rows, 2 of them the held-out ones), without a word."""
+    from data.prompts import held_out_split
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"question": f"q{index}", "answer": "a"}) + "\n"
+                                                  for index in range(3)))
+    held_out = [{"question": f"h{index}", "answer": "a"} for index in range(2)]
+    (folder / "heldout.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    assert len(load_rows(str(folder))) == 5
+    load = lambda path, split: load_rows(path, split=split)  # noqa: E731
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(folder / "heldout.jsonl"), eval_split="test",
+                                 train_split="train")
+    with pytest.raises(UserError, match=r"`data.eval_path=.*heldout.jsonl` holds heldout.jsonl, which the training "
+                                        r"split of `data.path=.*folder` reads too"):
+        held_out_split(data, load)
+    # Named after a held-out split it is held out, named as the file itself or by its folder's split.
+    (folder / "heldout.jsonl").rename(folder / "test.jsonl")
+    for eval_path in (folder / "test.jsonl", folder):
+        data.eval_path = str(eval_path)
+        assert held_out_split(data, load) == held_out and len(load_rows(str(folder))) == 3
 
 
 def test_arithmetic_splits():

@@ -16,6 +16,7 @@ import numpy
 
 from config import console
 from config.errors import UserError
+from config.sections import BUNDLED_DATA
 from data import conversations as conversation_data, encode, local_files
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def refuse_held_out_files_trained_on(data) -> None:
     (a folder without train* files trains on every file not named after a held-out split): its rows would be trained
     on and then scored as held-out ones."""
     folder, held_out = (pathlib.Path(path).expanduser().resolve() for path in (data.path, data.eval_path or data.path))
-    if not (data.eval_path and folder.is_dir() and held_out.exists()):
+    if not (data.eval_path and data.path not in BUNDLED_DATA and folder.is_dir() and held_out.exists()):
         return
     try:  # the files the held-out split reads
         read = [held_out] if held_out.is_file() else local_files.split_files(

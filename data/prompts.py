@@ -16,7 +16,8 @@ import numpy
 
 from config import console
 from config.errors import UserError
-from data import conversations as conversation_data, encode
+from config.sections import BUNDLED_DATA
+from data import conversations as conversation_data, encode, local_files
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ def held_out_split(data, load):
     A missing test split of `data.path` only skips evaluation (said as a warning); a single local file has none (its
     rows are the training rows); a bad `data.eval_path` is the user's error.
     """
+    refuse_held_out_files_trained_on(data)
     if not data.eval_path and pathlib.Path(data.path).expanduser().is_file():
         log.warning("no held-out split in %s (one file: its rows are the training rows): evaluation is skipped; set "
                     "data.eval_path to held-out rows, or make data.path a folder with train* and test* files", data.path)
@@ -210,6 +212,28 @@ def held_out_split(data, load):
             raise UserError(str(error).replace("data.path", "data.eval_path")) from None
         log.warning("no held-out split found, so evaluation is skipped: %s", error)
         return None
+
+
+def refuse_held_out_files_trained_on(data) -> None:
+    """A UserError when `data.eval_path` is, or holds, a file that the training split of the folder `data.path` reads
+    (a folder without train* files trains on every file not named after a held-out split): its rows would be trained
+    on and then scored as held-out ones."""
+    folder, held_out = (pathlib.Path(path).expanduser().resolve() for path in (data.path, data.eval_path or data.path))
+    if not (data.eval_path and data.path not in BUNDLED_DATA and folder.is_dir() and held_out.exists()):
+        return
+    try:  # the files the held-out split reads
+        read = [held_out] if held_out.is_file() else local_files.split_files(
+            held_out, local_files.folder_files(held_out), data.eval_split, True)
+    except UserError:  # no such split: the held-out load says so
+        return
+    files = [file for file in read if file.is_relative_to(folder)]
+    trained = [file for file in files if local_files.reads_any(folder, [file], [(data.train_split, False)])]
+    if trained:
+        raise UserError(f"`data.eval_path={data.eval_path}` holds {trained[0].relative_to(folder)}, which the training "
+                        f"split of `data.path={data.path}` reads too (its files named {data.train_split}*, else every "
+                        "file not named after a held-out split: test*, eval*, valid*, dev, val): the held-out figures "
+                        "would be measured on rows the run trains on. Move the held-out file out of that folder, or "
+                        f"name it {data.eval_split}.jsonl (a folder's `data.eval_split` files are held out).")
 
 
 def held_out_source(data) -> str:

@@ -271,11 +271,11 @@ GRADE_AGAINST_ANSWER_LINE = ("arithmetic", "gsm8k", "gsm8k_flexible")
 REFERENCES_CHECKED = 1000
 
 
-def check_references_graded(grpo, prompts, path: str) -> None:
+def check_references_graded(grpo, prompts, path: str, held_out: bool = False) -> None:
     """Refuse a built-in reward (`grpo` section) that grades against a `#### N` line where none of the first
     `REFERENCES_CHECKED` training `prompts` (of `path`) has one and nothing else rewards (a reward model, an
     environment, a teacher, a format bonus): every reward would be 0, and the run would learn nothing. Some without one
-    are said in a warning."""
+    are said in a warning; `held_out` prompts' (which the held-out accuracy grades by the reward function alone) always."""
     if grpo.reward not in GRADE_AGAINST_ANSWER_LINE:
         return
     checked = min(len(prompts), REFERENCES_CHECKED)
@@ -283,7 +283,7 @@ def check_references_graded(grpo, prompts, path: str) -> None:
     if not ungraded:
         return
     alone = not (grpo.reward_model or grpo.environment or grpo.teacher or grpo.format_bonus)
-    if ungraded == checked and alone:
+    if ungraded == checked and alone and not held_out:
         raise UserError(
             f"`grpo.reward={grpo.reward}` grades each completion against its reference's GSM8K answer line (`#### N`), "
             f"and none of the {checked} references of {path} read has one (e.g. {prompts[0].reference[:60]!r}): every "
@@ -291,7 +291,8 @@ def check_references_graded(grpo, prompts, path: str) -> None:
             "reward as `--grpo.reward module:function` (called as function(completion, reference), docs/rewards.md), "
             "or write each reference's answer as a last line `#### N`.")
     log.warning("%d of the first %d references of %s have no GSM8K answer line (`#### N`), which `grpo.reward=%s` grades "
-                "against: their completions score 0 under it", ungraded, checked, path, grpo.reward)
+                "against: their completions score 0 under it%s", ungraded, checked, path, grpo.reward,
+                ", and eval_accuracy counts them wrong whatever the policy answers" if held_out else "")
 
 
 @dataclasses.dataclass

@@ -302,3 +302,27 @@ def test_a_graded_rewards_verdict_must_be_true_or_false():
     assert scores.failures["TypeError"].endswith(
         "graded` raised TypeError: it returned (reward, str 'False'): `correct` is not true or false (on the completion "
         "'text')")
+
+
+def test_held_out_references_without_an_answer_line_are_said_naming_the_held_out_file(tmp_path, caplog):
+    """GRPO checked only the training references for the `#### N` line its built-in rewards grade against: a held-out
+    file whose answers are plain numbers (`{"answer": "2"}`) gave eval_accuracy=0 at every evaluation, whatever the
+    policy answered, without a word. Now a warning names the held-out file and the count."""
+    from config.loops import GRPOConfig
+    from model.tiny import ensure_tiny_checkpoint
+    from trainer.grpo import load_tokenizer_and_prompts
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                  + "\n" for index in range(4)))
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"question": f"{index} + 2", "answer": str(index + 2) if index else "#### 2"})
+                                + "\n" for index in range(4)))
+    config = GRPOConfig()
+    config.data.path, config.data.eval_path, config.data.cache = str(tmp_path / "train.jsonl"), str(held_out), False
+    with caplog.at_level("WARNING", logger="data.rewards"):
+        *_, eval_prompts = load_tokenizer_and_prompts(config, ensure_tiny_checkpoint(), None, 1)
+    assert len(eval_prompts) == 4
+    assert [record.getMessage() for record in caplog.records] == [
+        f"3 of the first 4 references of `{held_out}` (test) have no GSM8K answer line (`#### N`), which "
+        "`grpo.reward=arithmetic` grades against: their completions score 0 under it, and eval_accuracy counts "
+        "them wrong whatever the policy answers"]

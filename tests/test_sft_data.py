@@ -778,6 +778,29 @@ def test_held_out_answers_without_the_graded_form_say_there_is_no_accuracy(token
             "which the accuracy grades (the held-out loss is computed)") in caplog.messages
 
 
+def test_held_out_accuracy_is_measured_on_the_rows_the_held_out_loss_keeps(tokenizer, tmp_path, caplog):
+    """A held-out row too long for `data.max_seq_len` (no response token left) is dropped from the held-out loss, and the
+    log says which rows are evaluated; the accuracy's prompts were built from every held-out row, so the accuracy was
+    measured on rows the log said were not evaluated (measured: 2 rows for `eval_loss`, 4 for `eval_accuracy`, the
+    dropped 360-token prompt among them, generated past data.max_seq_len). Both now read the same rows."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{index} + 1", "answer": f"#### {index + 1}"})
+                                                  + "\n" for index in range(8)))
+    held_out = [{"question": f"{index} + 1" + " Think it over." * 60 * (index == 1), "answer": f"#### {index + 1}"}
+                for index in range(4)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    config = SFTConfig()
+    config.data.path, config.data.cache, config.train.global_batch_size = str(tmp_path), False, 8
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=2)
+    assert f"held-out `{tmp_path}` (test): 2 of its 3 rows are evaluated (train.eval_samples=100), a multiple of the " \
+           "data-parallel size 2 so that every rank scores an equal share" in caplog.messages
+    assert len(data.eval) == 2 and [prompt.reference for prompt in data.eval_prompts] == ["#### 1", "#### 3"]
+    assert [tokenizer.decode(example.input_ids).count("Think") for example in data.eval] == [0, 0]
+
+
 # --- loading --------------------------------------------------------------------------------------
 
 
@@ -894,8 +917,35 @@ def test_training_rows_are_never_taken_for_held_out_ones(tmp_path, caplog):
         with caplog.at_level("WARNING"):
             assert held_out_split(data, lambda path, split: load_rows(path, split=split)) is None
         assert "evaluation is skipped" in caplog.text
-    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"), eval_split="test")
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(tmp_path / "rows.jsonl"), eval_split="test",
+                                 train_split="train")
     assert held_out_split(data, lambda path, split: load_rows(path, split=split)) == rows
+
+
+def test_a_held_out_file_the_training_folder_also_reads_is_refused(tmp_path):
+    """`data.path=folder` with `prompts.jsonl` and `heldout.jsonl`, `data.eval_path=folder/heldout.jsonl`: the folder's
+    training split reads every file not named after a held-out split, so the held-out rows were trained on too (both
+    loads returned the 2 held-out rows: 5 training rows, 2 of them the held-out ones), without a word."""
+    from data.prompts import held_out_split
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"question": f"q{index}", "answer": "a"}) + "\n"
+                                                  for index in range(3)))
+    held_out = [{"question": f"h{index}", "answer": "a"} for index in range(2)]
+    (folder / "heldout.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    assert len(load_rows(str(folder))) == 5
+    load = lambda path, split: load_rows(path, split=split)  # noqa: E731
+    data = types.SimpleNamespace(path=str(folder), eval_path=str(folder / "heldout.jsonl"), eval_split="test",
+                                 train_split="train")
+    with pytest.raises(UserError, match=r"`data.eval_path=.*heldout.jsonl` holds heldout.jsonl, which the training "
+                                        r"split of `data.path=.*folder` reads too"):
+        held_out_split(data, load)
+    # Named after a held-out split it is held out, named as the file itself or by its folder's split.
+    (folder / "heldout.jsonl").rename(folder / "test.jsonl")
+    for eval_path in (folder / "test.jsonl", folder):
+        data.eval_path = str(eval_path)
+        assert held_out_split(data, load) == held_out and len(load_rows(str(folder))) == 3
 
 
 def test_arithmetic_splits():

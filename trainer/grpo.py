@@ -143,6 +143,7 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     eval_prompts = prompt_data.trim_for_data_parallel(prompt_data.held_out_split(config.data, load) or [],
                                                       config.train.eval_samples, config.parallel.data_parallel_size(world_size),
                                                       prompt_data.held_out_source(config.data))
+    rewards.check_references_graded(config.grpo, eval_prompts, prompt_data.held_out_source(config.data), held_out=True)
     tool_data.check_offered_tools_run(toolset, eval_prompts, config.data.eval_path or config.data.path)
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 

@@ -43,11 +43,13 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
         conversations, report = conversation_data.to_conversations(
             rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None,
         source=f"`{path}` ({split})")
+        rows = list(report.kept_rows)  # each conversation's row
         built = sft_data.cached_examples(conversations, tokenizer, data.max_seq_len, report,
                                          process.cache_dir() if data.cache else None)
         left_out = sft_data.rows_left_out_note(len(built), config.train.global_batch_size) if training else ""
         log.info("data %s (%s): %d samples used; %s%s", path, split, len(built), report.summary(), left_out)
-        return built, conversations
+        kept = set(report.kept_rows)  # the held-out accuracy reads the rows the held-out loss does, and no other
+        return built, [conversation for conversation, row in zip(conversations, rows) if row in kept]
 
     train, _ = examples(data.path, data.train_split, training=True)
     held_out = prompt_data.held_out_split(data, examples) or ([], [])

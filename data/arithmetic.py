@@ -69,7 +69,8 @@ def extract_final_answer(text: str, strict: bool = True) -> str | None:
         marker = text.rfind("####")
         if marker < 0:
             return None
-        match = re.match(rf"\s*(?:\$\s*)?({NUMBER})", text[marker + 4 :])
+        # The number whole: not the start of a longer one (`1,0002`, `1.2.3`) or of a fraction (`3/4`).
+        match = re.match(rf"\s*(?:\$\s*)?({NUMBER})(?![,./]?\d)", text[marker + 4 :])
         number = match.group(1) if match else None
     else:
         numbers = re.findall(NUMBER, text)

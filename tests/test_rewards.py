@@ -129,6 +129,16 @@ def test_answers_as_written_are_read_whole(written, other):
     assert rewards.gsm8k_flexible(f"so the answer is {written}.", f"#### {other}") == 0.0
 
 
+@pytest.mark.parametrize("written, prefix", [("1,0002", "1000"), ("1,000,00", "1000"), ("3/4", "3"), ("12/4", "12"),
+                                             ("1.2.3", "1.2")])
+def test_an_answer_is_not_read_as_a_prefix_of_what_follows_the_marker(written, prefix):
+    # Before, the strict reading took the longest number at the start of `#### 1,0002` (`1,000`) or `#### 3/4` (`3`),
+    # so a wrong answer scored full marks against the reference `#### 1000` or `#### 3`.
+    assert rewards.gsm8k(f"#### {written}", f"#### {prefix}") == 0.0
+    assert not rewards.has_answer_format(f"#### {written}")
+    assert rewards.gsm8k(f"#### {prefix}. Then 4", f"#### {prefix}") == 1.0  # a sentence's period still ends it
+
+
 def test_every_gsm8k_test_answer_scores_full_marks_against_itself():
     test_file = GSM8K / "test.jsonl"
     if not test_file.exists():

@@ -74,6 +74,11 @@ class SFTConfig(TrainerConfig):
                  f"`model.attention={attention}` runs here (Transformer Engine's, or the fused causal softmax) applies a "
                  "causal mask over the whole row instead: each sample would attend to the ones packed before it. Set "
                  "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
+        if self.data.pack and self.train.micro_batch_size == 1:
+            log.warning("`data.pack=true` packs the samples of one micro-batch into rows of `data.max_seq_len`, and "
+                        "`train.micro_batch_size=1` gives each micro-batch one sample: nothing is packed, and every "
+                        "sample is padded to %d tokens. Raise `--train.micro_batch_size` (packing's rows are then "
+                        "fewer than its samples), or set `--data.pack=false`.", self.data.max_seq_len)
 
 
 # The longest a tool or reward call may be given: a queue's wait (threading.TIMEOUT_MAX, 9.2e9 s) and a SIGALRM timer

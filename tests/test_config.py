@@ -215,6 +215,22 @@ def test_packing_is_refused_where_the_attention_would_ignore_its_mask(monkeypatc
     config.validate(world_size=1)
 
 
+def test_packing_one_sample_a_micro_batch_is_said_at_start_up(caplog):
+    """Packing fills rows with one micro-batch's samples: at `train.micro_batch_size=1` it packs nothing and pads every
+    sample to `data.max_seq_len` (said at start-up); at 2 and more, nothing is said."""
+    config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.pack=true", "--train.micro_batch_size=1",
+                                       "--train.global_batch_size=8"], "trainer.sft")
+    with caplog.at_level("WARNING"):
+        config.validate(world_size=1)
+    assert "nothing is packed, and every sample is padded to 128 tokens" in caplog.text
+    caplog.clear()
+    config, _ = parse_args(SFTConfig, ["--model.path=tiny", "--data.pack=true", "--train.micro_batch_size=2",
+                                       "--train.global_batch_size=8"], "trainer.sft")
+    with caplog.at_level("WARNING"):
+        config.validate(world_size=1)
+    assert "nothing is packed" not in caplog.text
+
+
 def test_numbers_in_mappings_and_text_keys_read_as_typed():
     """YAML 1.1 reads `1e-5` as a string: inside megatron-core's override mappings it is the number (it reached
     OptimizerConfig as '1e-5'); a text key keeps its text as typed (`0001` was read as the integer 1)."""

@@ -35,14 +35,25 @@ def as_messages(value, role: str) -> list[dict] | None:
     return None
 
 
+def text_ids(text: str, tokenizer) -> list[int]:
+    """`text` tokenized with the tokenizer's own special tokens (a Llama or Mistral BOS, as `tokenizer(text)` adds it),
+    that BOS once where the text already begins with it (a chat template's rendering that wrote one)."""
+    ids = tokenizer(text)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
 def render(prompt, response, tokenizer) -> list[int] | None:
     """One side's token ids: the prompt's messages then the response's (text becomes a user or an assistant message),
-    rendered by the chat template; a text response with no prompt is that text and the end token. None: malformed.
+    rendered by the chat template; a text response with no prompt is that text with the tokenizer's special tokens
+    and the end token once (TRL's `processing_class(text + eos_token)`: a Llama model reads its BOS, as GRPO's reward
+    model reads a text row, `trainer.reward_model`). None: malformed.
     A response whose messages already begin with the prompt's is the whole conversation (the prompt column beside
     sides that hold it, as HuggingFaceH4/ultrafeedback_binarized's `prompt` text beside `chosen` [user, assistant]):
     the prompt is not rendered twice, as TRL's `maybe_extract_prompt` reads that form."""
     if prompt is None and isinstance(response, str):
-        return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = text_ids(response, tokenizer)
+        return ids if ids[-1:] == [tokenizer.eos_token_id] else ids + [tokenizer.eos_token_id]
     messages = (as_messages(prompt, "user") if prompt is not None else []), as_messages(response, "assistant")
     if messages[0] is None or not messages[1]:
         return None

@@ -336,6 +336,24 @@ def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):
     return loaded
 
 
+def test_a_plain_text_side_reads_the_tokenizers_bos_and_one_end_token_as_trl_tokenizes_it(tokenizer, tmp_path):
+    """A side of plain text with no prompt (Anthropic HH's form) is tokenized as TRL's RewardTrainer does,
+    `processing_class(text + eos_token)`: a Llama tokenizer's BOS first, then the text and one end token; and as GRPO's
+    reward model reads a text row (`RewardModel.retokenized`, its special tokens added). It was the text without
+    special tokens: a Llama reward model trained on [2, ..., eos] and scored on [BOS, 2, ..., eos]."""
+    llama = llama_like_tokenizer(tokenizer, tmp_path / "llama")
+    bos, eos = llama.bos_token_id, llama.eos_token_id
+    text = "2 + 2 = 4\n#### 4"
+    side = preferences.render(None, text, llama)
+    assert side == llama(text + llama.eos_token)["input_ids"]
+    assert side[0] == bos == 422 and side.count(bos) == 1 and side[-1] == eos and side.count(eos) == 1
+    assert side[1:-1] == llama(text, add_special_tokens=False)["input_ids"]
+    # A text that already ends with the end token, or starts with the BOS, has each once.
+    assert preferences.render(None, "<|begin_of_text|>" + text + llama.eos_token, llama) == side
+    # The tiny (Qwen-like) tokenizer adds no special tokens: the text and the end token, as before.
+    assert preferences.render(None, text, tokenizer) == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
 def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path):
     """A Llama 3 policy's template writes the BOS, and its tokenizer adds one too. A reward model whose tokenizer is the
     policy's with its own padding token added (as Llama 3 reward models add one) reads the episode's ids; one whose

@@ -336,6 +336,32 @@ def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):
     return loaded
 
 
+def test_a_rows_tools_are_offered_to_the_chat_template_of_both_sides(tokenizer, tmp_path):
+    """A preference row's `tools` (OpenAI schemas, or that list as JSON text, as SFT reads a row's) are passed to the
+    chat template with each side, as TRL's RewardTrainer passes `example["tools"]` and as GRPO's reward model reads a
+    tool episode (the policy's prompt, which offers them). They were left out: the reward model never saw the tool
+    block it is scored with. Malformed tools drop the row under that reason."""
+    schema = {"type": "function", "function": {"name": "multiply", "description": "Multiply.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    user = [{"role": "user", "content": "What is 12 x 34?"}]
+
+    def side(answer):
+        return [{"role": "assistant", "content": answer}]
+
+    rows = [{"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": [schema]},
+            {"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": json.dumps([schema])},
+            {"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": [{"type": "function"}]}]
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, report = preferences.load_pairs(str(tmp_path / "tools"), "train", PreferenceDataConfig(max_seq_len=128),
+                                           tokenizer)
+    expected = [tokenizer.apply_chat_template(user + side(answer), tools=[schema], tokenize=True)["input_ids"]
+                for answer in ("408", "406")]
+    assert [[pair.chosen, pair.rejected] for pair in pairs] == [expected] * 2
+    assert tokenizer.decode(pairs[0].chosen).startswith("<|im_start|>system\nTools: multiply(a, b)<|im_end|>")
+    assert report.dropped_by_reason == {"malformed tools": 1}
+
+
 def test_a_plain_text_side_reads_the_tokenizers_bos_and_one_end_token_as_trl_tokenizes_it(tokenizer, tmp_path):
     """A side of plain text with no prompt (Anthropic HH's form) is tokenized as TRL's RewardTrainer does,
     `processing_class(text + eos_token)`: a Llama tokenizer's BOS first, then the text and one end token; and as GRPO's

@@ -362,6 +362,29 @@ def test_a_rows_tools_are_offered_to_the_chat_template_of_both_sides(tokenizer, 
     assert report.dropped_by_reason == {"malformed tools": 1}
 
 
+def test_a_side_with_a_message_its_chat_template_leaves_out_is_dropped_by_name(tokenizer):
+    """Mistral v0.3's template writes the system message only into a last user turn, so a side [system, user,
+    assistant] rendered without it: the reward model learned to score answers without the instruction GRPO's prompt
+    (the user turn last) shows it. Such a pair is dropped and counted under the role, as SFT drops such a row; a
+    conversation the template renders whole is kept, and its ids are the template's."""
+    import transformers
+
+    mistral = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    mistral.chat_template = (
+        "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+        "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+        "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+        "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+        "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+        "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+    system = [{"role": "system", "content": "Answer with the number alone."}, {"role": "user", "content": "2 + 2?"}]
+    answer = [{"role": "assistant", "content": "4"}]
+    assert "Answer with" not in mistral.apply_chat_template(system + answer, tokenize=False)
+    assert preferences.render(system, answer, mistral) == "a 'system' message the chat template does not render"
+    assert preferences.render(system[1:], answer, mistral) == mistral.apply_chat_template(
+        system[1:] + answer, tokenize=True)["input_ids"]
+
+
 def test_a_plain_text_side_reads_the_tokenizers_bos_and_one_end_token_as_trl_tokenizes_it(tokenizer, tmp_path):
     """A side of plain text with no prompt (Anthropic HH's form) is tokenized as TRL's RewardTrainer does,
     `processing_class(text + eos_token)`: a Llama tokenizer's BOS first, then the text and one end token; and as GRPO's

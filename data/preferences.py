@@ -12,6 +12,7 @@ from config.errors import UserError
 from config.sections import PreferenceDataConfig
 from data import conversations as conversation_data, encode
 from data.conversations import DropReport
+from data.sft import unrendered
 
 
 @dataclasses.dataclass
@@ -35,23 +36,37 @@ def as_messages(value, role: str) -> list[dict] | None:
     return None
 
 
-def render(prompt, response, tokenizer) -> list[int] | None:
+def text_ids(text: str, tokenizer) -> list[int]:
+    """`text` tokenized with the tokenizer's own special tokens (a Llama or Mistral BOS, as `tokenizer(text)` adds it),
+    that BOS once where the text already begins with it (a chat template's rendering that wrote one)."""
+    ids = tokenizer(text)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def render(prompt, response, tokenizer, tools: list | None = None) -> list[int] | str:
     """One side's token ids: the prompt's messages then the response's (text becomes a user or an assistant message),
-    rendered by the chat template; a text response with no prompt is that text and the end token. None: malformed.
+    rendered by the chat template; a text response with no prompt is that text with the tokenizer's special tokens
+    and the end token once (TRL's `processing_class(text + eos_token)`: a Llama model reads its BOS, as GRPO's reward
+    model reads a text row, `trainer.reward_model`). A str: why the side is unusable (malformed; or a message its chat
+    template leaves out, such as Mistral v0.3's system message before an answer, dropped as SFT drops such a row:
+    `data.sft.unrendered`). `tools`, the row's tool schemas, are offered to
+    the chat template (TRL passes a row's `tools`; GRPO's reward model reads a tool episode's prompt, which offers them).
     A response whose messages already begin with the prompt's is the whole conversation (the prompt column beside
     sides that hold it, as HuggingFaceH4/ultrafeedback_binarized's `prompt` text beside `chosen` [user, assistant]):
     the prompt is not rendered twice, as TRL's `maybe_extract_prompt` reads that form."""
     if prompt is None and isinstance(response, str):
-        return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = text_ids(response, tokenizer)
+        return ids if ids[-1:] == [tokenizer.eos_token_id] else ids + [tokenizer.eos_token_id]
     messages = (as_messages(prompt, "user") if prompt is not None else []), as_messages(response, "assistant")
     if messages[0] is None or not messages[1]:
-        return None
-    if messages[1][: len(messages[0])] == messages[0]:
-        messages = [], messages[1]
-    encode.require_chat_template(tokenizer)
-    with encode.template_errors_named(tokenizer, messages[0] + messages[1]):
-        ids = tokenizer.apply_chat_template(messages[0] + messages[1], tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return MALFORMED
+    conversation = messages[1] if messages[1][: len(messages[0])] == messages[0] else messages[0] + messages[1]
+    rendered = encode.chat_text(conversation, tokenizer, tools)
+    return unrendered(conversation, rendered) or encode.encode_texts([rendered], tokenizer)[0]
+
+
+MALFORMED = "malformed or missing side"
 
 
 def check_columns(rows: list[dict], data, path: str, split: str) -> bool:
@@ -73,15 +88,18 @@ def check_columns(rows: list[dict], data, path: str, split: str) -> bool:
 
 
 def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
-    """The rows of `path` (`data.path`'s forms) as tokenized pairs; rows whose sides are missing, malformed, alike or
-    longer than `data.max_seq_len` are dropped and counted (a UserError when none is left)."""
+    """The rows of `path` (`data.path`'s forms) as tokenized pairs, each offering its row's `tools` (as SFT reads them);
+    rows whose sides or tools are missing, malformed, alike or longer than `data.max_seq_len` are dropped and counted
+    (a UserError when none is left)."""
     rows = conversation_data.load_split(data, path, split)
     has_prompt = check_columns(rows, data, path, split)
     report, pairs = DropReport(rows_read=len(rows)), []
     for index, row in enumerate(rows):
         prompt = row.get(data.prompt_field) if has_prompt else None
-        sides = [render(prompt, row.get(name), tokenizer) for name in (data.chosen_field, data.rejected_field)]
-        reason = ("malformed or missing side" if None in sides
+        tools, tools_problem = conversation_data.row_tools(row.get("tools"))
+        sides = [render(prompt, row.get(name), tokenizer, tools) for name in (data.chosen_field, data.rejected_field)]
+        problem = tools_problem or next((side for side in sides if isinstance(side, str)), None)
+        reason = (problem if problem
                   else "chosen and rejected alike" if sides[0] == sides[1]
                   else f"longer than data.max_seq_len={data.max_seq_len}" if max(map(len, sides)) > data.max_seq_len
                   else None)

@@ -336,6 +336,73 @@ def llama_like_tokenizer(tokenizer, out, added=(), pad: str | None = None):
     return loaded
 
 
+def test_a_rows_tools_are_offered_to_the_chat_template_of_both_sides(tokenizer, tmp_path):
+    """A preference row's `tools` (OpenAI schemas, or that list as JSON text, as SFT reads a row's) are passed to the
+    chat template with each side, as TRL's RewardTrainer passes `example["tools"]` and as GRPO's reward model reads a
+    tool episode (the policy's prompt, which offers them). They were left out: the reward model never saw the tool
+    block it is scored with. Malformed tools drop the row under that reason."""
+    schema = {"type": "function", "function": {"name": "multiply", "description": "Multiply.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    user = [{"role": "user", "content": "What is 12 x 34?"}]
+
+    def side(answer):
+        return [{"role": "assistant", "content": answer}]
+
+    rows = [{"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": [schema]},
+            {"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": json.dumps([schema])},
+            {"prompt": user, "chosen": side("408"), "rejected": side("406"), "tools": [{"type": "function"}]}]
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, report = preferences.load_pairs(str(tmp_path / "tools"), "train", PreferenceDataConfig(max_seq_len=128),
+                                           tokenizer)
+    expected = [tokenizer.apply_chat_template(user + side(answer), tools=[schema], tokenize=True)["input_ids"]
+                for answer in ("408", "406")]
+    assert [[pair.chosen, pair.rejected] for pair in pairs] == [expected] * 2
+    assert tokenizer.decode(pairs[0].chosen).startswith("<|im_start|>system\nTools: multiply(a, b)<|im_end|>")
+    assert report.dropped_by_reason == {"malformed tools": 1}
+
+
+def test_a_side_with_a_message_its_chat_template_leaves_out_is_dropped_by_name(tokenizer):
+    """Mistral v0.3's template writes the system message only into a last user turn, so a side [system, user,
+    assistant] rendered without it: the reward model learned to score answers without the instruction GRPO's prompt
+    (the user turn last) shows it. Such a pair is dropped and counted under the role, as SFT drops such a row; a
+    conversation the template renders whole is kept, and its ids are the template's."""
+    import transformers
+
+    mistral = transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint())
+    mistral.chat_template = (
+        "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+        "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+        "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+        "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+        "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+        "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+    system = [{"role": "system", "content": "Answer with the number alone."}, {"role": "user", "content": "2 + 2?"}]
+    answer = [{"role": "assistant", "content": "4"}]
+    assert "Answer with" not in mistral.apply_chat_template(system + answer, tokenize=False)
+    assert preferences.render(system, answer, mistral) == "a 'system' message the chat template does not render"
+    assert preferences.render(system[1:], answer, mistral) == mistral.apply_chat_template(
+        system[1:] + answer, tokenize=True)["input_ids"]
+
+
+def test_a_plain_text_side_reads_the_tokenizers_bos_and_one_end_token_as_trl_tokenizes_it(tokenizer, tmp_path):
+    """A side of plain text with no prompt (Anthropic HH's form) is tokenized as TRL's RewardTrainer does,
+    `processing_class(text + eos_token)`: a Llama tokenizer's BOS first, then the text and one end token; and as GRPO's
+    reward model reads a text row (`RewardModel.retokenized`, its special tokens added). It was the text without
+    special tokens: a Llama reward model trained on [2, ..., eos] and scored on [BOS, 2, ..., eos]."""
+    llama = llama_like_tokenizer(tokenizer, tmp_path / "llama")
+    bos, eos = llama.bos_token_id, llama.eos_token_id
+    text = "2 + 2 = 4\n#### 4"
+    side = preferences.render(None, text, llama)
+    assert side == llama(text + llama.eos_token)["input_ids"]
+    assert side[0] == bos == 422 and side.count(bos) == 1 and side[-1] == eos and side.count(eos) == 1
+    assert side[1:-1] == llama(text, add_special_tokens=False)["input_ids"]
+    # A text that already ends with the end token, or starts with the BOS, has each once.
+    assert preferences.render(None, "<|begin_of_text|>" + text + llama.eos_token, llama) == side
+    # The tiny (Qwen-like) tokenizer adds no special tokens: the text and the end token, as before.
+    assert preferences.render(None, text, tokenizer) == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
 def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path):
     """A Llama 3 policy's template writes the BOS, and its tokenizer adds one too. A reward model whose tokenizer is the
     policy's with its own padding token added (as Llama 3 reward models add one) reads the episode's ids; one whose

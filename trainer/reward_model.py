@@ -120,10 +120,8 @@ class RewardModel:
 
     def retokenized(self, row: list[int]) -> list[int]:
         """The policy's rendering of an episode (`row`, its ids) as text, tokenized with the reward model's tokenizer."""
-        ids = self.tokenizer(self.policy_tokenizer.decode(row))["input_ids"]  # with its own special tokens: a Llama BOS
-        # ... once: where the policy's template already wrote that BOS (Llama 3's does), the tokenizer added a second.
-        bos = self.tokenizer.bos_token_id
-        return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+        # With its own special tokens (a Llama BOS), once: the policy's template may already have written that BOS.
+        return preferences.text_ids(self.policy_tokenizer.decode(row), self.tokenizer)
 
     def score(self, episodes) -> torch.Tensor:
         """Scores [episodes] in fp32, the same on every rank of the model replica. Collective over it: micro-batches of

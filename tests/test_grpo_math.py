@@ -320,6 +320,30 @@ def test_the_samplers_log_prob_is_under_the_distribution_it_drew_from():
     assert ids.tolist() == [0] * 64 and torch.equal(logprobs, logits.log_softmax(dim=-1)[:, 0])
 
 
+def test_the_sampler_draws_from_the_distribution_transformers_warpers_leave():
+    """Temperature, then top-k, then top-p, as `transformers.generate` applies its warpers (and vLLM its sampling
+    parameters): every drawn id is one transformers keeps, its log-prob is transformers' processed log-prob, and the
+    ids' frequencies over many draws are its probabilities (5,000 draws a row: a frequency's spread is under 0.007)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from model.sampling import sample_next
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 2  # [rows, vocab], no ties
+    draws = 5000
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (0.8, 0, 0.7), (0.6, 10, 0.8)):
+        processed = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        processed = TopKLogitsWarper(top_k)(None, processed) if top_k else processed
+        processed = TopPLogitsWarper(top_p)(None, processed) if top_p < 1 else processed
+        expected = processed.log_softmax(dim=-1)  # [rows, vocab]
+        ids, logprobs = sample_next(logits.repeat_interleave(draws, dim=0), temperature, top_p, top_k,
+                                    torch.Generator().manual_seed(1))  # [rows * draws] each
+        rows = torch.arange(len(logits)).repeat_interleave(draws)  # [rows * draws]
+        assert torch.isfinite(expected[rows, ids]).all(), (temperature, top_k, top_p)
+        assert torch.allclose(logprobs, expected[rows, ids], atol=1e-5), (temperature, top_k, top_p)
+        frequencies = torch.zeros_like(expected).index_put_((rows, ids), torch.ones(len(ids)), accumulate=True) / draws
+        assert (frequencies - expected.exp()).abs().max() < 0.03, (temperature, top_k, top_p)
+
+
 def test_without_log_probs_the_sampler_draws_the_same_ids_and_computes_none():
     """Held-out evaluation reads no log-prob: the sampler then skips the log-softmax over the vocabulary, and the ids
     it draws (greedy, and sampled from the same seed) are the ones it draws with them."""

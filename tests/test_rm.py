@@ -132,6 +132,20 @@ def test_the_embedded_set_pairs_each_prompts_right_completions_with_its_wrong_on
     assert rows[0]["prompt"] == prompt.messages
 
 
+def test_the_embedded_sets_chunks_give_every_data_parallel_rank_as_many_generation_calls():
+    """Generation is collective over the data-parallel group under Megatron-FSDP (`model.generate.Engine`): each rank
+    makes the same number of calls at every DP size (8 train chunks at DP=3 were 3, 3 and 2 calls: the third rank
+    left the others waiting), and the kept calls cover each chunk once, so the set is the same at any process count."""
+    from trainer import preference_set
+
+    for count in (4, 8):
+        for dp_size in range(1, 10):
+            dealt = [preference_set.dealt_chunks(count, rank, dp_size) for rank in range(dp_size)]
+            assert {len(calls) for calls in dealt} == {-(-count // dp_size)}, (count, dp_size)
+            assert sorted(index for calls in dealt for index, kept in calls if kept) == list(range(count))
+    assert preference_set.dealt_chunks(8, 2, 3) == [(2, True), (5, True), (2, False)]
+
+
 def test_metrics_png_names_a_reward_models_panels_by_pairs(tmp_path):
     """A `trainer.rm` run's accuracy panels say pairs (not rollouts), its scores get a panel, and a legend lists only
     the keys drawn."""

@@ -77,6 +77,15 @@ def pairs_of(episodes: list[rollout.Episode], correct: list[bool], samples: int)
     return rows
 
 
+def dealt_chunks(count: int, dp_rank: int, dp_size: int) -> list[tuple[int, bool]]:
+    """This rank's generation calls over `count` chunks dealt to the data-parallel ranks in turn, as (chunk, kept):
+    every rank makes as many calls, as the engine's generation needs (collective over the data-parallel group under
+    Megatron-FSDP: 8 chunks at DP=3 were 3, 3 and 2 calls); a rank short of a chunk samples its first (or chunk 0)
+    again, unused."""
+    mine = list(range(dp_rank, count, dp_size))
+    return [(index, True) for index in mine] + [(mine[0] if mine else 0, False)] * (-(-count // dp_size) - len(mine))
+
+
 def build_preference_set(config, model_path: Path, runtime) -> None:
     """Sample, judge and write the embedded set into `data.path` (collective: every rank samples its share of the
     prompts; rank 0 writes the files into a staging directory, renamed into place whole; a failure to write, a full
@@ -95,13 +104,14 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
         # Chunks of prompts dealt to the data-parallel ranks in turn, each sampled from its own seed: the same set
         # whatever the number of processes.
         chunks = {}
-        for index in range(runtime.dp_rank, -(-len(prompts) // CHUNK), runtime.dp_size):
+        for index, kept in dealt_chunks(-(-len(prompts) // CHUNK), runtime.dp_rank, runtime.dp_size):
             sampling = Sampling(grpo.temperature, grpo.top_p, grpo.top_k, seed=config.train.seed + index,
                                          logprobs=False)
             episodes, _ = sampler.run(policy.engine, prompts[index * CHUNK : (index + 1) * CHUNK], samples=samples,
                                       max_new_tokens=grpo.max_new_tokens, sampling=sampling)
-            correct = rollout.score(reward, episodes).correct
-            chunks[index] = (pairs_of(episodes, correct, samples), sum(correct))
+            if kept:
+                correct = rollout.score(reward, episodes).correct
+                chunks[index] = (pairs_of(episodes, correct, samples), sum(correct))
         gathered = {index: chunk for part in collectives.data_parallel_gather(chunks) for index, chunk in part.items()}
         rows = [row for index in sorted(gathered) for row in gathered[index][0]]
         if not rows:

@@ -98,7 +98,9 @@ MAX_CHARS_PER_TOKEN = 32
 
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as plain text: a special token's string in it (`<|im_end|>`) is tokenized as the characters
-    it is, never as the control id."""
+    it is, never as the control id. A lone surrogate (half of a JSON `\\ud83d\\ude00` escape in the policy's arguments,
+    which a tool may echo back) becomes `?`: a tokenizer raises on it, and would end the run."""
+    text = text.encode("utf-8", "replace").decode("utf-8")
     if getattr(tokenizer, "is_fast", False):
         with unpadded_backend(tokenizer) as backend:
             previous = backend.encode_special_tokens  # a flag on the shared backend: restored for every other caller

@@ -587,6 +587,15 @@ def test_results_are_cut_by_characters_first_and_errors_never(tokenizer):
     assert "Error: ValueError: bad number " + "x" * 60 in appended and episodes[0].counts["truncated_tool_responses"] == 0
 
 
+def test_a_lone_surrogate_a_tool_echoes_from_the_policys_arguments_is_text_not_the_runs_end(tokenizer):
+    # `"\ud83d"` is half of a JSON emoji escape: json reads it as a lone surrogate, which the tokenizer refused
+    # (TypeError: TextInputSequence must be str), and the run ended at the policy's own turn.
+    call = CALL.replace("digits", "echo").replace("number", "text") % "\\ud83d"
+    episodes, _ = run_rollout(tokenizer, [[call, "#### 1"]], specs=("tests.tool_fixtures:echo",), max_tool_response_tokens=64)
+    assert dict(episodes[0].counts) == {"turns": 2, "tool_calls": 1}
+    assert "<tool_response>\nno results for ?\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+
+
 def test_a_call_marker_that_is_a_special_token_is_read(tokenizer):
     own = tiny.build_tokenizer()
     own.add_special_tokens({"additional_special_tokens": ["[CALLS]"]})

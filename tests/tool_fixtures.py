@@ -141,6 +141,15 @@ def huge(number: str) -> str:
     return "7" * 1_000_000
 
 
+def echo(text: str) -> str:
+    """Says its argument back, as a search tool's "no results for ..." does.
+
+    Args:
+        text: anything
+    """
+    return f"no results for {text}"
+
+
 def long_error(number: str) -> str:
     """Fails with a long message.
 

@@ -121,7 +121,7 @@ def reset_environment(environment, row: dict, seed: int):
     if not hasattr(environment, "reset"):
         return None
     takes_seed = "seed" in inspect.signature(environment.reset).parameters
-    return environment.reset(row, seed=seed) if takes_seed else environment.reset(row)
+    return tool_worker.awaited(environment.reset(row, seed=seed) if takes_seed else environment.reset(row))
 
 
 def check_turn_fits_collective_timeout(config, world_size: int) -> None:

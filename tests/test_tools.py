@@ -596,6 +596,18 @@ def test_a_lone_surrogate_a_tool_echoes_from_the_policys_arguments_is_text_not_t
     assert "<tool_response>\nno results for ?\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_an_async_tool_and_reset_are_awaited(tokenizer, isolation):
+    # Before, the tool message was `<coroutine object fetch at 0x...>`, counted as a good answer, and the prompt's
+    # reset text the same.
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "fetch") % "12", "#### 3"]],
+                              specs=("tests.tool_fixtures:fetch",), tool_isolation=isolation)
+    assert dict(episodes[0].counts) == {"turns": 2, "tool_calls": 1}
+    assert "<tool_response>\n3\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+    episodes, _ = run_rollout(tokenizer, [["#### 3"]] * 2, specs=(), environment="tests.tool_fixtures:Later")
+    assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount later.<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_call_marker_that_is_a_special_token_is_read(tokenizer):
     own = tiny.build_tokenizer()
     own.add_special_tokens({"additional_special_tokens": ["[CALLS]"]})

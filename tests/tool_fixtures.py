@@ -5,6 +5,7 @@ default SFT model (which writes `a op b = c` and `#### c`) calls a tool in most 
 rollouts without a model trained on a tool format.
 """
 
+import asyncio
 import itertools
 import os
 import time
@@ -148,6 +149,25 @@ def echo(text: str) -> str:
         text: anything
     """
     return f"no results for {text}"
+
+
+async def fetch(number: str) -> str:
+    """An `async def` tool, as TRL takes: awaited, its digit sum the answer.
+
+    Args:
+        number: a whole number, as text
+    """
+    await asyncio.sleep(0)
+    return digits(number)
+
+
+class Later(Counter):
+    """Counter, with an `async def` reset."""
+
+    async def reset(self, row: dict) -> str:
+        """Starts an episode."""
+        self.calls = 0
+        return "Count later."
 
 
 def long_error(number: str) -> str:

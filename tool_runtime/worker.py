@@ -5,6 +5,7 @@ that rank's GPU visible; gone with its trainer.
 """
 
 import dataclasses
+import inspect
 import os
 import pickle
 import select
@@ -67,13 +68,24 @@ def note_where_raised(error: BaseException, function: Callable) -> BaseException
     return error
 
 
+def awaited(value):
+    """`value`, or what it returns when it is a coroutine (an `async def` tool, as TRL takes), run to its end on an event
+    loop of this thread (a call's thread, or a worker's)."""
+    if inspect.iscoroutine(value):
+        import asyncio
+
+        return asyncio.run(value)
+    return value
+
+
 def call_tool(function: Callable, arguments: dict | tuple) -> Outcome:
     """One call in this process: a tool's (keyword `arguments`) as its text, or its error's; a reward function's (a
-    tuple of positional ones) with its value, or its exception (noted where it was raised), kept. Never raises."""
+    tuple of positional ones) with its value, or its exception (noted where it was raised), kept; an `async def`
+    function's awaited. Never raises."""
     try:
         if isinstance(arguments, tuple):
-            return Outcome("", "ok", function(*arguments))
-        return Outcome(result_text(function(**arguments)), "ok")
+            return Outcome("", "ok", awaited(function(*arguments)))
+        return Outcome(result_text(awaited(function(**arguments))), "ok")
     except Exception as error:  # a user's tool may fail in any way
         return Outcome(error_text(error), "error",
                        note_where_raised(error, function) if isinstance(arguments, tuple) else None)

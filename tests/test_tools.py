@@ -608,6 +608,16 @@ def test_an_async_tool_and_reset_are_awaited(tokenizer, isolation):
     assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount later.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_tools_numpy_values_are_sent_as_json(tokenizer):
+    # Before, json.dumps refused numpy's int64, bool_ and arrays, and the policy read the dict's Python repr:
+    # {'digits': np.int64(3), 'even': np.False_, 'each': array([1, 2])}
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "measured") % "12", "#### 3"]],
+                              specs=("tests.tool_fixtures:measured",), max_tool_response_tokens=64,
+                              tool_timeout=30)  # the call imports numpy
+    appended = rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+    assert '<tool_response>\n{"digits": 3, "even": false, "each": [1, 2]}\n</tool_response>' in appended
+
+
 def test_a_call_marker_that_is_a_special_token_is_read(tokenizer):
     own = tiny.build_tokenizer()
     own.add_special_tokens({"additional_special_tokens": ["[CALLS]"]})

@@ -170,6 +170,18 @@ class Later(Counter):
         return "Count later."
 
 
+def measured(number: str) -> dict:
+    """A number's digits as numpy computes them, as a data tool returns its figures.
+
+    Args:
+        number: a whole number, as text
+    """
+    import numpy
+
+    each = numpy.array([int(digit) for digit in number])
+    return {"digits": each.sum(), "even": each.sum() % 2 == 0, "each": each}
+
+
 def long_error(number: str) -> str:
     """Fails with a long message.
 

@@ -31,15 +31,24 @@ class Outcome:
 
 
 def result_text(result) -> str:
-    """A tool's return value as the tool message's text: strings as they are, anything else as JSON where it can be."""
+    """A tool's return value as the tool message's text: strings as they are, anything else as JSON where it can be
+    (numpy's numbers and arrays as the values they hold: `{"temp": 21}`, not `{'temp': np.int64(21)}`), else `str`."""
     import json
 
     if isinstance(result, str):
         return result
     try:
-        return json.dumps(result)
+        return json.dumps(result, default=numpy_value)
     except (TypeError, ValueError):
         return str(result)
+
+
+def numpy_value(value):
+    """`json.dumps`'s fallback: a numpy scalar's or array's plain value (`tolist`); a TypeError for anything else."""
+    numpy = sys.modules.get("numpy")  # a value of numpy's means the tool imported it
+    if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def error_text(error: BaseException) -> str:

@@ -597,7 +597,7 @@ def test_a_lone_surrogate_a_tool_echoes_from_the_policys_arguments_is_text_not_t
 
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
-def test_an_async_tool_and_reset_are_awaited(tokenizer, isolation):
+def test_an_async_tool_reset_and_reward_are_awaited(tokenizer, isolation):
     # Before, the tool message was `<coroutine object fetch at 0x...>`, counted as a good answer, and the prompt's
     # reset text the same.
     episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "fetch") % "12", "#### 3"]],
@@ -606,6 +606,7 @@ def test_an_async_tool_and_reset_are_awaited(tokenizer, isolation):
     assert "<tool_response>\n3\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
     episodes, _ = run_rollout(tokenizer, [["#### 3"]] * 2, specs=(), environment="tests.tool_fixtures:Later")
     assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount later.<|im_end|>\n<|im_start|>assistant\n")
+    assert episodes[0].environment_reward == 0.25 and episodes[0].environment_failure is None
 
 
 def test_a_tools_numpy_values_are_sent_as_json(tokenizer):

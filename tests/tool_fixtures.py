@@ -162,12 +162,16 @@ async def fetch(number: str) -> str:
 
 
 class Later(Counter):
-    """Counter, with an `async def` reset."""
+    """Counter, with an `async def` reset and reward."""
 
     async def reset(self, row: dict) -> str:
         """Starts an episode."""
         self.calls = 0
         return "Count later."
+
+    async def reward(self) -> float:
+        """0.25 for no call."""
+        return 0.25 if self.calls == 0 else 0.0
 
 
 def measured(number: str) -> dict:

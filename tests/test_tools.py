@@ -57,6 +57,10 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     ("tools", "tests.tool_fixtures", "is not of the form `module:name`"),
     ("tools", "tests.tool_fixtures:undocumented", "the tool tests.tool_fixtures:undocumented has no schema transformers can read"),
     ("tools", "tests.tool_fixtures:DIGITS_SCHEMA", "is not a function"),
+    # An environment given as a tool: accepted before, and each call answered `<tests.tool_fixtures.Counter object at 0x...>`.
+    ("tools", "tests.tool_fixtures:Counter", "is a class, not a function: a tool is called and its return value is the "
+     "tool message. A class whose methods are the tools, one instance per episode, is an environment: "
+     "`--grpo.environment tests.tool_fixtures:Counter`."),
     ("environment", "tests.tool_fixtures:digits", "is not a class"),
 ])
 def test_bad_tool_modules_are_one_paragraph_before_any_model(key, spec, expected):

@@ -497,6 +497,21 @@ def test_what_a_tools_programs_write_goes_to_the_log_and_every_call_answers(capf
     assert "computing 7" in capfd.readouterr().err
 
 
+def test_a_fork_that_comes_back_from_a_tool_never_answers_a_call():
+    """The fork shares its worker's pipes: before, its answer was taken for the next call's (the calls "1", "2", "3"
+    answered "the call's 1", "the child's 1", "the call's 2"), and it went on reading calls meant for the worker."""
+    episode = toolset("tests.tool_fixtures:forks").episode({})[0]
+    runner = tool_runner.ToolRunner(timeout=10.0, workers=1, preload=["tests.tool_fixtures:forks"])
+    answers = []
+    try:
+        for label in "123":
+            answers += [outcome.text for outcome in runner.run([episode.job([tool_text.Call("forks", {"number": label})])])[0]]
+            time.sleep(0.4)  # the fork has come back meanwhile
+    finally:
+        runner.close()
+    assert answers == ["the call's 1", "the call's 2", "the call's 3"]
+
+
 def slow_tool_module(path, monkeypatch, seconds: float) -> str:
     """The spec of `digits` in a module, on the import path the workers get, that takes `seconds` to import (as one
     importing torch does)."""

@@ -186,6 +186,18 @@ def measured(number: str) -> dict:
     return {"digits": each.sum(), "even": each.sum() % 2 == 0, "each": each}
 
 
+def forks(number: str) -> str:
+    """Forks a child that comes back from the call too, a little later (a server started in a fork that returns).
+
+    Args:
+        number: a label
+    """
+    if os.fork() == 0:
+        time.sleep(0.1)
+        return f"the child's {number}"
+    return f"the call's {number}"
+
+
 def long_error(number: str) -> str:
     """Fails with a long message.
 

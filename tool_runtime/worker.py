@@ -239,12 +239,19 @@ def worker_main() -> None:
         module, _, name = spec.partition(":")
         return getattr(importlib.import_module(module), name)
 
-    functions = {}
+    def only_this_process() -> None:
+        """End a fork of this worker that came back here from a tool (or an import): it shares the pipes, and its
+        answer would be taken for the next call's, and it would read calls meant for the worker."""
+        if os.getpid() != worker:
+            os._exit(0)
+
+    worker, functions = os.getpid(), {}
     for spec in preload:
         try:
             functions[spec] = load(spec)
         except Exception:  # said by the call that needs it
             pass
+    only_this_process()
     _send(answers, "ready")
     while True:
         try:
@@ -257,6 +264,7 @@ def worker_main() -> None:
             outcome = call_tool(functions[spec], arguments)
         except Exception as error:  # the module failed to import here (it imported in the trainer)
             outcome = Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
+        only_this_process()
         _send(answers, sendable(outcome))
 
 

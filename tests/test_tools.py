@@ -99,6 +99,17 @@ def test_turns_parse_into_calls_or_an_error(tokenizer):
     assert "no name" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"arguments": {}}\n</tool_call>')[2]
 
 
+def test_a_turn_is_read_in_time_linear_in_its_length(tokenizer):
+    # A degenerate turn, a call opened then whitespace: 47 s for 4,000 spaces before (the regexes' `\s*` around a lazy
+    # group backtracked in the cube of its length), with the peers waiting in a collective meanwhile.
+    started = time.monotonic()
+    assert tool_text.parse_turn(tokenizer, "<tool_call>" + " " * 3000 + "x")[2] == "`<tool_call>` without a closing tag"
+    assert tool_text.parse_turn(tokenizer, "a" + "\n" * 100_000 + "b") == ("a" + "\n" * 100_000 + "b", [], None)
+    _, calls, error = tool_text.parse_turn(tokenizer, " " * 100_000 + CALL % "12" + " " * 100_000)
+    assert time.monotonic() - started < 1.0 and error is None and [call.arguments for call in calls] == [{"number": "12"}]
+    assert tool_text.parse_turn(tokenizer, "Let me see. \n " + CALL % "3")[0] == "Let me see."
+
+
 def test_a_tokenizers_own_response_schema_is_used(tokenizer):
     own = tiny.build_tokenizer()
     own.response_schema = tool_fixtures.DIGITS_SCHEMA

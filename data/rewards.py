@@ -382,8 +382,9 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
 
 
 def call(reward: RewardFunction, completion: str, reference: str):
-    """`reward(completion, reference)` in this process: its value, or the exception it raised."""
+    """`reward(completion, reference)` in this process: its value (an `async def` one's awaited, as in a worker process),
+    or the exception it raised."""
     try:
-        return reward(completion, reference)
+        return tool_worker.awaited(reward(completion, reference))
     except Exception as error:  # a user's reward function may fail in any way on odd model output
         return tool_worker.note_where_raised(error, reward)

@@ -10,8 +10,9 @@ namespace of its own (no network at all) and a Landlock rule that lets it write,
 its directory (so multiprocessing's semaphores in /dev/shm are refused); `run(...).isolation` lists what a call got,
 and `scripts/bench/bench_sandbox.py` prints it for a machine. What it does not isolate: reading files (it reads what any user
 may, or the trainer's user; where the interpreter is readable to root only, as under /root, nobody keeps the capability
-to read everything), system calls (no seccomp), the kernel, and in a non-root run a program that kills its own
-supervisor. It keeps a well-meaning model's mistakes (endless loops, memory and fork bombs, huge prints, stray writes)
+to read everything), system calls (no seccomp), the kernel, the programs of concurrent calls from each other (one user
+runs them all: they share its process limit and may signal each other), and in a non-root run a program that kills
+its own supervisor or the trainer. RLIMIT_AS limits each process, not a program's processes together. It keeps a well-meaning model's mistakes (endless loops, memory and fork bombs, huge prints, stray writes)
 from harming the trainer; it is NOT a security boundary against hostile code, which needs a container or a VM (gVisor,
 Firecracker).
 """

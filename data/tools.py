@@ -66,6 +66,10 @@ class Toolset:
             function = user_code.load(spec, "grpo.tools", "Each tool is a function given as `module:function`.")
             if not callable(function):
                 raise UserError(f"`grpo.tools`: {spec} is not a function. Change `--grpo.tools`.")
+            if inspect.isclass(function):  # calling it would answer with a new instance's repr
+                raise UserError(f"`grpo.tools`: {spec} is a class, not a function: a tool is called and its return "
+                                "value is the tool message. A class whose methods are the tools, one instance per "
+                                f"episode, is an environment: `--grpo.environment {spec}`. Change `--grpo.tools`.")
             schema = tool_schema(function, "grpo.tools", spec)
             functions[schema["function"]["name"]] = function
             specs[schema["function"]["name"]] = spec
@@ -121,7 +125,7 @@ def reset_environment(environment, row: dict, seed: int):
     if not hasattr(environment, "reset"):
         return None
     takes_seed = "seed" in inspect.signature(environment.reset).parameters
-    return environment.reset(row, seed=seed) if takes_seed else environment.reset(row)
+    return tool_worker.awaited(environment.reset(row, seed=seed) if takes_seed else environment.reset(row))
 
 
 def check_turn_fits_collective_timeout(config, world_size: int) -> None:

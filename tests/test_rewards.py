@@ -268,6 +268,19 @@ def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(t
         rewards.close(hanging)
 
 
+def test_an_async_reward_is_awaited_in_the_trainer_and_in_worker_processes(tmp_path, monkeypatch):
+    # Before, its coroutine failed as no number (2 errors of 2, every completion scored 0), in the trainer and in workers.
+    (tmp_path / "async_rewards.py").write_text("async def graded(completion, reference):\n    return len(completion) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    isolated = rewards.get_reward("async_rewards:graded", timeout=30.0, workers=1)
+    try:
+        for reward in (rewards.get_reward("async_rewards:graded", timeout=0), isolated):
+            scores = rewards.score(reward, ["#### 8", "no answer"], [REFERENCE] * 2)
+            assert scores.rewards == [0.6, 0.9] and scores.errors == 0
+    finally:
+        rewards.close(isolated)
+
+
 def test_a_built_in_reward_on_references_without_an_answer_line_is_refused_when_it_is_the_whole_signal(caplog):
     """GRPO with the default reward on a user's own rows (`{"question": "What is 3 plus 3?", "answer": "6"}`) ran with
     every reward 0 (a 1-step run: reward_mean=0, loss=0, grad_norm=0), without a word."""

@@ -57,6 +57,10 @@ def test_a_tools_schema_comes_from_its_signature_and_docstring():
     ("tools", "tests.tool_fixtures", "is not of the form `module:name`"),
     ("tools", "tests.tool_fixtures:undocumented", "the tool tests.tool_fixtures:undocumented has no schema transformers can read"),
     ("tools", "tests.tool_fixtures:DIGITS_SCHEMA", "is not a function"),
+    # An environment given as a tool: accepted before, and each call answered `<tests.tool_fixtures.Counter object at 0x...>`.
+    ("tools", "tests.tool_fixtures:Counter", "is a class, not a function: a tool is called and its return value is the "
+     "tool message. A class whose methods are the tools, one instance per episode, is an environment: "
+     "`--grpo.environment tests.tool_fixtures:Counter`."),
     ("environment", "tests.tool_fixtures:digits", "is not a class"),
 ])
 def test_bad_tool_modules_are_one_paragraph_before_any_model(key, spec, expected):
@@ -93,6 +97,17 @@ def test_turns_parse_into_calls_or_an_error(tokenizer):
     assert "could not be parsed" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"name": "digits", "arguments": {"number": }\n</tool_call>')[2]
     assert "without a closing tag" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"name": "digits"')[2]
     assert "no name" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"arguments": {}}\n</tool_call>')[2]
+
+
+def test_a_turn_is_read_in_time_linear_in_its_length(tokenizer):
+    # A degenerate turn, a call opened then whitespace: 47 s for 4,000 spaces before (the regexes' `\s*` around a lazy
+    # group backtracked in the cube of its length), with the peers waiting in a collective meanwhile.
+    started = time.monotonic()
+    assert tool_text.parse_turn(tokenizer, "<tool_call>" + " " * 3000 + "x")[2] == "`<tool_call>` without a closing tag"
+    assert tool_text.parse_turn(tokenizer, "a" + "\n" * 100_000 + "b") == ("a" + "\n" * 100_000 + "b", [], None)
+    _, calls, error = tool_text.parse_turn(tokenizer, " " * 100_000 + CALL % "12" + " " * 100_000)
+    assert time.monotonic() - started < 1.0 and error is None and [call.arguments for call in calls] == [{"number": "12"}]
+    assert tool_text.parse_turn(tokenizer, "Let me see. \n " + CALL % "3")[0] == "Let me see."
 
 
 def test_a_tokenizers_own_response_schema_is_used(tokenizer):
@@ -493,6 +508,21 @@ def test_what_a_tools_programs_write_goes_to_the_log_and_every_call_answers(capf
     assert "computing 7" in capfd.readouterr().err
 
 
+def test_a_fork_that_comes_back_from_a_tool_never_answers_a_call():
+    """The fork shares its worker's pipes: before, its answer was taken for the next call's (the calls "1", "2", "3"
+    answered "the call's 1", "the child's 1", "the call's 2"), and it went on reading calls meant for the worker."""
+    episode = toolset("tests.tool_fixtures:forks").episode({})[0]
+    runner = tool_runner.ToolRunner(timeout=10.0, workers=1, preload=["tests.tool_fixtures:forks"])
+    answers = []
+    try:
+        for label in "123":
+            answers += [outcome.text for outcome in runner.run([episode.job([tool_text.Call("forks", {"number": label})])])[0]]
+            time.sleep(0.4)  # the fork has come back meanwhile
+    finally:
+        runner.close()
+    assert answers == ["the call's 1", "the call's 2", "the call's 3"]
+
+
 def slow_tool_module(path, monkeypatch, seconds: float) -> str:
     """The spec of `digits` in a module, on the import path the workers get, that takes `seconds` to import (as one
     importing torch does)."""
@@ -585,6 +615,38 @@ def test_results_are_cut_by_characters_first_and_errors_never(tokenizer):
                               specs=("tests.tool_fixtures:long_error",), max_tool_response_tokens=1)
     appended = rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
     assert "Error: ValueError: bad number " + "x" * 60 in appended and episodes[0].counts["truncated_tool_responses"] == 0
+
+
+def test_a_lone_surrogate_a_tool_echoes_from_the_policys_arguments_is_text_not_the_runs_end(tokenizer):
+    # `"\ud83d"` is half of a JSON emoji escape: json reads it as a lone surrogate, which the tokenizer refused
+    # (TypeError: TextInputSequence must be str), and the run ended at the policy's own turn.
+    call = CALL.replace("digits", "echo").replace("number", "text") % "\\ud83d"
+    episodes, _ = run_rollout(tokenizer, [[call, "#### 1"]], specs=("tests.tool_fixtures:echo",), max_tool_response_tokens=64)
+    assert dict(episodes[0].counts) == {"turns": 2, "tool_calls": 1}
+    assert "<tool_response>\nno results for ?\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_an_async_tool_reset_and_reward_are_awaited(tokenizer, isolation):
+    # Before, the tool message was `<coroutine object fetch at 0x...>`, counted as a good answer, and the prompt's
+    # reset text the same.
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "fetch") % "12", "#### 3"]],
+                              specs=("tests.tool_fixtures:fetch",), tool_isolation=isolation)
+    assert dict(episodes[0].counts) == {"turns": 2, "tool_calls": 1}
+    assert "<tool_response>\n3\n</tool_response>" in rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+    episodes, _ = run_rollout(tokenizer, [["#### 3"]] * 2, specs=(), environment="tests.tool_fixtures:Later")
+    assert tokenizer.decode(episodes[0].prompt_ids).endswith("What is 12 + 5?\n\nCount later.<|im_end|>\n<|im_start|>assistant\n")
+    assert episodes[0].environment_reward == 0.25 and episodes[0].environment_failure is None
+
+
+def test_a_tools_numpy_values_are_sent_as_json(tokenizer):
+    # Before, json.dumps refused numpy's int64, bool_ and arrays, and the policy read the dict's Python repr:
+    # {'digits': np.int64(3), 'even': np.False_, 'each': array([1, 2])}
+    episodes, _ = run_rollout(tokenizer, [[CALL.replace("digits", "measured") % "12", "#### 3"]],
+                              specs=("tests.tool_fixtures:measured",), max_tool_response_tokens=64,
+                              tool_timeout=30)  # the call imports numpy
+    appended = rollout_data.trajectory(tokenizer, episodes[0])[1]["appended"]
+    assert '<tool_response>\n{"digits": 3, "even": false, "each": [1, 2]}\n</tool_response>' in appended
 
 
 def test_a_call_marker_that_is_a_special_token_is_read(tokenizer):

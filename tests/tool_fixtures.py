@@ -5,6 +5,7 @@ default SFT model (which writes `a op b = c` and `#### c`) calls a tool in most 
 rollouts without a model trained on a tool format.
 """
 
+import asyncio
 import itertools
 import os
 import time
@@ -139,6 +140,62 @@ def huge(number: str) -> str:
         number: ignored
     """
     return "7" * 1_000_000
+
+
+def echo(text: str) -> str:
+    """Says its argument back, as a search tool's "no results for ..." does.
+
+    Args:
+        text: anything
+    """
+    return f"no results for {text}"
+
+
+async def fetch(number: str) -> str:
+    """An `async def` tool, as TRL takes: awaited, its digit sum the answer.
+
+    Args:
+        number: a whole number, as text
+    """
+    await asyncio.sleep(0)
+    return digits(number)
+
+
+class Later(Counter):
+    """Counter, with an `async def` reset and reward."""
+
+    async def reset(self, row: dict) -> str:
+        """Starts an episode."""
+        self.calls = 0
+        return "Count later."
+
+    async def reward(self) -> float:
+        """0.25 for no call."""
+        return 0.25 if self.calls == 0 else 0.0
+
+
+def measured(number: str) -> dict:
+    """A number's digits as numpy computes them, as a data tool returns its figures.
+
+    Args:
+        number: a whole number, as text
+    """
+    import numpy
+
+    each = numpy.array([int(digit) for digit in number])
+    return {"digits": each.sum(), "even": each.sum() % 2 == 0, "each": each}
+
+
+def forks(number: str) -> str:
+    """Forks a child that comes back from the call too, a little later (a server started in a fork that returns).
+
+    Args:
+        number: a label
+    """
+    if os.fork() == 0:
+        time.sleep(0.1)
+        return f"the child's {number}"
+    return f"the call's {number}"
 
 
 def long_error(number: str) -> str:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from config import console
-from tool_runtime.worker import Outcome, Worker, call_tool
+from tool_runtime.worker import Outcome, Worker, awaited, call_tool
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ def call_within(seconds: float | None, function: Callable, *arguments):
 def call_on_main_thread_within(seconds: float, function: Callable, late: str):
     """`function()` on this thread, stopped by a TimeoutError(`late`) raised in it after `seconds` (a SIGALRM timer);
     off the main thread, or at 0, with no limit. A function that sets an alarm of its own (math_verify's graders do)
-    replaces this one while it runs: its own limit holds. An environment's `reward()`."""
+    replaces this one while it runs: its own limit holds. An environment's `reward()` (an `async def` one awaited)."""
     if not seconds or threading.current_thread() is not threading.main_thread():
-        return function()
+        return awaited(function())
     armed = True
 
     def expire(signum, frame):
@@ -94,7 +94,7 @@ def call_on_main_thread_within(seconds: float, function: Callable, late: str):
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return function()
+        return awaited(function())
     finally:
         armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)

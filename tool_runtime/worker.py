@@ -5,6 +5,7 @@ that rank's GPU visible; gone with its trainer.
 """
 
 import dataclasses
+import inspect
 import os
 import pickle
 import select
@@ -30,15 +31,24 @@ class Outcome:
 
 
 def result_text(result) -> str:
-    """A tool's return value as the tool message's text: strings as they are, anything else as JSON where it can be."""
+    """A tool's return value as the tool message's text: strings as they are, anything else as JSON where it can be
+    (numpy's numbers and arrays as the values they hold: `{"temp": 21}`, not `{'temp': np.int64(21)}`), else `str`."""
     import json
 
     if isinstance(result, str):
         return result
     try:
-        return json.dumps(result)
+        return json.dumps(result, default=numpy_value)
     except (TypeError, ValueError):
         return str(result)
+
+
+def numpy_value(value):
+    """`json.dumps`'s fallback: a numpy scalar's or array's plain value (`tolist`); a TypeError for anything else."""
+    numpy = sys.modules.get("numpy")  # a value of numpy's means the tool imported it
+    if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def error_text(error: BaseException) -> str:
@@ -67,13 +77,24 @@ def note_where_raised(error: BaseException, function: Callable) -> BaseException
     return error
 
 
+def awaited(value):
+    """`value`, or what it returns when it is a coroutine (an `async def` tool, as TRL takes), run to its end on an event
+    loop of this thread (a call's thread, or a worker's)."""
+    if inspect.iscoroutine(value):
+        import asyncio
+
+        return asyncio.run(value)
+    return value
+
+
 def call_tool(function: Callable, arguments: dict | tuple) -> Outcome:
     """One call in this process: a tool's (keyword `arguments`) as its text, or its error's; a reward function's (a
-    tuple of positional ones) with its value, or its exception (noted where it was raised), kept. Never raises."""
+    tuple of positional ones) with its value, or its exception (noted where it was raised), kept; an `async def`
+    function's awaited. Never raises."""
     try:
         if isinstance(arguments, tuple):
-            return Outcome("", "ok", function(*arguments))
-        return Outcome(result_text(function(**arguments)), "ok")
+            return Outcome("", "ok", awaited(function(*arguments)))
+        return Outcome(result_text(awaited(function(**arguments))), "ok")
     except Exception as error:  # a user's tool may fail in any way
         return Outcome(error_text(error), "error",
                        note_where_raised(error, function) if isinstance(arguments, tuple) else None)
@@ -218,12 +239,19 @@ def worker_main() -> None:
         module, _, name = spec.partition(":")
         return getattr(importlib.import_module(module), name)
 
-    functions = {}
+    def only_this_process() -> None:
+        """End a fork of this worker that came back here from a tool (or an import): it shares the pipes, and its
+        answer would be taken for the next call's, and it would read calls meant for the worker."""
+        if os.getpid() != worker:
+            os._exit(0)
+
+    worker, functions = os.getpid(), {}
     for spec in preload:
         try:
             functions[spec] = load(spec)
         except Exception:  # said by the call that needs it
             pass
+    only_this_process()
     _send(answers, "ready")
     while True:
         try:
@@ -236,6 +264,7 @@ def worker_main() -> None:
             outcome = call_tool(functions[spec], arguments)
         except Exception as error:  # the module failed to import here (it imported in the trainer)
             outcome = Outcome(error_text(error), "error", error if isinstance(arguments, tuple) else None)
+        only_this_process()
         _send(answers, sendable(outcome))
 
 

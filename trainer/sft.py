@@ -212,8 +212,8 @@ def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_no
            "epoch": epoch, "padding_share": padded / max(input_tokens, 1), **timer.phases,
            **policy.loss_scale_figures(int(grad_norm is None)), **policy.routing_figures.step_figures()}
     if peak := metrics.peak_flops():
-        flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
-        row["mfu"] = flops / (peak * runtime.world_size)
+        per_token = metrics.model_flops_per_token(policy.hf_config, seq_len, frozen_base=policy.lora is not None)
+        row["mfu"] = row["tokens_per_s"] * per_token / (peak * runtime.world_size)
     return {**row, **metrics.peak_memory_gib()}
 
 

@@ -21,7 +21,7 @@ from config.errors import UserError
 from config.loops import SFTConfig
 from tests.conftest import EAGER, REPO, free_port, launch
 from trainer import plots
-from trainer.metrics import model_flops_per_token
+from trainer.metrics import model_flops_per_token, peak_flops
 
 pytestmark = pytest.mark.distributed
 
@@ -228,6 +228,19 @@ def test_model_flops_per_token_counts_the_work_a_token_does(hf_config, frozen_ba
     LoRA's frozen weights as trained ones (6x: MFU 1.5x high), and a Qwen3 model's head_dim as hidden / heads
     (Qwen3-0.6B's attention projections and scores at half their size: 3.06e9 for 3.60e9, MFU 15% low)."""
     assert model_flops_per_token(hf_config, 64, frozen_base=frozen_base) == expected
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)])
+def test_mfu_divides_by_the_peak_of_the_card_it_runs_on(monkeypatch, name, peak):
+    """MFU's denominator by `torch.cuda.get_device_name()`: an H100 PCIe (756 TFLOP/s bf16 dense; NVIDIA lists 1,513
+    with sparsity) and the NVL cards (835) were read as an H100 SXM (989): their MFU 15-24% low."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: name)
+    assert peak_flops() == peak
 
 
 def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):

@@ -16,8 +16,10 @@ from config.errors import UserError
 
 log = logging.getLogger("trainer")
 
-# bf16 dense peak FLOP/s by GPU name, for the MFU estimate.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+# bf16 dense peak FLOP/s by GPU name, for the MFU estimate; the first key the name contains wins, so a variant with
+# its own peak (the PCIe and NVL cards run lower clocks and power) comes before its family.
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
 def model_flops_per_token(hf_config: dict, seq_length: int, frozen_base: bool = False) -> float:

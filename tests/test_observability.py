@@ -230,10 +230,13 @@ def test_model_flops_per_token_counts_the_work_a_token_does(hf_config, frozen_ba
     assert model_flops_per_token(hf_config, 64, frozen_base=frozen_base) == expected
 
 
-@pytest.mark.parametrize("lora, factor", [(None, 6), ("adapters", 4)])
-def test_sft_rows_mfu_counts_lora_frozen_weights_at_four(monkeypatch, lora, factor):
+@pytest.mark.parametrize("lora, factor, dtype", [(None, 6, "bf16"), ("adapters", 4, "bf16"), (None, 6, "fp16"),
+                                                (None, None, "fp32")])
+def test_sft_rows_mfu_counts_lora_frozen_weights_at_four(monkeypatch, lora, factor, dtype):
     """SFT's row on a GPU: mfu = tokens/s x FLOPs a token / (peak x processes), LoRA's frozen weights at 4x (the
-    adapters' policy passes `frozen_base`). 64 positions a second on one H100 of 989 TFLOP/s."""
+    adapters' policy passes `frozen_base`). 64 positions a second on one H100 of 989 TFLOP/s. An fp32 run has none: the
+    peaks are bf16's, and fp32 products (no TF32) run at under a tenth of them (H100: 67 of 989 TFLOP/s, NVIDIA's
+    datasheet)."""
     import types
 
     import torch
@@ -242,11 +245,15 @@ def test_sft_rows_mfu_counts_lora_frozen_weights_at_four(monkeypatch, lora, fact
 
     monkeypatch.setattr(metrics, "peak_flops", lambda: 989e12)
     policy = types.SimpleNamespace(hf_config=TINY, lora=lora, global_tokens=lambda count: count,
+                                   provider=types.SimpleNamespace(bf16=dtype == "bf16", fp16=dtype == "fp16"),
                                    loss_scale_figures=lambda skipped: {},
                                    routing_figures=types.SimpleNamespace(step_figures=lambda: {}))
     batch = {"tokens": torch.zeros(1, 64, dtype=torch.long), "padding_mask": torch.zeros(1, 64, dtype=torch.bool)}
     timer = types.SimpleNamespace(seconds=1.0, phases={})
     row = sft.step_row(1, policy, types.SimpleNamespace(world_size=1), 1.0, 1.0, 1.0, 1e-3, [batch], 64, timer, 0)
+    if factor is None:
+        assert "mfu" not in row
+        return
     matmuls = 4 * (49_152 + 135_168) + 128_000  # TINY's weights a token multiplies (above)
     assert row["mfu"] == pytest.approx(64 * (factor * matmuls + 196_608) / 989e12, rel=1e-12)
 

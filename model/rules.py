@@ -9,6 +9,7 @@ start-up (`config.loops.TrainerConfig.validate`).
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -47,6 +48,10 @@ def optimizer_config(config):
             main_params_dtype=torch.float32,
         )
     settings.update(optim.override_optimizer_config)
+    if not settings["clip_grad"]:
+        # Clipping off is clipping at infinity (a no-op), so megatron-core still computes the global norm the rows
+        # report: with 0, Megatron-FSDP's optimizer (one, not chained) returned 0.0 as the norm at every step.
+        settings["clip_grad"] = math.inf
     return OptimizerConfig(**settings)
 
 

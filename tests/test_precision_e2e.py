@@ -29,6 +29,7 @@ PRECISION_RUNS = {
     "ddp_fp32": ["--parallel.use_distributed_optimizer=false"],
     "ddp_bf16_distributed_optimizer": ["--model.dtype=bf16"],
     "fsdp_fp32": ["--parallel.use_megatron_fsdp=true"],
+    "fsdp_fp32_unclipped": ["--parallel.use_megatron_fsdp=true", "--optim.clip_grad=0", "--train.steps=3"],
 }
 DOUBLE_WORKER = "tests/distributed/sft_with_fused_adam_double.py"
 PRECISION_AWARE = ["--model.dtype=bf16", "--optim.use_precision_aware_optimizer=true", "--optim.main_grads_dtype=bf16",
@@ -148,6 +149,16 @@ def test_megatron_fsdp_matches_ddp_fp32(runs):
     assert len(run.losses) == len(reference) == 10
     assert worst_relative_difference(run.losses, reference) < FSDP_RELATIVE_TOLERANCE
     completed(run)
+
+
+def test_megatron_fsdp_reports_the_gradient_norm_with_clipping_off(runs):
+    """`optim.clip_grad=0` under Megatron-FSDP: each row's grad_norm was 0.0 (megatron-core computes the norm only to
+    clip by it, and FSDP's optimizer is not chained); now the norm, step 1's that of the clipped run (the same weights
+    and batch; 7.159 on this task at seed 1234 in the review's run)."""
+    unclipped, clipped = rows(runs["fsdp_fp32_unclipped"].out_dir), rows(runs["fsdp_fp32"].out_dir)
+    print("grad_norm, clip_grad=0 / 1:", [row["grad_norm"] for row in unclipped], clipped[0]["grad_norm"])
+    assert unclipped[0]["grad_norm"] == pytest.approx(clipped[0]["grad_norm"], rel=1e-6) and clipped[0]["grad_norm"] > 1
+    assert all(row["grad_norm"] > 0 for row in unclipped)
 
 
 def test_bf16_with_distributed_optimizer_tracks_fp32(runs):

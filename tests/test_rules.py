@@ -87,6 +87,15 @@ def test_override_optimizer_config_wins_last():
     assert (built.lr, built.adam_beta2) == (5e-5, 0.9)
 
 
+@pytest.mark.parametrize("changes", [{"optim.clip_grad": 0.0}, {"optim.override_optimizer_config": {"clip_grad": 0}}])
+def test_clipping_off_clips_at_infinity_so_the_norm_is_still_computed(changes):
+    """megatron-core computes the gradient norm only to clip by it: with clip_grad 0 Megatron-FSDP's optimizer (a single
+    DistributedOptimizer, not chained) returned 0.0, and every row said grad_norm 0 (7.159 at DP=2 on the same step).
+    Infinity clips nothing and keeps the norm (test_precision_e2e's fsdp_fp32_unclipped run)."""
+    assert rules.optimizer_config(make("fp32", **changes)).clip_grad == float("inf")
+    assert rules.optimizer_config(make("fp32", **{"optim.clip_grad": 0.5})).clip_grad == 0.5
+
+
 def test_the_schedule_applies_the_overridden_weight_decay_lr_and_min_lr():
     """megatron-core's OptimizerParamScheduler sets every group's `weight_decay` (start_wd x wd_mult) at each step, so an
     `optim.override_optimizer_config` weight decay the settings table shows was silently replaced by

@@ -16,23 +16,42 @@ from config.errors import UserError
 
 log = logging.getLogger("trainer")
 
-# bf16 dense peak FLOP/s by GPU name, for the MFU estimate.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+# bf16 dense peak FLOP/s by GPU name, for the MFU estimate; the first key the name contains wins, so a variant with
+# its own peak (the PCIe and NVL cards run lower clocks and power) comes before its family.
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
-def model_flops_per_token(hf_config: dict, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 x matmul parameters plus causal attention scores."""
+def model_flops_per_token(hf_config: dict, seq_length: int, frozen_base: bool = False) -> float:
+    """Training FLOPs per token (forward + backward): 6 x the matmul parameters a token passes through plus causal
+    attention scores. A Mixture-of-Experts layer counts its router, its top-k routed experts and any shared expert (the
+    work a token does), not every expert. `frozen_base` (LoRA): the frozen weights take no weight-gradient product, so
+    4 x their parameters (forward and input gradient), the adapters' own small products left out, as Megatron-Bridge's
+    LoRA figure does."""
     hidden, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
-    head_dim = hidden // heads
-    intermediate, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
+    head_dim = hf_config.get("head_dim") or hidden // heads  # Qwen3, Mistral: set apart from hidden / heads
     attention = hidden * head_dim * (heads * 2 + kv_heads * 2)  # q, o, k, v projections
-    mlp = 3 * hidden * intermediate  # gate, up, down
-    matmul_parameters = layers * (attention + mlp) + hidden * vocab
+    mlp = sum(_mlp_parameters_per_token(hf_config, layer) for layer in range(layers))
+    matmul_parameters = layers * attention + mlp + hidden * hf_config["vocab_size"]
     # QK^T and attention x V: 2 matmuls, causal halves them, x3 for forward + backward.
-    attention_scores = 3 * layers * 2 * 2 * seq_length * hidden / 2
-    return 6 * matmul_parameters + attention_scores
+    attention_scores = 3 * layers * 2 * 2 * seq_length * heads * head_dim / 2
+    return (4 if frozen_base else 6) * matmul_parameters + attention_scores
+
+
+def _mlp_parameters_per_token(hf_config: dict, layer: int) -> int:
+    """The MLP weights one token multiplies in `layer` (gate, up, down): a dense MLP's, or a Mixture-of-Experts layer's
+    router, top-k routed experts and shared expert (transformers' rule of which layers are sparse)."""
+    hidden = hf_config["hidden_size"]
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+    sparse = (experts > 0 and layer not in (hf_config.get("mlp_only_layers") or [])
+              and (layer + 1) % (hf_config.get("decoder_sparse_step") or 1) == 0)
+    if not sparse:
+        return 3 * hidden * hf_config["intermediate_size"]
+    expert_size = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+    shared = hf_config.get("shared_expert_intermediate_size") or 0
+    return hidden * experts + hf_config["num_experts_per_tok"] * 3 * hidden * expert_size + 3 * hidden * shared
 
 
 def peak_flops() -> float | None:

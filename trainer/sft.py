@@ -204,16 +204,17 @@ def step_row(step: int, policy, runtime, loss_sum: float, tokens: float, grad_no
              microbatches: list[dict], seq_len: int, timer, epoch: int) -> dict:
     """One metrics.jsonl row: loss over the global batch's response tokens, throughput (padding included; the padded
     share of the positions fed is `padding_share`), the step's phases (rank 0's
-    `data_time_s`, `forward_backward_time_s`, `optimizer_time_s`), MoE routing (`model.moe`), and MFU/memory on GPUs.
-    Collective."""
+    `data_time_s`, `forward_backward_time_s`, `optimizer_time_s`), MoE routing (`model.moe`), and on GPUs memory and
+    (bf16, fp16) MFU. Collective."""
     padded, input_tokens = (policy.global_tokens(count) for count in batches.padding_counts(microbatches))
     row = {"step": step, "loss": loss_sum / max(tokens, 1), "lr": lr,
            "grad_norm": grad_norm, "tokens_per_s": input_tokens / timer.seconds, "step_time_s": timer.seconds,
            "epoch": epoch, "padding_share": padded / max(input_tokens, 1), **timer.phases,
            **policy.loss_scale_figures(int(grad_norm is None)), **policy.routing_figures.step_figures()}
-    if peak := metrics.peak_flops():
-        flops = row["tokens_per_s"] * metrics.model_flops_per_token(policy.hf_config, seq_len)
-        row["mfu"] = flops / (peak * runtime.world_size)
+    # The peaks are bf16's: fp32 products (TF32 off) run at under a tenth of them, so an fp32 run reports no MFU.
+    if (peak := metrics.peak_flops()) and (policy.provider.bf16 or policy.provider.fp16):
+        per_token = metrics.model_flops_per_token(policy.hf_config, seq_len, frozen_base=policy.lora is not None)
+        row["mfu"] = row["tokens_per_s"] * per_token / (peak * runtime.world_size)
     return {**row, **metrics.peak_memory_gib()}
 
 

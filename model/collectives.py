@@ -52,6 +52,31 @@ def world_gather(value) -> list:
     return gathered
 
 
+def agreed(phase, *args):
+    """`phase(*args)` on every rank of the world, whose ranks then agree on how it went: a UserError on any rank is
+    raised on every rank (this rank's own, else the first failing rank's, named with its host), so none goes on into a
+    collective that a peer stopped before (a data file bad on one node only: gloo's peer failed with `Connection reset
+    by peer`, NCCL's would have waited out `parallel.timeout_minutes`). Collective; returns `phase`'s result."""
+    import socket
+
+    from config.errors import UserError
+
+    result, failure = None, None
+    try:
+        result = phase(*args)
+    except UserError as error:
+        failure = error
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = world_gather((socket.gethostname(), None if failure is None else str(failure)))
+        failed = [(rank, host, text) for rank, (host, text) in enumerate(outcomes) if text is not None]
+        if failed and failure is None:
+            rank, host, text = failed[0]
+            raise UserError(f"rank {rank} (on {host}) stopped: {text}")
+    if failure is not None:
+        raise failure
+    return result
+
+
 def all_reduce_float(value: float, op, group=None) -> float:
     """One number reduced (`dist.ReduceOp.MAX`, `MIN`, `SUM`) over a process group (default: the whole world)."""
     return float(all_reduce(torch.tensor([value], dtype=torch.float64), group, op).item())

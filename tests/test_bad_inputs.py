@@ -399,3 +399,39 @@ def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):
     with pytest.raises(UserError, match="`model.recompute_modules` names `moe`, the layers of a Mixture-of-Experts model"):
         config.validate_model_shape(tmp_path)
     make(**{"model.path": str(tmp_path), "model.recompute_modules": ["moe"]}).validate_model_shape(tmp_path)  # not selective: unread
+
+
+AGREED_RANK = """
+import json, sys
+import torch.distributed as dist
+from config.errors import UserError
+from config.hf import read_hf_config
+from model import collectives
+
+rank, port, node_dirs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    collectives.agreed(read_hf_config, node_dirs[rank], "model.path")
+    print(json.dumps("went on"))
+except UserError as error:
+    print(json.dumps(str(error)))
+"""
+
+
+def test_a_user_error_on_one_rank_after_the_process_group_formed_stops_every_rank(tmp_path):
+    """GRPO and trainer.rm load the model path, the checkpoint to resume and the data after the process group formed.
+    A data file bad on node 1 only (two torchrun agents, GRPO): rank 1 exited with its paragraph and rank 0, gone on
+    into the model build, failed with gloo's `Connection reset by peer` traceback (NCCL would have waited out
+    `parallel.timeout_minutes`). `collectives.agreed` raises rank 1's paragraph on every rank."""
+    from tests.conftest import free_port
+
+    good, empty = tmp_path / "node0-model", tmp_path / "node1-model"
+    good.mkdir(), empty.mkdir()
+    (good / "config.json").write_text("{}")
+    command = [sys.executable, "-c", AGREED_RANK, "RANK", str(free_port()), str(good), str(empty)]
+    ranks = [subprocess.Popen([*command[:3], str(rank), *command[4:]], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    own = f"`model.path={empty}` is not a Hugging Face checkpoint directory (no config.json there)"
+    assert said[1].startswith(own)
+    assert re.fullmatch(r"rank 1 \(on .+\) stopped: (.*)", said[0]).group(1) == said[1]

@@ -1,8 +1,12 @@
 """The few small collectives the loops use: sums, maxima and gathers of a handful of Python numbers over the
 data-parallel group or the world, and the last pipeline stage's loss figures made known to every stage."""
 
+import hashlib
 import logging
+import pickle
+import socket
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -57,8 +61,6 @@ def agreed(phase, *args):
     raised on every rank (this rank's own, else the first failing rank's, named with its host), so none goes on into a
     collective that a peer stopped before (a data file bad on one node only: gloo's peer failed with `Connection reset
     by peer`, NCCL's would have waited out `parallel.timeout_minutes`). Collective; returns `phase`'s result."""
-    import socket
-
     from config.errors import UserError
 
     result, failure = None, None
@@ -75,6 +77,46 @@ def agreed(phase, *args):
     if failure is not None:
         raise failure
     return result
+
+
+def content_digest(value) -> str:
+    """A digest of what `value` holds: the numpy arrays of a flat store (tokenized examples, prompts) hashed in place,
+    anything else pickled."""
+    digest = hashlib.sha256()
+    arrays = [item for item in vars(value).values() if isinstance(item, numpy.ndarray)] if hasattr(value, "__dict__") else []
+    for array in arrays:
+        digest.update(numpy.ascontiguousarray(array))
+    if not arrays:
+        digest.update(pickle.dumps(value))
+    return digest.hexdigest()
+
+
+def check_same_everywhere(config, inputs: dict) -> None:
+    """Every rank of the world runs global rank 0's settings on the data rank 0 read (`inputs`: {key: what it loaded},
+    compared by `content_digest`): each rank parses its own command line and `--config` file and reads its own
+    `data.path`, so a node's own copy that differs (node-local, stale) trained its ranks otherwise without a word.
+    Collective; the same UserError on every rank, naming the rank, its host and what differs."""
+    from config.cli import to_dict
+    from config.errors import UserError
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    settings = {f"{section}.{key}": value for section, items in to_dict(config).items() for key, value in items.items()}
+    everyone = world_gather((socket.gethostname(), settings, {key: content_digest(value) for key, value in inputs.items()}))
+    _, settings, digests = everyone[0]
+    for rank, (host, their_settings, their_digests) in enumerate(everyone):
+        if changed := [key for key in settings if their_settings.get(key) != settings[key]]:
+            raise UserError(
+                f"Every rank must run global rank 0's settings, but rank {rank} on {host} was started with "
+                f"{', '.join(f'`{key}={their_settings.get(key)!r}` (rank 0: {settings[key]!r})' for key in changed[:4])}"
+                f"{', ...' if len(changed) > 4 else ''}. Start every node with the same command and the same `--config` "
+                "file (one every node reads at the same path: docs/nodes.md).")
+        if differing := [key for key in digests if their_digests.get(key) != digests[key]]:
+            raise UserError(
+                f"Every rank must train on what global rank 0 reads, but rank {rank} on {host} read other rows from "
+                f"{', '.join(f'`{key}={settings.get(key)}`' for key in differing)} than rank 0 did (its node's own copy "
+                "differs): its ranks would train on other data without a word. Put the data on a file system every node "
+                "mounts at the same path, or give every node the same copy (docs/nodes.md).")
 
 
 def all_reduce_float(value: float, op, group=None) -> float:

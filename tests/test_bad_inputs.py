@@ -435,3 +435,51 @@ def test_a_user_error_on_one_rank_after_the_process_group_formed_stops_every_ran
     own = f"`model.path={empty}` is not a Hugging Face checkpoint directory (no config.json there)"
     assert said[1].startswith(own)
     assert re.fullmatch(r"rank 1 \(on .+\) stopped: (.*)", said[0]).group(1) == said[1]
+
+
+SAME_EVERYWHERE_RANK = """
+import json, sys
+import numpy
+import torch.distributed as dist
+from config.errors import UserError
+from config.loops import SFTConfig
+from data.sft import TokenizedExamples
+from model import collectives
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+def examples(last_token):
+    return TokenizedExamples(numpy.array([5, 6, 7, last_token], numpy.int32), numpy.array([0, 1, 1, 1], numpy.int8),
+                             numpy.array([0, 2, 4]))
+
+said = []
+for name, lr, last_token in (("same", 1e-4, 9), ("data", 1e-4, 9 + rank), ("settings", 1e-4 * (1 + rank), 9)):
+    config = SFTConfig()
+    config.optim.lr = lr
+    try:
+        collectives.check_same_everywhere(config, {"data.path": examples(last_token)})
+        said.append("went on")
+    except UserError as error:
+        said.append(str(error))
+print(json.dumps(said))
+"""
+
+
+def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
+    """Each rank parses its own command line and `--config` file and reads its own `data.path`: a node whose copy
+    differed (node-local, stale) trained on other rows without a word (two agents, node 1's `train.jsonl` with other
+    rows: exit 0). Every rank now refuses, naming the rank and what differs; the same settings and rows go on."""
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", SAME_EVERYWHERE_RANK, str(rank), port], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    assert said[0] == said[1]
+    same, data, settings = said[0]
+    assert same == "went on"
+    assert re.fullmatch(r"Every rank must train on what global rank 0 reads, but rank 1 on .+ read other rows from "
+                        r"`data.path=arithmetic` than rank 0 did \(its node's own copy differs\).*", data)
+    assert re.fullmatch(r"Every rank must run global rank 0's settings, but rank 1 on .+ was started with "
+                        r"`optim.lr=0.0002` \(rank 0: 0.0001\)\. Start every node with the same command.*", settings)

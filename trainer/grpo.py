@@ -148,6 +148,14 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 
 
+def load_inputs(config, model_path, toolset, world_size: int) -> tuple:
+    """`load_tokenizer_and_prompts` on every trainer, its user errors every trainer's (`collectives.agreed`: the
+    process group is up), and the same settings and prompts on every one (`collectives.check_same_everywhere`)."""
+    loaded = collectives.agreed(load_tokenizer_and_prompts, config, model_path, toolset, world_size)
+    collectives.check_same_everywhere(config, {"data.path": loaded[2]})
+    return loaded
+
+
 def close_workers(episode_sampler, reward) -> None:
     """Stop the worker processes of the tools and of a `module:function` reward."""
     episode_sampler.close()
@@ -211,8 +219,7 @@ def main(argv: list[str]):
     checkpointer = collectives.agreed(checkpoint.Checkpointer, config, resume, model_path)
     if checkpointer.finished():
         return grpo_async.end_without_steps(runtime)
-    tokenizer, episode_sampler, train_prompts, eval_prompts = collectives.agreed(
-        load_tokenizer_and_prompts, config, model_path, toolset, world_size)
+    tokenizer, episode_sampler, train_prompts, eval_prompts = load_inputs(config, model_path, toolset, world_size)
     startup.mark("tokenizer and data")
 
     # ---- build

@@ -192,6 +192,7 @@ def main(argv: list[str]):
         return None
     tokenizer = collectives.agreed(build.load_tokenizer, model_path)
     data = collectives.agreed(load_data, config, tokenizer, runtime.dp_size)
+    collectives.check_same_everywhere(config, {"data.path": data.train})
     startup.mark("tokenizer and data")
 
     # ---- build (a reward model's own head, or a new one on a causal LM)

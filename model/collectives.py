@@ -92,9 +92,10 @@ def content_digest(value) -> str:
 
 
 def check_same_everywhere(config, inputs: dict) -> None:
-    """Every rank of the world runs global rank 0's settings on the data rank 0 read (`inputs`: {key: what it loaded},
-    compared by `content_digest`): each rank parses its own command line and `--config` file and reads its own
-    `data.path`, so a node's own copy that differs (node-local, stale) trained its ranks otherwise without a word.
+    """Every rank of the world runs global rank 0's settings on the inputs rank 0 read (`inputs`: {key: what it loaded,
+    or a digest of it}, compared by `content_digest`): each rank parses its own command line and `--config` file and
+    reads its own `data.path` and frozen models, so a node's own copy that differs (node-local, stale) trained its ranks
+    otherwise without a word.
     Collective; the same UserError on every rank, naming the rank, its host and what differs."""
     from config.cli import to_dict
     from config.errors import UserError
@@ -113,9 +114,9 @@ def check_same_everywhere(config, inputs: dict) -> None:
                 "file (one every node reads at the same path: docs/nodes.md).")
         if differing := [key for key in digests if their_digests.get(key) != digests[key]]:
             raise UserError(
-                f"Every rank must train on what global rank 0 reads, but rank {rank} on {host} read other rows from "
+                f"Every rank must train on what global rank 0 reads, but rank {rank} on {host} read other contents from "
                 f"{', '.join(f'`{key}={settings.get(key)}`' for key in differing)} than rank 0 did (its node's own copy "
-                "differs): its ranks would train on other data without a word. Put the data on a file system every node "
+                "differs): its ranks would train otherwise without a word. Put the files on a file system every node "
                 "mounts at the same path, or give every node the same copy (docs/nodes.md).")
 
 

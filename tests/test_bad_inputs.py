@@ -454,11 +454,12 @@ def examples(last_token):
                              numpy.array([0, 2, 4]))
 
 said = []
-for name, lr, last_token in (("same", 1e-4, 9), ("data", 1e-4, 9 + rank), ("settings", 1e-4 * (1 + rank), 9)):
+for name, lr, last_token, weights in (("same", 1e-4, 9, "ab"), ("data", 1e-4, 9 + rank, "ab"),
+                                      ("settings", 1e-4 * (1 + rank), 9, "ab"), ("model", 1e-4, 9, "ab"[rank])):
     config = SFTConfig()
     config.optim.lr = lr
-    try:
-        collectives.check_same_everywhere(config, {"data.path": examples(last_token)})
+    try:  # a frozen model as GRPO gives it: the sampled digest of its weight files
+        collectives.check_same_everywhere(config, {"data.path": examples(last_token), "model.path": weights})
         said.append("went on")
     except UserError as error:
         said.append(str(error))
@@ -467,9 +468,10 @@ print(json.dumps(said))
 
 
 def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
-    """Each rank parses its own command line and `--config` file and reads its own `data.path`: a node whose copy
-    differed (node-local, stale) trained on other rows without a word (two agents, node 1's `train.jsonl` with other
-    rows: exit 0). Every rank now refuses, naming the rank and what differs; the same settings and rows go on."""
+    """Each rank parses its own command line and `--config` file and reads its own `data.path` and GRPO's frozen models:
+    a node whose copy differed (node-local, stale) trained on other rows without a word (two agents, node 1's
+    `train.jsonl` with other rows: exit 0; GRPO with node 1's `model.path` perturbed, its KL reference: exit 0). Every
+    rank now refuses, naming the rank and what differs; the same settings and inputs go on."""
     from tests.conftest import free_port
 
     port = str(free_port())
@@ -477,9 +479,10 @@ def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
     assert said[0] == said[1]
-    same, data, settings = said[0]
+    same, data, settings, model = said[0]
     assert same == "went on"
-    assert re.fullmatch(r"Every rank must train on what global rank 0 reads, but rank 1 on .+ read other rows from "
+    assert re.fullmatch(r"Every rank must train on what global rank 0 reads, but rank 1 on .+ read other contents from "
                         r"`data.path=arithmetic` than rank 0 did \(its node's own copy differs\).*", data)
+    assert re.search(r"but rank 1 on .+ read other contents from `model.path=tiny` than rank 0 did", model)
     assert re.fullmatch(r"Every rank must run global rank 0's settings, but rank 1 on .+ was started with "
                         r"`optim.lr=0.0002` \(rank 0: 0.0001\)\. Start every node with the same command.*", settings)

@@ -150,9 +150,10 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
 
 def load_inputs(config, model_path, toolset, world_size: int) -> tuple:
     """`load_tokenizer_and_prompts` on every trainer, its user errors every trainer's (`collectives.agreed`: the
-    process group is up), and the same settings and prompts on every one (`collectives.check_same_everywhere`)."""
+    process group is up), and the same settings, prompts and frozen models (the KL reference, reward model and teacher,
+    which no rank receives from another as the policy's weights are) on every one (`collectives.check_same_everywhere`)."""
     loaded = collectives.agreed(load_tokenizer_and_prompts, config, model_path, toolset, world_size)
-    collectives.check_same_everywhere(config, {"data.path": loaded[2]})
+    collectives.check_same_everywhere(config, {"data.path": loaded[2], **checkpoint.frozen_inputs(config, model_path)})
     return loaded
 
 

@@ -55,11 +55,11 @@ def tell_peers_at_startup(paragraph: str) -> None:
     import contextlib
     import socket
 
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # the peers are past the meeting, in the group's collectives
-        return
     with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the peers are past the meeting, in the group's collectives
+            return
         if (store := _startup_store(10)) is not None:
             store.set("failed", f"rank {os.environ.get('RANK', '0')} (on {socket.gethostname()}) stopped at start-up: "
                                 f"{paragraph}")

@@ -324,6 +324,15 @@ def test_slurm_script_requeues_neither_a_crash_nor_past_max_requeues(tmp_path):
     assert "stopped at start-up: " in crash.stderr, crash.stderr[-4000:]  # the node that had the file, told
     assert slurm_log.read_text() == FAKE_SRUN_CALL and not stop_file.exists()
 
+    # Submitted from outside the repository (sbatch runs a copy of the script, so the repository is the submit
+    # directory): one paragraph naming TRAINER_DIR, before srun starts anything (it failed on every node with
+    # `execve(): .../.venv/bin/torchrun: No such file or directory`).
+    elsewhere = subprocess.run(["bash", str(SBATCH), *SFT], cwd=tmp_path, env={**env, "SLURM_SUBMIT_DIR": str(tmp_path)},
+                               capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == 2 and slurm_log.read_text() == FAKE_SRUN_CALL, elsewhere.stdout + elsewhere.stderr
+    assert elsewhere.stderr.startswith(f"error: {tmp_path}/.venv/bin/torchrun does not exist") and "TRAINER_DIR=" in elsewhere.stderr
+    assert elsewhere.stderr.count("\n") == 1
+
     fake_trainer = tmp_path / "fake-trainer"
     (fake_trainer / ".venv" / "bin").mkdir(parents=True)
     (fake_trainer / ".venv" / "bin" / "torchrun").write_text(

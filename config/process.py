@@ -46,7 +46,9 @@ def _startup_store(timeout_s: float):
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
-    return dist.PrefixStore(f"{STARTUP_KEYS}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # The store outlives a launch attempt (torchrun's restart count) and an elastic change of members (the world size).
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{os.environ['WORLD_SIZE']}"
+    return dist.PrefixStore(f"{STARTUP_KEYS}/{attempt}", store)
 
 
 def tell_peers_at_startup(paragraph: str) -> None:

@@ -204,7 +204,7 @@ def test_a_start_up_error_on_one_rank_ends_its_peers_waiting_to_join_the_process
     peer.start()
     process.meet_peers_at_startup(timeout_s=60)
     peer.join(timeout=10)
-    assert not peer.is_alive() and agent_store.add(f"{process.STARTUP_KEYS}/1/arrived", 0) == 2
+    assert not peer.is_alive() and agent_store.add(f"{process.STARTUP_KEYS}/1-2/arrived", 0) == 2
 
 
 def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():

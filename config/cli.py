@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from config.errors import UserError
-from config.process import is_global_rank_zero
+from config.process import is_global_rank_zero, tell_peers_at_startup
 from config.sections import LORA_SETTINGS
 
 # Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
@@ -294,11 +294,17 @@ def run_cli(main) -> None:
         main(sys.argv[1:])
     except UserError as error:
         # One paragraph: a message quoting a library's multi-line error is folded onto one line.
-        paragraph = f"error: {' '.join(str(error).split())}"
+        message = ' '.join(str(error).split())
+        paragraph = f"error: {message}"
         if is_global_rank_zero():
             print(paragraph, file=sys.stderr)
         tell_torchrun(paragraph)
+        tell_peers_at_startup(message)
         sys.exit(2)
+    except Exception as error:  # a fault before the process group: its peers must not wait for this rank
+        tell_peers_at_startup(f"{type(error).__name__}: {' '.join(str(error).split())[:300]} (its traceback is in "
+                              "that node's log)")
+        raise
 
 
 def tell_torchrun(paragraph: str) -> None:

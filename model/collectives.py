@@ -1,8 +1,12 @@
 """The few small collectives the loops use: sums, maxima and gathers of a handful of Python numbers over the
 data-parallel group or the world, and the last pipeline stage's loss figures made known to every stage."""
 
+import hashlib
 import logging
+import pickle
+import socket
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -50,6 +54,70 @@ def world_gather(value) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def agreed(phase, *args):
+    """`phase(*args)` on every rank of the world, whose ranks then agree on how it went: a UserError on any rank is
+    raised on every rank (this rank's own, else the first failing rank's, named with its host), so none goes on into a
+    collective that a peer stopped before (a data file bad on one node only: gloo's peer failed with `Connection reset
+    by peer`, NCCL's would have waited out `parallel.timeout_minutes`). Collective; returns `phase`'s result."""
+    from config.errors import UserError
+
+    result, failure = None, None
+    try:
+        result = phase(*args)
+    except UserError as error:
+        failure = error
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = world_gather((socket.gethostname(), None if failure is None else str(failure)))
+        failed = [(rank, host, text) for rank, (host, text) in enumerate(outcomes) if text is not None]
+        if failed and failure is None:
+            rank, host, text = failed[0]
+            raise UserError(f"rank {rank} (on {host}) stopped: {text}")
+    if failure is not None:
+        raise failure
+    return result
+
+
+def content_digest(value) -> str:
+    """A digest of what `value` holds: the numpy arrays of a flat store (tokenized examples, prompts) hashed in place,
+    anything else pickled."""
+    digest = hashlib.sha256()
+    arrays = [item for item in vars(value).values() if isinstance(item, numpy.ndarray)] if hasattr(value, "__dict__") else []
+    for array in arrays:
+        digest.update(numpy.ascontiguousarray(array))
+    if not arrays:
+        digest.update(pickle.dumps(value))
+    return digest.hexdigest()
+
+
+def check_same_everywhere(config, inputs: dict) -> None:
+    """Every rank of the world runs global rank 0's settings on the inputs rank 0 read (`inputs`: {key: what it loaded,
+    or a digest of it}, compared by `content_digest`): each rank parses its own command line and `--config` file and
+    reads its own `data.path` and frozen models, so a node's own copy that differs (node-local, stale) trained its ranks
+    otherwise without a word.
+    Collective; the same UserError on every rank, naming the rank, its host and what differs."""
+    from config.cli import to_dict
+    from config.errors import UserError
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    settings = {f"{section}.{key}": value for section, items in to_dict(config).items() for key, value in items.items()}
+    everyone = world_gather((socket.gethostname(), settings, {key: content_digest(value) for key, value in inputs.items()}))
+    _, settings, digests = everyone[0]
+    for rank, (host, their_settings, their_digests) in enumerate(everyone):
+        if changed := [key for key in settings if their_settings.get(key) != settings[key]]:
+            raise UserError(
+                f"Every rank must run global rank 0's settings, but rank {rank} on {host} was started with "
+                f"{', '.join(f'`{key}={their_settings.get(key)!r}` (rank 0: {settings[key]!r})' for key in changed[:4])}"
+                f"{', ...' if len(changed) > 4 else ''}. Start every node with the same command and the same `--config` "
+                "file (one every node reads at the same path: docs/nodes.md).")
+        if differing := [key for key in digests if their_digests.get(key) != digests[key]]:
+            raise UserError(
+                f"Every rank must train on what global rank 0 reads, but rank {rank} on {host} read other contents from "
+                f"{', '.join(f'`{key}={settings.get(key)}`' for key in differing)} than rank 0 did (its node's own copy "
+                "differs): its ranks would train otherwise without a word. Put the files on a file system every node "
+                "mounts at the same path, or give every node the same copy (docs/nodes.md).")
 
 
 def all_reduce_float(value: float, op, group=None) -> float:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from config.errors import UserError
-from config.process import is_global_rank_zero
+from config.process import is_global_rank_zero, meet_peers_at_startup
 from model import cpu_compat, rules
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,9 @@ def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime
     Called again in the same process (GRPO's default start trains the default SFT first), it keeps the
     process group, so there is no second rendezvous, and lays out the model-parallel groups anew.
     """
+    created_process_group = not dist.is_initialized()
+    if created_process_group:  # a rank that stopped before this point ends the launch now, with its paragraph
+        meet_peers_at_startup(parallel.timeout_minutes * 60)
     from megatron.core import parallel_state
 
     use_cuda = torch.cuda.is_available()
@@ -137,7 +140,6 @@ def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    created_process_group = not dist.is_initialized()
     if rollout_processes and not created_process_group:
         raise UserError(f"`grpo.rollout_processes={rollout_processes}` gives the trainers and the rollout processes a "
                         "default process group each, and this process already has one (a program that calls "

@@ -399,3 +399,90 @@ def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):
     with pytest.raises(UserError, match="`model.recompute_modules` names `moe`, the layers of a Mixture-of-Experts model"):
         config.validate_model_shape(tmp_path)
     make(**{"model.path": str(tmp_path), "model.recompute_modules": ["moe"]}).validate_model_shape(tmp_path)  # not selective: unread
+
+
+AGREED_RANK = """
+import json, sys
+import torch.distributed as dist
+from config.errors import UserError
+from config.hf import read_hf_config
+from model import collectives
+
+rank, port, node_dirs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    collectives.agreed(read_hf_config, node_dirs[rank], "model.path")
+    print(json.dumps("went on"))
+except UserError as error:
+    print(json.dumps(str(error)))
+"""
+
+
+def test_a_user_error_on_one_rank_after_the_process_group_formed_stops_every_rank(tmp_path):
+    """GRPO and trainer.rm load the model path, the checkpoint to resume and the data after the process group formed.
+    A data file bad on node 1 only (two torchrun agents, GRPO): rank 1 exited with its paragraph and rank 0, gone on
+    into the model build, failed with gloo's `Connection reset by peer` traceback (NCCL would have waited out
+    `parallel.timeout_minutes`). `collectives.agreed` raises rank 1's paragraph on every rank."""
+    from tests.conftest import free_port
+
+    good, empty = tmp_path / "node0-model", tmp_path / "node1-model"
+    good.mkdir(), empty.mkdir()
+    (good / "config.json").write_text("{}")
+    command = [sys.executable, "-c", AGREED_RANK, "RANK", str(free_port()), str(good), str(empty)]
+    ranks = [subprocess.Popen([*command[:3], str(rank), *command[4:]], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    own = f"`model.path={empty}` is not a Hugging Face checkpoint directory (no config.json there)"
+    assert said[1].startswith(own)
+    assert re.fullmatch(r"rank 1 \(on .+\) stopped: (.*)", said[0]).group(1) == said[1]
+
+
+SAME_EVERYWHERE_RANK = """
+import json, sys
+import numpy
+import torch.distributed as dist
+from config.errors import UserError
+from config.loops import SFTConfig
+from data.sft import TokenizedExamples
+from model import collectives
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+def examples(last_token):
+    return TokenizedExamples(numpy.array([5, 6, 7, last_token], numpy.int32), numpy.array([0, 1, 1, 1], numpy.int8),
+                             numpy.array([0, 2, 4]))
+
+said = []
+for name, lr, last_token, weights in (("same", 1e-4, 9, "ab"), ("data", 1e-4, 9 + rank, "ab"),
+                                      ("settings", 1e-4 * (1 + rank), 9, "ab"), ("model", 1e-4, 9, "ab"[rank])):
+    config = SFTConfig()
+    config.optim.lr = lr
+    try:  # a frozen model as GRPO gives it: the sampled digest of its weight files
+        collectives.check_same_everywhere(config, {"data.path": examples(last_token), "model.path": weights})
+        said.append("went on")
+    except UserError as error:
+        said.append(str(error))
+print(json.dumps(said))
+"""
+
+
+def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
+    """Each rank parses its own command line and `--config` file and reads its own `data.path` and GRPO's frozen models:
+    a node whose copy differed (node-local, stale) trained on other rows without a word (two agents, node 1's
+    `train.jsonl` with other rows: exit 0; GRPO with node 1's `model.path` perturbed, its KL reference: exit 0). Every
+    rank now refuses, naming the rank and what differs; the same settings and inputs go on."""
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", SAME_EVERYWHERE_RANK, str(rank), port], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    assert said[0] == said[1]
+    same, data, settings, model = said[0]
+    assert same == "went on"
+    assert re.fullmatch(r"Every rank must train on what global rank 0 reads, but rank 1 on .+ read other contents from "
+                        r"`data.path=arithmetic` than rank 0 did \(its node's own copy differs\).*", data)
+    assert re.search(r"but rank 1 on .+ read other contents from `model.path=tiny` than rank 0 did", model)
+    assert re.fullmatch(r"Every rank must run global rank 0's settings, but rank 1 on .+ was started with "
+                        r"`optim.lr=0.0002` \(rank 0: 0.0001\)\. Start every node with the same command.*", settings)

@@ -162,6 +162,51 @@ def test_user_error_is_reported_by_rank_zero_only(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_start_up_error_on_one_rank_ends_its_peers_waiting_to_join_the_process_group(monkeypatch, capsys):
+    """Two nodes, a data file bad on node 1 only: rank 1 stopped before joining the process group, and rank 0 waited in
+    `init_process_group` for `parallel.timeout_minutes` (30 by default; measured with static rendezvous, 2 agents: rank 0
+    still waiting when killed 4 min later). Through torchrun's store (served by the agent, which a test `TCPStore`
+    stands for) rank 0 now stops at once with rank 1's paragraph; ranks that all arrive go on."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from config import process
+    from tests.conftest import free_port
+
+    def failing(argv):
+        raise UserError("`data.path=train.jsonl` has no column `question`")
+
+    def torchrun_rank(rank: int, restart: int):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["trainer.sft"])
+    torchrun_rank(1, restart=0)
+    with pytest.raises(SystemExit):
+        cli.run_cli(failing)
+    torchrun_rank(0, restart=0)
+    started = time.monotonic()
+    with pytest.raises(UserError) as error:
+        process.meet_peers_at_startup(timeout_s=60)
+    assert time.monotonic() - started < 5
+    assert str(error.value).startswith("rank 1 (on ") and str(error.value).endswith(
+        "stopped at start-up: `data.path=train.jsonl` has no column `question`")
+    # The next attempt of the launch (torchrun's restart count): both ranks arrive, and both go on.
+    torchrun_rank(0, restart=1)
+    peer = threading.Thread(target=process.meet_peers_at_startup, args=(60,))
+    peer.start()
+    process.meet_peers_at_startup(timeout_s=60)
+    peer.join(timeout=10)
+    assert not peer.is_alive() and agent_store.add(f"{process.STARTUP_KEYS}/1-2/arrived", 0) == 2
+
+
 def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
     from config.loops import GRPOConfig
 

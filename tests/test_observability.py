@@ -219,7 +219,8 @@ def test_plot_metrics_overlays_runs(sft_run, grpo_run, tmp_path):
 
 
 FAKE_SRUN = """#!/bin/bash
-# srun on one machine: logs its options, then runs the command once per simulated node, in parallel. Like srun,
+# srun on one machine: logs its options, then runs the command once per simulated node, in parallel (with
+# FAKE_NODE_DIRS set, each in its own working directory node0/, node1/, ...: what a node holds of its own). Like srun,
 # which passes a SIGTERM on to the step's tasks and waits for them, it outlives the SIGTERM the test sends.
 options=()
 while [[ $# -gt 0 && $1 == -* ]]; do options+=("$1"); shift; done
@@ -227,7 +228,7 @@ echo "srun ${options[*]}" >> "$FAKE_SLURM_LOG"
 trap '' TERM
 pids=()
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
-  (trap - TERM; SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 exec "$@") &
+  (trap - TERM; [ -n "${FAKE_NODE_DIRS:-}" ] && cd "node$node"; SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 exec "$@") &
   pids+=($!)
 done
 status=0
@@ -303,19 +304,34 @@ def test_slurm_script_trains_stops_on_sigterm_and_resumes_when_requeued(sft_run,
 
 
 def test_slurm_script_requeues_neither_a_crash_nor_past_max_requeues(tmp_path):
-    """A run that fails after starting (a data file that is not there: the workers exit 2) is not requeued, even with
-    a stale stop file from an earlier start of the job, and the job ends non-zero. A signal stop (a stand-in torchrun
+    """A run that fails after starting (a data file that one node lacks: the workers exit 2, the other node's as soon as
+    the first has, with its paragraph, not after `parallel.timeout_minutes` in `init_process_group`) is not requeued,
+    even with a stale stop file from an earlier start of the job, and the job ends non-zero. A signal stop (a stand-in torchrun
     that writes the stop file and exits 1, as the agent may after forwarding the signal) is requeued with exit 0,
     until the job has been requeued MAX_REQUEUES times: then it is not, and the job exits 1."""
     slurm_log, stop_file = tmp_path / "slurm.log", tmp_path / "logs" / ".stopped-4242"
     env = {**fake_slurm(tmp_path), "OUT_DIR": str(tmp_path / "run")}
     stop_file.parent.mkdir()
     stop_file.write_text('{"step": 1, "checkpoint": "stale", "reason": "signal"}\n')
-    crash = subprocess.run(["bash", str(SBATCH), *SFT, "--data.path=/nonexistent.jsonl"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+    (tmp_path / "node0" / "train.jsonl").write_text("".join(json.dumps({"question": f"{n}+1?", "answer": f"#### {n + 1}"})
+                                                            + "\n" for n in range(16)))
+    crash = subprocess.run(["bash", str(SBATCH), *SFT, "--data.path=train.jsonl"], cwd=tmp_path,
+                           env={**env, "FAKE_NODE_DIRS": "1"}, capture_output=True, text=True, timeout=600)
     assert crash.returncode != 0 and "no stop file: the run failed, not requeueing job 4242" in crash.stdout, crash.stdout
-    assert "/nonexistent.jsonl" in crash.stderr, crash.stderr[-4000:]
+    assert "data.path points to 'train.jsonl', which does not exist" in crash.stderr, crash.stderr[-4000:]
+    assert "stopped at start-up: " in crash.stderr, crash.stderr[-4000:]  # the node that had the file, told
     assert slurm_log.read_text() == FAKE_SRUN_CALL and not stop_file.exists()
+
+    # Submitted from outside the repository (sbatch runs a copy of the script, so the repository is the submit
+    # directory): one paragraph naming TRAINER_DIR, before srun starts anything (it failed on every node with
+    # `execve(): .../.venv/bin/torchrun: No such file or directory`).
+    elsewhere = subprocess.run(["bash", str(SBATCH), *SFT], cwd=tmp_path, env={**env, "SLURM_SUBMIT_DIR": str(tmp_path)},
+                               capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == 2 and slurm_log.read_text() == FAKE_SRUN_CALL, elsewhere.stdout + elsewhere.stderr
+    assert elsewhere.stderr.startswith(f"error: {tmp_path}/.venv/bin/torchrun does not exist") and "TRAINER_DIR=" in elsewhere.stderr
+    assert elsewhere.stderr.count("\n") == 1
 
     fake_trainer = tmp_path / "fake-trainer"
     (fake_trainer / ".venv" / "bin").mkdir(parents=True)

@@ -79,7 +79,7 @@ from ckpt import checkpoint
 from config import cli, console, process
 from config.loops import GRPOConfig
 from data import prompts as prompt_data, rewards, tool_text, tools as tool_data
-from model import build, generate, parallel
+from model import build, collectives, generate, parallel
 from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
 from trainer.grpo_sampling import LocalRollouts, RewardFailures
@@ -148,6 +148,15 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 
 
+def load_inputs(config, model_path, toolset, world_size: int) -> tuple:
+    """`load_tokenizer_and_prompts` on every trainer, its user errors every trainer's (`collectives.agreed`: the
+    process group is up), and the same settings, prompts and frozen models (the KL reference, reward model and teacher,
+    which no rank receives from another as the policy's weights are) on every one (`collectives.check_same_everywhere`)."""
+    loaded = collectives.agreed(load_tokenizer_and_prompts, config, model_path, toolset, world_size)
+    collectives.check_same_everywhere(config, {"data.path": loaded[2], **checkpoint.frozen_inputs(config, model_path)})
+    return loaded
+
+
 def close_workers(episode_sampler, reward) -> None:
     """Stop the worker processes of the tools and of a `module:function` reward."""
     episode_sampler.close()
@@ -207,12 +216,11 @@ def main(argv: list[str]):
     startup.mark("config")
     if (runtime := join_as_trainer(config, startup, reward, toolset)) is None:
         return None  # a rollout process that served its run, or a default SFT stopped on a signal
-    model_path = build.resolve_model_path(config)
-    checkpointer = checkpoint.Checkpointer(config, resume, model_path)
+    model_path = collectives.agreed(build.resolve_model_path, config)
+    checkpointer = collectives.agreed(checkpoint.Checkpointer, config, resume, model_path)
     if checkpointer.finished():
         return grpo_async.end_without_steps(runtime)
-    tokenizer, episode_sampler, train_prompts, eval_prompts = load_tokenizer_and_prompts(config, model_path, toolset,
-                                                                                         world_size)
+    tokenizer, episode_sampler, train_prompts, eval_prompts = load_inputs(config, model_path, toolset, world_size)
     startup.mark("tokenizer and data")
 
     # ---- build

@@ -184,13 +184,15 @@ def main(argv: list[str]):
     startup.mark("config")
     if (runtime := prepare_start(config, world_size, startup)) is None:
         return None
-    model_path = build.resolve_model_path(config)
-    checkpointer = checkpoint.Checkpointer(config, resume, model_path)
+    # Loaded after the process group formed: a rank's user error is every rank's (`agreed`), none waits for it.
+    model_path = collectives.agreed(build.resolve_model_path, config)
+    checkpointer = collectives.agreed(checkpoint.Checkpointer, config, resume, model_path)
     if checkpointer.finished():
         parallel.shutdown(runtime)
         return None
-    tokenizer = build.load_tokenizer(model_path)
-    data = load_data(config, tokenizer, runtime.dp_size)
+    tokenizer = collectives.agreed(build.load_tokenizer, model_path)
+    data = collectives.agreed(load_data, config, tokenizer, runtime.dp_size)
+    collectives.check_same_everywhere(config, {"data.path": data.train})
     startup.mark("tokenizer and data")
 
     # ---- build (a reward model's own head, or a new one on a causal LM)

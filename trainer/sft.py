@@ -243,6 +243,7 @@ def main(argv: list[str]):
     # ---- build
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     checkpoint.check_shared_directories(config)
+    collectives.check_same_everywhere(config, {"data.path": data.train})
     startup.mark("process group")
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
                                       runtime.dp_rank, runtime.dp_size, config.train.seed)

@@ -140,7 +140,8 @@ def parse_args(config_class, argv: list[str], program: str):
     """Parse `--config`, `--resume-from-checkpoint` and `--key=value` / `--key value`; returns (config, resume)."""
     keys = flat_keys(config_class)
     if "--help" in argv or "-h" in argv:
-        print(help_text(config_class, program))
+        if is_global_rank_zero():  # once under torchrun, not once a process
+            print(help_text(config_class, program))
         sys.exit(0)
     pairs, resume, config_file = [], "", None
     position = 0

@@ -1,5 +1,6 @@
 """Config system: the frozen key set, YAML + dotted overrides, and start-up errors that name the key."""
 
+import os
 import re
 import subprocess
 import sys
@@ -123,9 +124,10 @@ def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
     make(model={"attention": "local"}).validate(1)
 
 
-def run_module(*args: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.sft ARGS` as a single process, no torchrun."""
-    return subprocess.run([sys.executable, "-m", "trainer.sft", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+def run_module(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer.sft ARGS` as a single process, no torchrun (`env`: variables added to this one's)."""
+    return subprocess.run([sys.executable, "-m", "trainer.sft", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_help_without_torchrun():
@@ -135,6 +137,9 @@ def test_help_without_torchrun():
         assert f"--{key}=" in result.stdout
     assert "--resume-from-checkpoint" in result.stdout
     assert "[--config FILE.yaml|RECIPE]" in result.stdout and "dapo, dr_grpo, grpo, gspo, rloo" in result.stdout
+    # Under torchrun the help is printed once, by global rank 0 (`scripts/run.sh --help` printed it once a process).
+    other_rank = run_module("--help", env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert other_rank.returncode == 0 and other_rank.stdout == ""
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -38,12 +38,17 @@ STARTUP_KEYS = "megatron-trainer/start-up"
 
 def _startup_store(timeout_s: float):
     """torchrun's store (MASTER_ADDR:MASTER_PORT) under this launch attempt's start-up prefix, or None where no launcher
-    agent serves one (a single process, or a launcher other than torchrun: a rank would have to serve it)."""
+    agent serves one (a single process, or a launcher other than torchrun: a rank would have to serve it), or where
+    the ranks cannot tell which attempt they are in: several agents that may restart their workers (`--max-restarts`).
+    A node whose worker failed counts a restart, but the agents of the other nodes restart theirs for its new
+    rendezvous without counting one, so their ranks met under another prefix and each waited out the whole timeout."""
     import datetime
 
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         return None
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     # The store outlives a launch attempt (torchrun's restart count) and an elastic change of members (the world size).

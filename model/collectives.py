@@ -58,18 +58,20 @@ def world_gather(value) -> list:
 
 def agreed(phase, *args):
     """`phase(*args)` on every rank of the world, whose ranks then agree on how it went: a UserError on any rank is
-    raised on every rank (this rank's own, else the first failing rank's, named with its host), so none goes on into a
-    collective that a peer stopped before (a data file bad on one node only: gloo's peer failed with `Connection reset
-    by peer`, NCCL's would have waited out `parallel.timeout_minutes`). Collective; returns `phase`'s result."""
+    raised on every rank (this rank's own, else the first failing rank's, named with its host; any other exception is
+    raised on its own rank and named in that paragraph on the others), so none goes on into a collective that a peer
+    stopped before (a data file bad on one node only: gloo's peer failed with `Connection reset by peer`, NCCL's would
+    have waited out `parallel.timeout_minutes`). Collective; returns `phase`'s result."""
     from config.errors import UserError
 
-    result, failure = None, None
+    result, failure, text = None, None, None
     try:
         result = phase(*args)
-    except UserError as error:
-        failure = error
+    except Exception as error:  # any fault, not only a user's: its peers must not wait for it in the gather below
+        failure, text = error, str(error) if isinstance(error, UserError) else (
+            f"{type(error).__name__}: {' '.join(str(error).split())[:300]} (its traceback is in that node's log)")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = world_gather((socket.gethostname(), None if failure is None else str(failure)))
+        outcomes = world_gather((socket.gethostname(), text))
         failed = [(rank, host, text) for rank, (host, text) in enumerate(outcomes) if text is not None]
         if failed and failure is None:
             rank, host, text = failed[0]

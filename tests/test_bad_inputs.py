@@ -437,6 +437,44 @@ def test_a_user_error_on_one_rank_after_the_process_group_formed_stops_every_ran
     assert re.fullmatch(r"rank 1 \(on .+\) stopped: (.*)", said[0]).group(1) == said[1]
 
 
+FAULTY_RANK = """
+import json, sys
+import torch.distributed as dist
+from config.errors import UserError
+from model import collectives
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+def read_shard(rank):
+    if rank == 1:
+        raise PermissionError("[Errno 13] Permission denied: 'train.jsonl'")
+    return "rows"
+
+try:
+    print(json.dumps(collectives.agreed(read_shard, rank)))
+except UserError as error:
+    print(json.dumps(str(error)))
+except PermissionError as error:
+    print(json.dumps(f"own {error}"))
+"""
+
+
+def test_a_fault_other_than_a_user_error_on_one_rank_stops_every_rank_with_its_paragraph(tmp_path):
+    """A phase failing on one rank with an exception that is not a UserError (a file unreadable on its node) left
+    `agreed` before the gather its peers waited in: gloo's peers failed with `Connection closed by peer`, NCCL's would
+    have waited out `parallel.timeout_minutes`. That rank raises its own exception; the others, its paragraph."""
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", FAULTY_RANK, str(rank), port], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    said = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    assert said[1] == "own [Errno 13] Permission denied: 'train.jsonl'"
+    assert re.fullmatch(r"rank 1 \(on .+\) stopped: PermissionError: \[Errno 13\] Permission denied: 'train.jsonl' "
+                        r"\(its traceback is in that node's log\)", said[0])
+
+
 SAME_EVERYWHERE_RANK = """
 import json, sys
 import numpy

@@ -212,6 +212,31 @@ def test_a_start_up_error_on_one_rank_ends_its_peers_waiting_to_join_the_process
     assert not peer.is_alive() and agent_store.add(f"{process.STARTUP_KEYS}/1-2/arrived", 0) == 2
 
 
+def test_nodes_whose_agents_count_restarts_apart_do_not_wait_for_each_other(monkeypatch):
+    """`--max-restarts 1`, two agents (c10d, one process each), node 1's worker dying after the group formed: node 1's
+    agent counted a restart and node 0's restarted its worker for the new rendezvous without counting one
+    (TORCHELASTIC_RESTART_COUNT 1 and 0), so the two met under other prefixes and each waited out the whole meeting
+    (90 s of 90 s; 30 min by default) before joining. Several agents that may restart skip the meeting."""
+    import time
+
+    import torch.distributed as dist
+
+    from config import process
+    from tests.conftest import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("GROUP_WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_MAX_RESTARTS", "1"), ("RANK", "0"), ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    agent_store.add(f"{process.STARTUP_KEYS}/0-2/arrived", 2)  # both arrived in the first attempt
+    agent_store.add(f"{process.STARTUP_KEYS}/1-2/arrived", 1)  # node 1's restarted worker, under its own count
+    started = time.monotonic()
+    process.meet_peers_at_startup(timeout_s=10)  # node 0's restarted worker
+    assert time.monotonic() - started < 5
+
+
 def test_min_lr_follows_lr_unless_set_and_may_not_exceed_it():
     from config.loops import GRPOConfig
 

@@ -6,7 +6,7 @@ The user's side, the smaller of TRL's and verl's:
   schema is transformers' `get_json_schema`, never written by hand;
 - a stateful task is an environment class (`grpo.environment: module:Class`): one instance per episode,
   `reset(row)` (or `reset(row, seed)`: the group's seed) called first (it may return text, appended to the prompt's
-  last user message; a group's episodes must return the same), its public methods
+  last message, usually its last user message; a group's episodes must return the same), its public methods
   the tools, and an optional `reward()` whose value is ADDED to the reward function's score.
 """
 

@@ -148,12 +148,13 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
     return tokenizer, episode_sampler, train_prompts, eval_prompts
 
 
-def load_inputs(config, model_path, toolset, world_size: int) -> tuple:
+def load_inputs(config, model_path, toolset, world_size: int, checkpointer) -> tuple:
     """`load_tokenizer_and_prompts` on every trainer, its user errors every trainer's (`collectives.agreed`: the
     process group is up), and the same settings, prompts and frozen models (the KL reference, reward model and teacher,
-    which no rank receives from another as the policy's weights are) on every one (`collectives.check_same_everywhere`)."""
+    which no rank receives from another as the policy's weights are: the digests the checkpointer read) on every one
+    (`collectives.check_same_everywhere`)."""
     loaded = collectives.agreed(load_tokenizer_and_prompts, config, model_path, toolset, world_size)
-    collectives.check_same_everywhere(config, {"data.path": loaded[2], **checkpoint.frozen_inputs(config, model_path)})
+    collectives.check_same_everywhere(config, {"data.path": loaded[2], **checkpointer.fingerprint["inputs"]})
     return loaded
 
 
@@ -220,7 +221,8 @@ def main(argv: list[str]):
     checkpointer = collectives.agreed(checkpoint.Checkpointer, config, resume, model_path)
     if checkpointer.finished():
         return grpo_async.end_without_steps(runtime)
-    tokenizer, episode_sampler, train_prompts, eval_prompts = load_inputs(config, model_path, toolset, world_size)
+    tokenizer, episode_sampler, train_prompts, eval_prompts = load_inputs(config, model_path, toolset, world_size,
+                                                                            checkpointer)
     startup.mark("tokenizer and data")
 
     # ---- build

@@ -45,9 +45,10 @@ def main() -> None:
     unseen = [problem for problem in test if problem["question"] not in train]
     print(f"{len(seen)} of the {len(test)} held-out questions also appear in the {len(train)} distinct training ones")
     if len(sys.argv) > 1:
-        print(f"greedy answer accuracy: {greedy_accuracy(sys.argv[1], seen):.3f} on those, "
-              f"{greedy_accuracy(sys.argv[1], unseen):.3f} on the other {len(unseen)}, "
-              f"{greedy_accuracy(sys.argv[1], test):.3f} on all")
+        on_seen, on_unseen = greedy_accuracy(sys.argv[1], seen), greedy_accuracy(sys.argv[1], unseen)
+        on_all = (on_seen * len(seen) + on_unseen * len(unseen)) / len(test)
+        print(f"greedy answer accuracy: {on_seen:.3f} on those, {on_unseen:.3f} on the other {len(unseen)}, "
+              f"{on_all:.3f} on all")
 
 
 if __name__ == "__main__":

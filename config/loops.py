@@ -75,6 +75,13 @@ class SFTConfig(TrainerConfig):
                  f"`model.attention={attention}` runs here (Transformer Engine's, or the fused causal softmax) applies a "
                  "causal mask over the whole row instead: each sample would attend to the ones packed before it. Set "
                  "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
+        # megatron-core's seq_aux_loss balances the experts within each row of a micro-batch: a packed row's samples
+        # would be balanced as one sequence (tiny-moe, 3 samples: router gradients 4.5 apart, on a scale of 5.6).
+        require(not (self.data.pack and self.model.moe_aux_loss_type == "seq_aux_loss"),
+                 "`data.pack=true` with `model.moe_aux_loss_type=seq_aux_loss`: megatron-core computes the per-sequence "
+                 "load-balancing loss over each row of a micro-batch, so the samples packed into one row would be "
+                 "balanced as one sequence, not each on its own as unpacked. Set `--data.pack=false`, or choose "
+                 "`--model.moe_aux_loss_type=aux_loss` (per micro-batch: the same with and without packing).")
         if self.data.pack and self.train.micro_batch_size == 1:
             log.warning("`data.pack=true` packs the samples of one micro-batch into rows of `data.max_seq_len`, and "
                         "`train.micro_batch_size=1` gives each micro-batch one sample: nothing is packed, and every "

@@ -93,6 +93,12 @@ WINDOWS_CARRIED = ("mistral",)
 NO_BIAS_CARRIED = ("llama", "qwen3", "qwen3_moe")
 
 
+def carried_window(hf: dict) -> int | None:
+    """The sliding window (tokens) megatron-core attends within for a checkpoint's config.json `hf`, as Megatron-Bridge
+    carries it (Mistral's `sliding_window`); None where megatron-core gets none."""
+    return hf.get("sliding_window") if hf.get("model_type") in WINDOWS_CARRIED else None
+
+
 def dropped_attention_settings(hf: dict, positions: int) -> str | None:
     """What of a verified family's config.json (`hf`) megatron-core, built through Megatron-Bridge, would not compute as
     transformers does on rows of up to `positions` tokens, as a clause; None where nothing is dropped."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.checks import TrainingChecks, require
+from config.checkpoint_shape import carried_window
 from config.hf import architecture, check_tokenizer_files, hf_expert_count, is_classifier, read_hf_config
 from config.model_checks import ModelChecks, check_decoder_classifier
 from config.sections import (
@@ -74,11 +75,31 @@ class SFTConfig(TrainerConfig):
                  f"`model.attention={attention}` runs here (Transformer Engine's, or the fused causal softmax) applies a "
                  "causal mask over the whole row instead: each sample would attend to the ones packed before it. Set "
                  "`--model.attention=sdpa` with packing, or `--data.pack=false`.")
+        # megatron-core's seq_aux_loss balances the experts within each row of a micro-batch: a packed row's samples
+        # would be balanced as one sequence (tiny-moe, 3 samples: router gradients 4.5 apart, on a scale of 5.6).
+        require(not (self.data.pack and self.model.moe_aux_loss_type == "seq_aux_loss"),
+                 "`data.pack=true` with `model.moe_aux_loss_type=seq_aux_loss`: megatron-core computes the per-sequence "
+                 "load-balancing loss over each row of a micro-batch, so the samples packed into one row would be "
+                 "balanced as one sequence, not each on its own as unpacked. Set `--data.pack=false`, or choose "
+                 "`--model.moe_aux_loss_type=aux_loss` (per micro-batch: the same with and without packing).")
         if self.data.pack and self.train.micro_batch_size == 1:
             log.warning("`data.pack=true` packs the samples of one micro-batch into rows of `data.max_seq_len`, and "
                         "`train.micro_batch_size=1` gives each micro-batch one sample: nothing is packed, and every "
                         "sample is padded to %d tokens. Raise `--train.micro_batch_size` (packing's rows are then "
                         "fewer than its samples), or set `--data.pack=false`.", self.data.max_seq_len)
+
+    def validate_model_shape(self, model_path: Path) -> None:
+        """The shared checks, and packing against a sliding window megatron-core's own attention computes."""
+        super().validate_model_shape(model_path)
+        window = carried_window(read_hf_config(model_path, "model.path"))
+        # megatron-core's local softmax builds its own sliding-window mask and drops the one it is given: packed
+        # samples would attend to the ones before them in the row (per-token losses 0.49-0.57 off transformers' on a
+        # tiny Mistral, against 5e-7 with SDPA, which applies both masks).
+        require(not (self.data.pack and self.model.attention == "local" and window),
+                 f"`data.pack=true` with `model.attention=local` and `model.path={model_path}`, whose sliding window of "
+                 f"{window} tokens megatron-core's local attention applies in place of the block-diagonal mask that "
+                 "keeps packed samples apart: each sample would attend to the ones packed before it in its row. Set "
+                 "`--model.attention=sdpa` (it applies both), or `--data.pack=false`.")
 
 
 # The longest a tool or reward call may be given: a queue's wait (threading.TIMEOUT_MAX, 9.2e9 s) and a SIGALRM timer

@@ -1011,6 +1011,26 @@ def test_packed_rows_restart_positions_and_attend_block_diagonally():
     assert (~batch["attention_mask"][0, 0]).int().tolist() == attends
 
 
+def test_packed_microbatches_are_padded_to_their_own_longest_row():
+    """Packed rows were padded to `data.max_seq_len` whatever they held: at 2048, two samples of 9 and 11 input tokens
+    went in as one row of 2048 positions (99% padding, where unpacked rows of 16 hold 38%). Each micro-batch's rows
+    are padded to its own longest row, rounded up to 8 (and to sequence parallelism's multiple), as unpacked ones."""
+    from config.loops import SFTConfig
+    from trainer.sft import collate_microbatches
+
+    config = SFTConfig()
+    config.data.pack, config.data.max_seq_len = True, 2048
+    examples = [Example(list(range(3, 13)), [1] * 10), Example(list(range(3, 15)), [1] * 12),
+                Example(list(range(3, 33)), [1] * 30)]
+    collated, seq_len = collate_microbatches(examples, [[0, 1], [2]], config, 0, torch.device("cpu"))
+    assert [tuple(batch["tokens"].shape) for batch in collated] == [(1, 24), (1, 32)] and seq_len == 32
+    assert collated[0]["attention_mask"].shape == (1, 1, 24, 24)
+    assert collated[0]["labels"][0, :20].tolist() == [*range(4, 13), *range(4, 15)]
+    config.parallel.tp, config.parallel.sequence_parallel = 2, True
+    assert config.parallel.sequence_multiple == 2  # rounded to lcm(8, 2): the same shapes
+    assert [batch["tokens"].shape[1] for batch in collate_microbatches(examples, [[0, 1], [2]], config, 0, "cpu")[0]] == [24, 32]
+
+
 def test_pack_is_first_fit_in_order_and_keeps_every_example_once():
     lengths = [5, 3, 4, 2, 6, 1, 3]  # input tokens per example
     examples = [Example([number] * (length + 1), [1] * (length + 1)) for number, length in enumerate(lengths)]

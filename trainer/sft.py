@@ -82,10 +82,13 @@ def collate_microbatches(examples, microbatch_indices, config, pad_id, device) -
     fixed shapes, all to the step's), and the step's padded length."""
     groups = [[examples[index] for index in indices] for indices in microbatch_indices]
     if config.data.pack:
-        # A microbatch's samples share as few rows as fit; the row count varies, which only the
-        # non-pipelined schedule allows (validated at start-up).
-        seq_len = config.data.max_seq_len
-        collated = [batches.collate_packed(batches.pack(group, seq_len), seq_len, pad_id) for group in groups]
+        # A microbatch's samples share as few rows as fit, padded to its own longest row; the row count varies, which
+        # only the non-pipelined schedule allows (validated at start-up).
+        rows = [batches.pack(group, config.data.max_seq_len) for group in groups]
+        lengths = [batches.padded_size_for(config)(max(sum(len(example.input_ids) - 1 for example in row) for row in packed))
+                   for packed in rows]
+        collated = [batches.collate_packed(packed, length, pad_id) for packed, length in zip(rows, lengths)]
+        seq_len = max(lengths)
     else:
         pad = batches.padded_length_for(config)
         seq_len = pad([example for group in groups for example in group])

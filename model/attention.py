@@ -113,14 +113,25 @@ class RotateOnceSelfAttention(SelfAttention):
     megatron-core's function and the query by the caller. The numbers are the same: a key's rotation depends only
     on its own position. The cache keeps megatron's
     shape ([max_seq, max_batch, groups, head dim] per layer in `key_value_memory_dict`), so `model.generate`
-    can copy prompts' rows to several samples and drop finished rows. Without a static cache, or with a
-    dynamic context, flash decoding or no rotary embedding, megatron-core's own path runs unchanged.
+    can copy prompts' rows to several samples and drop finished rows. A forward without a cache (training, the
+    log-prob forwards) rotates its query and key here too, from the tables its layers share, the same numbers and
+    gradients bit for bit. With a dynamic context, flash decoding, no rotary embedding, or megatron-core's fused or
+    interleaved rotation without a cache, megatron-core's own path runs unchanged.
     """
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
                                         rotary_pos_sin=None, rotary_pos_cos_sin=None, sequence_len_offset=None, *,
                                         inference_params=None):
         context = inference_context if inference_context is not None else inference_params
+        if context is None and rotary_pos_emb is not None and self._rotates_unfused():
+            # A forward without a KV cache (training, log-probs): query and key rotated here too, from tables every layer
+            # of the forward shares (megatron-core computes cos/sin in each layer, for the query and for the key).
+            # Packed sequences (THD, rotated by their own offsets) never reach here: both core attentions these specs
+            # use refuse `packed_seq_params`.
+            query_embedding, key_embedding = rotary_pos_emb  # each [sequence, batch or 1, 1, rotary dim]
+            if query_embedding is key_embedding:
+                tables = RotaryTables.of_forward(key_embedding, self._yarn_concentration_factor, key.dtype)
+                return tables.rotate(query), tables.rotate(key), value, None, self.attn_mask_type, None
         if (context is None or not context.is_static_batching() or rotary_pos_emb is None or self.config.flash_decode
                 or context.batch_size_offset != 0):
             return super()._adjust_key_value_for_inference(
@@ -167,13 +178,13 @@ class RotaryTables:
     Each layer's rotation is then the unfused formula of megatron-core's `_apply_rotary_pos_emb_bshd`,
     `t * cos + rotate_half(t) * sin` with rotate_half(t) = [-t2, t1], reordered to [t2, t1] * [-sin1, sin2]: negating
     a factor instead of the other one changes no bit of a product, so the results are bit-identical, in three
-    element-wise operators and a `roll` where megatron-core launches about fifteen. The tables are kept on the
-    inference context (one generation) for the last span of positions.
+    element-wise operators and a `roll` where megatron-core launches about fifteen (and their backward, bit-identical
+    too, in a few where megatron-core's takes about ten). The tables are kept on the inference context (one
+    generation) for the last span of positions, or, in a forward without a KV cache, on its rotary embedding tensor.
     """
 
-    def __init__(self, embedding: torch.Tensor, start: int, end: int, mscale: float, dtype: torch.dtype):
-        self.embedding, self.span = embedding, (start, end, mscale, dtype)
-        freqs = embedding[start:end]  # [new tokens, 1, 1, rotary dim]: the slice megatron-core rotates with
+    def __init__(self, freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+        # freqs: [new tokens, batch or 1, 1, rotary dim], the slice megatron-core rotates with
         self.rotary_dim, self.half = freqs.size(-1), freqs.size(-1) // 2
         self.cos = (torch.cos(freqs) * mscale).to(dtype)
         sin = (torch.sin(freqs) * mscale).to(dtype)
@@ -182,10 +193,20 @@ class RotaryTables:
     @classmethod
     def of(cls, context, embedding: torch.Tensor, start: int, end: int, mscale: float, dtype) -> "RotaryTables":
         """The context's tables for these positions, built by the first layer that asks."""
-        tables = getattr(context, "rotary_tables", None)
-        if tables is None or tables.embedding is not embedding or tables.span != (start, end, mscale, dtype):
-            tables = context.rotary_tables = cls(embedding, start, end, mscale, dtype)
-        return tables
+        cached = getattr(context, "rotary_tables", None)  # (embedding, span, tables)
+        if cached is None or cached[0] is not embedding or cached[1] != (start, end, mscale, dtype):
+            cached = context.rotary_tables = (embedding, (start, end, mscale, dtype), cls(embedding[start:end], mscale, dtype))
+        return cached[2]
+
+    @classmethod
+    def of_forward(cls, embedding: torch.Tensor, mscale: float, dtype) -> "RotaryTables":
+        """The tables of a forward without a KV cache, kept on its rotary embedding (`embedding`, [sequence, batch or 1,
+        1, rotary dim]: every layer of a forward is handed the same tensor, and megatron-core's rotary module returns
+        the same one again for a sequence length it has seen). Nothing here refers back to the tensor."""
+        cached = getattr(embedding, "rotary_tables", None)  # ((mscale, dtype), tables)
+        if cached is None or cached[0] != (mscale, dtype):
+            cached = embedding.rotary_tables = ((mscale, dtype), cls(embedding, mscale, dtype))
+        return cached[1]
 
     def rotate(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` ([new tokens, batch, heads, head dim]) with its first `rotary dim` channels rotated."""

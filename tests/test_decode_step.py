@@ -82,6 +82,46 @@ def test_rotary_tables_rotate_bit_for_bit_as_megatron_core(dtype, rotary_dim, ms
         assert torch.equal(tables.rotate(tensor), expected), (start, end)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_training_forward_rotates_and_backpropagates_bit_for_bit_as_megatron_core(dtype, rotary_dim, per_token):
+    """A forward without a KV cache (training, log-probs) rotates from one set of tables per forward
+    (`RotaryTables.of_forward`): the rotated query and key and the gradient reaching the QKV projection's output are
+    megatron-core's unfused `apply_rotary_pos_emb`'s bit for bit, for a query reshaped out of the fused QKV tensor and a
+    key that is a strided view of it, with the rotation per sequence index ([sequence, 1, 1, dim]) or per token
+    ([sequence, batch, 1, dim], GRPO's shared prompts)."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from model.attention import RotaryTables
+
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    generator = torch.Generator().manual_seed(2)
+    sequence, batch, mscale = 13, 3, 0.9
+    inverse = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    positions = (torch.randint(0, 40, (sequence, batch), generator=generator) if per_token
+                 else torch.arange(sequence)[:, None])  # [sequence, batch or 1]
+    angles = positions[..., None].float() * inverse
+    embedding = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [sequence, batch or 1, 1, rotary dim]
+    mixed = torch.randn(sequence, batch, 2, 4 * 32, generator=generator).to(dtype)  # 2 groups of 2 query heads, k, v
+    upstream = torch.randn(sequence, batch, 6, 32, generator=generator).to(dtype)
+
+    def rotated_and_gradient(rotate):
+        qkv = mixed.clone().requires_grad_()
+        query, key, _ = torch.split(qkv, [64, 32, 32], dim=3)
+        query = query.reshape(sequence, batch, 4, 32)
+        out = torch.cat((rotate(query), rotate(key)), dim=2)  # [sequence, batch, 6, 32]
+        (out.float() * upstream.float()).sum().backward()
+        return out.detach(), qkv.grad
+
+    tables = RotaryTables.of_forward(embedding, mscale, dtype)
+    assert RotaryTables.of_forward(embedding, mscale, dtype) is tables  # one per forward, for all of its layers
+    ours = rotated_and_gradient(tables.rotate)
+    theirs = rotated_and_gradient(lambda tensor: apply_rotary_pos_emb(tensor, embedding, config=config, mscale=mscale,
+                                                                      cp_group=object()))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
 def test_the_inverted_attention_mask_is_computed_once_per_mask():
     from model.attention import _allowed
 
@@ -155,6 +195,25 @@ for label, kwargs in [("greedy", {{}}), ("sampled", dict(temperature=1.0, top_p=
     plain = run(**kwargs)
     attention.RotateOnceSelfAttention._rotates_unfused = unfused
     results[label] = fast == plain
+
+# A training forward and backward (no KV cache) rotates from shared tables too: the same loss and gradients, bit for bit.
+def trained():
+    model.eval()  # no dropout draw: both passes compute the same function
+    model.zero_grad()
+    tokens = torch.tensor([prompts[1] * 3, prompts[0] * 6])  # [2, 18]
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    causal = torch.ones(18, 18, dtype=torch.bool).triu(1)[None, None]  # megatron's convention: True = blocked
+    loss = model(input_ids=tokens, position_ids=positions, attention_mask=causal, labels=tokens).sum()
+    loss.backward()
+    return [loss.detach()] + [param.grad.clone() for param in model.parameters()]
+for param in model.parameters():
+    param.requires_grad_(True)
+fast = trained()
+unfused = attention.RotateOnceSelfAttention._rotates_unfused
+attention.RotateOnceSelfAttention._rotates_unfused = lambda self: False
+plain = trained()
+attention.RotateOnceSelfAttention._rotates_unfused = unfused
+results["training"] = all(torch.equal(a, b) for a, b in zip(fast, plain)) and len(fast) > 10
 print(json.dumps({{"per_step": per_step, "cos": per_name("aten::cos"), "bitwise_not": per_name("aten::bitwise_not"),
                   "equal": results}}))
 parallel.shutdown(runtime)
@@ -165,14 +224,14 @@ parallel.shutdown(runtime)
 def test_a_decode_step_launches_few_operators_and_the_shortcuts_change_no_bit():
     """One process as a group of one (no torchrun): the outermost aten operators of each decode step stay under the
     measured bound, cos/sin are computed once a step (not per layer), the mask inverted once; and generation equals,
-    bit for bit, the same generation through megatron-core's rotation."""
+    bit for bit, the same generation through megatron-core's rotation, as a training forward's loss and gradients do."""
     done = subprocess.run([sys.executable, "-c", WORKER.format(repo=str(REPO))], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "TORCH_COMPILE_DISABLE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert max(result["per_step"]) <= OPERATORS_PER_DECODE_STEP, result["per_step"]
     assert result["cos"] == 1 and result["bitwise_not"] == 1, result
-    assert result["equal"] == {"greedy": True, "sampled": True}, result
+    assert result["equal"] == {"greedy": True, "sampled": True, "training": True}, result
 
 
 FSDP_WORKER = """

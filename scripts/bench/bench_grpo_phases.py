@@ -1,12 +1,16 @@
 """A GRPO step's phases under several settings, side by side: alternating runs of `trainer.grpo`, medians per phase.
 
 Each variant is a name and the arguments it adds to the same run (`--variant NAME=ARGS`, ARGS split on spaces); the
-first is the control the others are divided by. Every run is `torchrun --nproc-per-node N -m trainer.grpo` from the same
+first is the control the others are divided by. ARGS starting with `@DIR` run DIR's code (another checkout, e.g. a
+`git worktree` of the commit before a change) with this environment's packages: the same settings before and after a
+code change. Every run is `torchrun --nproc-per-node N -m trainer.grpo` from the same
 model and seed, without evaluation; each run's first step (warm-up) is left out and the medians are over the other
 steps of every round. Rounds alternate the variants' order, so a busy machine slows them alike.
 
     .venv/bin/python scripts/bench/bench_grpo_phases.py --model outputs/sft/hf \\
         --variant rows= --variant budget=--train.micro_batch_tokens=8192 [--steps 6] [--rounds 2] [--nproc 1]
+    git worktree add ../before HEAD~1 && .venv/bin/python scripts/bench/bench_grpo_phases.py --variant before=@../before \\
+        --variant after= --rounds 4
 """
 
 import argparse
@@ -24,13 +28,15 @@ KEYS = ("step_time_s", "rollout_time_s", "reward_time_s", "pi_old_time_s", "refe
 
 
 def run(model: str, extra: list[str], steps: int, nproc: int, work: Path) -> list[dict]:
-    """The step rows of one run, its first left out."""
+    """The step rows of one run, its first left out; with `@DIR` first in `extra`, of DIR's code."""
+    checkout = Path(extra.pop(0)[1:]).resolve() if extra and extra[0].startswith("@") else REPO
     out = work / "run"
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "-m",
                "trainer.grpo", f"--model.path={model}", f"--train.steps={steps}", "--train.eval_samples=0",
                f"--train.out_dir={out}", "--train.overwrite_output_dir=true", "--ckpt.async_save=false", *extra]
     with (work / "log.txt").open("w") as log:
-        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode:
+        # `python -m` puts the working directory first on the path, ahead of this environment's editable install.
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=checkout).returncode:
             tail = "\n".join((work / "log.txt").read_text(errors="replace").splitlines()[-30:])
             sys.exit(f"error: {' '.join(extra) or 'the control'} failed:\n{tail}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

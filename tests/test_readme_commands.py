@@ -2,6 +2,7 @@
 reader's paths replaced by test fixtures (a tiny checkpoint for `/models/...`, slices of the real GSM8K for the data
 files, a small YAML for `run.yaml`). So no documented command can rot."""
 
+import re
 import shlex
 from pathlib import Path
 
@@ -121,3 +122,92 @@ def test_every_readme_torchrun_command_logs_step_one(joint_launches):
     assert by_recipe["dapo"]["kl"] is None and by_recipe["gspo"]["kl"] is None and by_recipe["grpo"]["kl"] is not None
     assert by_recipe["dr_grpo"]["kl"] is None  # no KL term, as Dr. GRPO's scripts (`--beta 0`)
     assert "sampling_rounds" not in by_recipe["gspo"]
+
+
+# What the pages name besides their ```bash commands, checked without running anything: a renamed key, module, script or
+# heading otherwise left a page pointing at nothing (in a ``` block or an inline `...` span alike).
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Dotted names of the peers' configs and libraries that the comparison tables quote under our section names.
+NOT_OURS = {"data.train_batch_size", "data.default.env_name", "model.resize_token_embeddings",
+            "peft.PeftModel.from_pretrained"}
+FILE_SUFFIXES = {"md", "py", "yaml", "json", "jsonl", "parquet", "png", "txt", "npz", "sbatch", "sh"}
+
+
+def code_spans(page: Path) -> list[tuple[int, str]]:
+    """Each inline `...` span and ``` block of a page, with the line it starts on."""
+    text, spans = page.read_text(), []
+    for match in re.finditer(r"```.*?```|`[^`]+`", text, flags=re.S):
+        spans.append((text.count("\n", 0, match.start()) + 1, match.group(0).strip("`")))
+    return spans
+
+
+def names_something(dotted: str, keys: set[str]) -> bool:
+    """`dotted` is a config key, or a module of ours (`data.sandbox`) with the attribute it goes on to name, if any."""
+    if dotted in keys or dotted in NOT_OURS or dotted.rsplit(".", 1)[-1] in FILE_SUFFIXES:
+        return True
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = REPO.joinpath(*parts[:cut])
+        source = module.with_suffix(".py") if module.with_suffix(".py").is_file() else module / "__init__.py"
+        if source.is_file():
+            rest = parts[cut:]
+            return not rest or re.search(rf"^\s*(def|class) {rest[0]}\b|^\s*{rest[0]}\s*[:=]", source.read_text(), re.M)
+    return False
+
+
+def test_every_dotted_name_the_docs_give_is_a_key_or_a_module_of_ours():
+    from config.cli import flat_keys
+    from config.loops import GRPOConfig, RMConfig, SFTConfig
+
+    keys = {key for loop in (SFTConfig, GRPOConfig, RMConfig) for key in flat_keys(loop)}
+    sections = "|".join(sorted({key.split(".")[0] for key in keys}))
+    wrong = [f"{page.name}:{line}: {dotted}" for page in PAGES for line, span in code_spans(page)
+             for dotted in re.findall(rf"(?<![\w./-])(?:--)?((?:{sections})(?:\.[A-Za-z_]\w*)+)", span)
+             if not names_something(dotted, keys)]
+    assert not wrong, wrong
+
+
+def test_every_inline_command_the_docs_give_parses():
+    """The `... -m trainer.X --key value` commands written inline in the prose (the ```bash ones run above), with
+    placeholders (`S`, `DIR`) given a value: every key exists in the loop it is given to."""
+    from config import cli
+    from config.loops import GRPOConfig, RMConfig, SFTConfig
+
+    loops = {"trainer.sft": SFTConfig, "trainer.grpo": GRPOConfig, "trainer.rm": RMConfig}
+    commands = [(page.name, line, text) for page in PAGES for line, span in code_spans(page) if "\n" not in span
+                for text in re.split(r"(?=-m trainer\.)", " ".join(span.split()))[1:]]
+    assert len(commands) >= 20, commands
+    for page, line, text in commands:
+        module, *argv = shlex.split(text.split(" && ")[0])[1:]
+        argv = ["1" if re.fullmatch(r"[A-Z]+", token) else token.strip("[]") if token.startswith("[--") else token
+                for token in argv if token != "--help"]
+        argv = [token.replace("=S", "=1") for token in argv]
+        try:
+            cli.parse_args(loops[module], argv, module)
+        except cli.UserError as error:
+            if "Config file" not in str(error):  # `--config run.yaml`: the reader's own file
+                raise AssertionError(f"{page}:{line}: `{text}`: {error}") from None
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)}
+
+
+def test_every_link_and_repository_path_the_docs_give_exists():
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path, _, anchor = target.partition("#")
+            if target.startswith("http"):
+                continue
+            linked = (page.parent / path) if path else page
+            if not linked.exists() or anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                wrong.append(f"{page.name}: ({target})")
+        for path in re.findall(r"(?<![\w./-])((?:scripts|recipes|tests|trainer|config|model|data|ckpt|tool_runtime)"
+                               r"/[\w./-]*\w)", text):
+            if not (REPO / path).exists() and "RECIPE" not in path and "test_x" not in path and "train-0" not in path:
+                wrong.append(f"{page.name}: {path}")
+    assert not wrong, wrong

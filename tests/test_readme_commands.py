@@ -142,7 +142,8 @@ def code_spans(page: Path) -> list[tuple[int, str]]:
 
 
 def names_something(dotted: str, keys: set[str]) -> bool:
-    """`dotted` is a config key, or a module of ours (`data.sandbox`) with the attribute it goes on to name, if any."""
+    """`dotted` is a config key, or a module of ours (`data.sandbox`) with the attribute it goes on to name, if any
+    (`data.sandbox.run`, or `data.sandbox:python` as a tool is named)."""
     if dotted in keys or dotted in NOT_OURS or dotted.rsplit(".", 1)[-1] in FILE_SUFFIXES:
         return True
     parts = dotted.split(".")
@@ -151,7 +152,7 @@ def names_something(dotted: str, keys: set[str]) -> bool:
         source = module.with_suffix(".py") if module.with_suffix(".py").is_file() else module / "__init__.py"
         if source.is_file():
             rest = parts[cut:]
-            return not rest or re.search(rf"^\s*(def|class) {rest[0]}\b|^\s*{rest[0]}\s*[:=]", source.read_text(), re.M)
+            return not rest or bool(re.search(rf"^\s*(def|class) {rest[0]}\b|^\s*{rest[0]}\s*[:=]", source.read_text(), re.M))
     return False
 
 
@@ -161,9 +162,9 @@ def test_every_dotted_name_the_docs_give_is_a_key_or_a_module_of_ours():
 
     keys = {key for loop in (SFTConfig, GRPOConfig, RMConfig) for key in flat_keys(loop)}
     sections = "|".join(sorted({key.split(".")[0] for key in keys}))
-    wrong = [f"{page.name}:{line}: {dotted}" for page in PAGES for line, span in code_spans(page)
-             for dotted in re.findall(rf"(?<![\w./-])(?:--)?((?:{sections})(?:\.[A-Za-z_]\w*)+)", span)
-             if not names_something(dotted, keys)]
+    wrong = [f"{page.name}:{line}: {dotted}{name and ':' + name}" for page in PAGES for line, span in code_spans(page)
+             for dotted, name in re.findall(rf"(?<![\w./-])(?:--)?((?:{sections})(?:\.[A-Za-z_]\w*)+)(?::(\w+))?", span)
+             if not names_something(f"{dotted}.{name}" if name else dotted, keys)]
     assert not wrong, wrong
 
 

@@ -157,6 +157,7 @@ def names_something(dotted: str, keys: set[str]) -> bool:
 
 
 def test_every_dotted_name_the_docs_give_is_a_key_or_a_module_of_ours():
+    """`grpo.kl_coef`, `--train.steps 3`, `data.sandbox:python`, `ckpt.checkpoint.save`: each names a key or code."""
     from config.cli import flat_keys
     from config.loops import GRPOConfig, RMConfig, SFTConfig
 
@@ -197,6 +198,7 @@ def heading_anchors(page: Path) -> set[str]:
 
 
 def test_every_link_and_repository_path_the_docs_give_exists():
+    """Links to pages and their headings, and the `scripts/...`, `recipes/...`, `tests/...` paths a reader would open."""
     wrong = []
     for page in PAGES:
         text = page.read_text()

@@ -42,9 +42,14 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
     named after `split`, or in a folder so named; for the training split, when none is, every file not named after a
     held-out split (`HELD_OUT_NAME`), nor in a folder so named. A folder without files of a held-out split has no
-    such split: a UserError."""
+    such split: a UserError, as is a folder `datasets`' save_to_disk wrote (Arrow files beside .json metadata)."""
     if not path.is_dir():
         return read_files(path, [path])
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file() and any(path.glob("*.arrow")):
+        raise UserError(f"data.path {str(path)!r} is a folder written by `datasets`' save_to_disk: its Arrow files are "
+                        "not read here, and its .json files are metadata, not rows. Write the rows as Parquet "
+                        "(`datasets.load_from_disk(folder).to_parquet('train.parquet')`; a DatasetDict's each split "
+                        "to its own `<split>.parquet` in one folder) and set data.path to that file or folder.")
     return read_files(path, split_files(path, folder_files(path), split, held_out))
 
 
@@ -126,8 +131,8 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
 
 
 def first_bad_file(files: list[pathlib.Path]) -> str | None:
-    """Which of the data files the table reader failed on, and why, or None when none shows a fault: a JSON lines
-    line that is not a JSON object, a Parquet file that is damaged or holds no rows, or files whose columns differ
+    """Which of the data files the table reader failed on, and why, or None when none shows a fault: JSON that is not
+    rows of objects (`json_fault`), a Parquet file that is damaged or holds no rows, or files whose columns differ
     (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
     import pyarrow.parquet
 
@@ -141,23 +146,68 @@ def first_bad_file(files: list[pathlib.Path]) -> str | None:
             if metadata.num_rows == 0:
                 return f"{file.name} holds no rows"
             columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
-        elif file.suffix == ".jsonl":
-            with open(file, encoding="utf-8-sig", errors="replace") as lines:
-                for number, line in enumerate(lines, 1):
-                    try:
-                        row = json.loads(line) if line.strip() else {}
-                    except ValueError as error:
-                        return f"{file.name}, line {number}, is not JSON: {error}"
-                    if not isinstance(row, dict):
-                        return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object"
-                    if file.name not in columns and row:
-                        columns[file.name] = sorted(row)
+        else:
+            reason, names = json_fault(file)
+            if reason:
+                return reason
+            if names is not None:
+                columns[file.name] = names
     differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
     if differing:
         (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
         return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
                 "are read as one table, so give them the same columns or point data.path at one kind")
     return None
+
+
+class RepeatedKey(ValueError):
+    """A JSON object that gives a key twice (the table reader refuses it, and Python's reader keeps the last)."""
+
+
+def unique_object(pairs: list[tuple]) -> dict:
+    """A JSON object's pairs as a dict; RepeatedKey when one key comes twice."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RepeatedKey(f"gives the key {key!r} twice")
+        seen.add(key)
+    return dict(pairs)
+
+
+def json_fault(file: pathlib.Path) -> tuple[str | None, list[str] | None]:
+    """Why a .json or .jsonl file is not rows of JSON objects (a line or an array's element that is not one, a key
+    given twice, no rows at all), or None; and its first row's columns. A .json file is one JSON document (an array
+    of objects, or one object), or JSON lines, as the table reader takes either."""
+    text = file.read_text(encoding="utf-8-sig", errors="replace")
+    if file.suffix == ".json":
+        try:
+            whole = json.loads(text, object_pairs_hook=unique_object)
+        except RepeatedKey as error:
+            return f"{file.name} {error}", None
+        except ValueError as error:
+            if text.lstrip().startswith("["):
+                return f"{file.name} is not JSON: {error}", None
+        else:
+            rows = whole if isinstance(whole, list) else [whole]
+            other = next(((number, row) for number, row in enumerate(rows, 1) if not isinstance(row, dict)), None)
+            if other and isinstance(whole, list):
+                return f"{file.name}, element {other[0]}, is a JSON {type(other[1]).__name__}, not an object", None
+            if other:
+                return f"{file.name} is a JSON {type(whole).__name__}, not an object or a list of objects", None
+            rows = [row for row in rows if row]
+            return (None, sorted(rows[0])) if rows else (f"{file.name} holds no rows", None)
+    columns = None
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON text may hold U+2028
+        try:
+            row = json.loads(line, object_pairs_hook=unique_object) if line.strip() else {}
+        except RepeatedKey as error:
+            return f"{file.name}, line {number}, {error}", None
+        except ValueError as error:
+            return f"{file.name}, line {number}, is not JSON: {error}", None
+        if not isinstance(row, dict):
+            return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object", None
+        columns = columns or (sorted(row) if row else None)
+    return (None, columns) if columns else (f"{file.name} holds no rows", None)
 
 
 def innermost_reason(error: BaseException) -> str:

@@ -524,3 +524,31 @@ def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
     assert re.search(r"but rank 1 on .+ read other contents from `model.path=tiny` than rank 0 did", model)
     assert re.fullmatch(r"Every rank must run global rank 0's settings, but rank 1 on .+ was started with "
                         r"`optim.lr=0.0002` \(rank 0: 0.0001\)\. Start every node with the same command.*", settings)
+
+
+def test_a_json_file_of_no_rows_or_other_values_names_what_it_holds(tmp_path):
+    """A .json file's array element that is not an object, a file of one number, an empty array, lines of empty objects
+    and a JSON lines line giving a key twice name what is wrong (they said "Column() changed from object to string in
+    row 0", "DataFrame constructor not properly called!", "Instruction \"train\" corresponds to no data!", "Trailing
+    data at position 57")."""
+    rows = [{"question": "1 + 1?", "answer": "2"}]
+    checks = {"element.json": (json.dumps(rows + [5]), "element.json, element 2, is a JSON int, not an object"),
+              "number.json": ("5", "number.json is a JSON int, not an object or a list of objects"),
+              "array.json": ("[]", "array.json holds no rows"),
+              "objects.jsonl": ("{}\n{}\n", "objects.jsonl holds no rows"),
+              "twice.jsonl": (json.dumps(rows[0]) + '\n{"question": "a", "answer": "b", "answer": "c"}\n',
+                              "twice.jsonl, line 2, gives the key 'answer' twice")}
+    for name, (text, expected) in checks.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError, match=f"could not be read as a table \\({re.escape(expected)}\\)"):
+            conversation_data.load_rows(str(tmp_path / name))
+
+
+def test_a_save_to_disk_folder_is_refused_with_how_to_write_rows(tmp_path):
+    """A `datasets` save_to_disk folder (Arrow shards beside dataset_info.json and state.json) is named as such: its
+    metadata .json files were read as data ("Couldn't cast _data_files: list<item: struct<filename: string>> ...")."""
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "1 + 1?", "answer": "2"}]).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(UserError, match=r"is a folder written by `datasets`' save_to_disk.*to_parquet"):
+        conversation_data.load_rows(str(tmp_path / "saved"))

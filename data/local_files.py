@@ -2,6 +2,7 @@
 loader reads them), and reading them into rows, with a paragraph naming the file when one cannot be read.
 """
 
+import contextlib
 import json
 import pathlib
 import re
@@ -112,56 +113,50 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
+    try:
+        return json_rows(files) if formats == {"json"} else parquet_rows(files)
+    except UnicodeDecodeError as error:
+        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
+                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
+    except Exception as error:
+        reason = str(error) if isinstance(error, BadRows) else first_bad_file(files) or innermost_reason(error)
+        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
+                        "data.path to another one.") from None
+
+
+def parquet_rows(files: list[pathlib.Path]) -> list[dict]:
+    """The rows of Parquet files, read as one table."""
     import datasets
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
     try:
-        return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
-    except UnicodeDecodeError as error:
-        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
-                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
-    except Exception as error:
-        reason = first_bad_file(files) or innermost_reason(error)
-        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
-                        "data.path to another one.") from None
+        return datasets.load_dataset("parquet", data_files=[str(file) for file in files], split="train").to_list()
     finally:
         if shown:
             datasets.enable_progress_bars()
 
 
-def first_bad_file(files: list[pathlib.Path]) -> str | None:
-    """Which of the data files the table reader failed on, and why, or None when none shows a fault: JSON that is not
-    rows of objects (`json_fault`), a Parquet file that is damaged or holds no rows, or files whose columns differ
-    (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
-    import pyarrow.parquet
+def json_rows(files: list[pathlib.Path]) -> list[dict]:
+    """The rows of .json / .jsonl files as Python's JSON reader gives them, each row with every column of the files
+    (None where it has none, as a table gives them); BadRows when one is not rows of objects or their columns
+    differ. Not `datasets`' reader: a column of mixed types it keeps as JSON text and reads back as JSON, so a row's
+    text "2", "null" or "true" came back as 2, None or True once another row gave a number there."""
+    tables = {file.name: json_file_rows(file) for file in files}
+    columns = {name: list(dict.fromkeys(key for row in rows for key in row)) for name, rows in tables.items()}
+    reason = differing_columns({name: sorted(names) for name, names in columns.items()})
+    if reason:
+        raise BadRows(reason)
+    names = list(dict.fromkeys(name for file_columns in columns.values() for name in file_columns))
+    return [{name: row.get(name) for name in names} for rows in tables.values() for row in rows]
 
-    columns = {}
-    for file in files:
-        if file.suffix == ".parquet":
-            try:
-                metadata = pyarrow.parquet.read_metadata(file)
-            except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
-                return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
-            if metadata.num_rows == 0:
-                return f"{file.name} holds no rows"
-            columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
-        else:
-            reason, names = json_fault(file)
-            if reason:
-                return reason
-            if names is not None:
-                columns[file.name] = names
-    differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
-    if differing:
-        (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
-        return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
-                "are read as one table, so give them the same columns or point data.path at one kind")
-    return None
+
+class BadRows(ValueError):
+    """Why a data file is not rows of JSON objects, naming the file (and the line or element)."""
 
 
 class RepeatedKey(ValueError):
-    """A JSON object that gives a key twice (the table reader refuses it, and Python's reader keeps the last)."""
+    """A JSON object that gives a key twice (Python's reader would keep the last one given)."""
 
 
 def unique_object(pairs: list[tuple]) -> dict:
@@ -174,40 +169,83 @@ def unique_object(pairs: list[tuple]) -> dict:
     return dict(pairs)
 
 
-def json_fault(file: pathlib.Path) -> tuple[str | None, list[str] | None]:
-    """Why a .json or .jsonl file is not rows of JSON objects (a line or an array's element that is not one, a key
-    given twice, no rows at all), or None; and its first row's columns. A .json file is one JSON document (an array
-    of objects, or one object), or JSON lines, as the table reader takes either."""
-    text = file.read_text(encoding="utf-8-sig", errors="replace")
+def json_kind(value) -> str:
+    """The JSON name of a value's kind, as the errors give it (`null`, else the Python type: int, list, str)."""
+    return "null" if value is None else type(value).__name__
+
+
+def json_file_rows(file: pathlib.Path) -> list[dict]:
+    """A .json or .jsonl file's rows; BadRows for a line or an array's element that is not a JSON object, a key given
+    twice, or no rows at all. A .json file is one JSON document (an array of objects, or one object) or JSON lines;
+    a blank line is no row; an empty object is a row (of no columns, dropped and counted where it is read)."""
+    rows, lines = None, None
     if file.suffix == ".json":
+        text = file.read_text(encoding="utf-8-sig")
         try:
             whole = json.loads(text, object_pairs_hook=unique_object)
         except RepeatedKey as error:
-            return f"{file.name} {error}", None
+            raise BadRows(f"{file.name} {error}") from None
         except ValueError as error:
             if text.lstrip().startswith("["):
-                return f"{file.name} is not JSON: {error}", None
+                raise BadRows(f"{file.name} is not JSON: {error}") from None
+            lines = text.split("\n")  # JSON lines in a .json file; not splitlines, as JSON text may hold U+2028
         else:
             rows = whole if isinstance(whole, list) else [whole]
             other = next(((number, row) for number, row in enumerate(rows, 1) if not isinstance(row, dict)), None)
             if other and isinstance(whole, list):
-                return f"{file.name}, element {other[0]}, is a JSON {type(other[1]).__name__}, not an object", None
+                raise BadRows(f"{file.name}, element {other[0]}, is a JSON {json_kind(other[1])}, not an object")
             if other:
-                return f"{file.name} is a JSON {type(whole).__name__}, not an object or a list of objects", None
-            rows = [row for row in rows if row]
-            return (None, sorted(rows[0])) if rows else (f"{file.name} holds no rows", None)
-    columns = None
-    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON text may hold U+2028
+                raise BadRows(f"{file.name} is a JSON {json_kind(whole)}, not an object or a list of objects")
+    if rows is None:
+        rows = []
+        with contextlib.nullcontext(lines) if lines is not None else open(file, encoding="utf-8-sig") as numbered:
+            for number, line in enumerate(numbered, 1):
+                if line.strip():
+                    rows.append(json_line_row(file, number, line))
+    if not any(rows):
+        raise BadRows(f"{file.name} holds no rows")
+    return rows
+
+
+def json_line_row(file: pathlib.Path, number: int, line: str) -> dict:
+    """Line `number` of a JSON lines `file` as a row; BadRows, naming the line, when it is not a JSON object."""
+    try:
+        row = json.loads(line, object_pairs_hook=unique_object)
+    except RepeatedKey as error:
+        raise BadRows(f"{file.name}, line {number}, {error}") from None
+    except ValueError as error:
+        raise BadRows(f"{file.name}, line {number}, is not JSON: {error}") from None
+    if not isinstance(row, dict):
+        raise BadRows(f"{file.name}, line {number}, is a JSON {json_kind(row)}, not an object")
+    return row
+
+
+def first_bad_file(files: list[pathlib.Path]) -> str | None:
+    """Which of the Parquet files the table reader failed on, and why, or None when none shows a fault: a file that
+    is damaged or holds no rows, or files whose columns differ (a folder's files are read as one table). Read only
+    after a failure, so a large set pays nothing for it."""
+    import pyarrow.parquet
+
+    columns = {}
+    for file in files:
         try:
-            row = json.loads(line, object_pairs_hook=unique_object) if line.strip() else {}
-        except RepeatedKey as error:
-            return f"{file.name}, line {number}, {error}", None
-        except ValueError as error:
-            return f"{file.name}, line {number}, is not JSON: {error}", None
-        if not isinstance(row, dict):
-            return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object", None
-        columns = columns or (sorted(row) if row else None)
-    return (None, columns) if columns else (f"{file.name} holds no rows", None)
+            metadata = pyarrow.parquet.read_metadata(file)
+        except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
+            return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
+        if metadata.num_rows == 0:
+            return f"{file.name} holds no rows"
+        columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
+    return differing_columns(columns)
+
+
+def differing_columns(columns: dict[str, list[str]]) -> str | None:
+    """Why files of these (sorted) `columns` by name cannot be one table, or None when all have the same."""
+    differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
+    if not differing:
+        return None
+    (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
+    return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
+            "are read as one table, so give them the same columns or point data.path at one kind")
 
 
 def innermost_reason(error: BaseException) -> str:

@@ -552,3 +552,17 @@ def test_a_save_to_disk_folder_is_refused_with_how_to_write_rows(tmp_path):
     datasets.Dataset.from_list([{"question": "1 + 1?", "answer": "2"}]).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(UserError, match=r"is a folder written by `datasets`' save_to_disk.*to_parquet"):
         conversation_data.load_rows(str(tmp_path / "saved"))
+
+
+def test_json_rows_come_back_as_written_when_a_column_mixes_types(tmp_path):
+    """One row's number in a column of text made `datasets` keep the column as JSON text, and its reading back turned
+    every other row's text that parses as JSON into that value: "2" became 2, "007" 7, "null" None, "true" True, "[1]"
+    [1], so those rows were dropped as "'answer' not a string (int)" (all 5 here) though the file gives strings."""
+    answers = ["2", "007", "null", "true", "[1]", 5]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"question": "q", "answer": answer}) + "\n" for answer in answers))
+    (tmp_path / "mixed.json").write_text(json.dumps([{"question": "q", "answer": answer} for answer in answers]))
+    for name in ("mixed.jsonl", "mixed.json"):
+        rows = conversation_data.load_rows(str(tmp_path / name))
+        assert [row["answer"] for row in rows] == answers
+        _, report = conversation_data.to_conversations(rows)
+        assert (report.used, dict(report.dropped_by_reason)) == (5, {"'answer' not a string (int)": 1})

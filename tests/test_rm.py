@@ -93,6 +93,20 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
                                tokenizer)
 
 
+def test_a_row_without_the_prompt_its_set_gives_is_dropped_not_scored_as_bare_text(tokenizer, tmp_path):
+    """A row of a set with a prompt column whose prompt is null or absent, with text sides: it was scored as the bare
+    texts (`2<|im_end|>` beside the other rows' whole chat renderings), and counted as used."""
+    rows = [{"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": None, "chosen": "2", "rejected": "3"},
+            {"chosen": "4", "rejected": "5"},
+            {"prompt": None, "chosen": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}],
+             "rejected": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "5"}]}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, report = preferences.load_pairs(str(tmp_path / "pairs.jsonl"), "train", PreferenceDataConfig(), tokenizer)
+    assert (len(pairs), report.dropped_by_reason, [row for row, _ in report.first_drops]) == (
+        2, {"missing 'prompt'": 2}, [1, 2])
+    assert all(tokenizer.decode(pair.chosen).startswith("<|im_start|>user") for pair in pairs)
+
+
 def test_the_scored_position_is_the_last_token_that_is_not_padding_as_transformers_pools():
     tokens = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0], [5, 0, 6, 0, 0]])
     read = score_head.LastTokens.of(tokens, pad_id=0)

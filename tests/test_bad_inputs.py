@@ -36,6 +36,10 @@ def make(**changes) -> SFTConfig:
     ({"ckpt.keep_last": 0}, "`ckpt.keep_last` must be at least 1"),
     # Trained on (and for GRPO, rewarded against) the prompt's own text.
     ({"data.prompt_field": "answer"}, "`data.prompt_field` and `data.response_field` are both `answer`: every prompt would hold its own answer"),
+    # Every file's name starts with "": a folder's training split read its test.jsonl too, and the held-out split its
+    # train.jsonl (train rows ['test', 'train'], or held-out rows ['test', 'train'], without a word).
+    ({"data.train_split": ""}, "`data.train_split` is empty: a folder's every file (its held-out ones too) would be read as it"),
+    ({"data.eval_split": " "}, "`data.eval_split` is empty (' '): a folder's every file"),
 ])
 def test_settings_are_checked_before_anything_runs(changes, expected):
     with pytest.raises(UserError) as error:

@@ -176,17 +176,20 @@ def json_kind(value) -> str:
 
 def json_file_rows(file: pathlib.Path) -> list[dict]:
     """A .json or .jsonl file's rows; BadRows for a line or an array's element that is not a JSON object, a key given
-    twice, or no rows at all. A .json file is one JSON document (an array of objects, or one object) or JSON lines;
-    a blank line is no row; an empty object is a row (of no columns, dropped and counted where it is read)."""
+    twice, or no rows at all. A .json file is one JSON document (an array of objects, or one object) or JSON lines,
+    as is a .jsonl file that opens with `[` (as the hub's loader reads both); a blank line is no row; an empty object
+    is a row (of no columns, dropped and counted where it is read)."""
     rows, lines = None, None
-    if file.suffix == ".json":
+    with open(file, encoding="utf-8-sig") as start:
+        array = start.read(4096).lstrip().startswith("[")
+    if file.suffix == ".json" or array:
         text = file.read_text(encoding="utf-8-sig")
         try:
             whole = json.loads(text, object_pairs_hook=unique_object)
         except RepeatedKey as error:
             raise BadRows(f"{file.name} {error}") from None
         except ValueError as error:
-            if text.lstrip().startswith("["):
+            if array:
                 raise BadRows(f"{file.name} is not JSON: {error}") from None
             lines = text.split("\n")  # JSON lines in a .json file; not splitlines, as JSON text may hold U+2028
         else:

@@ -570,3 +570,9 @@ def test_json_rows_come_back_as_written_when_a_column_mixes_types(tmp_path):
         assert [row["answer"] for row in rows] == answers
         _, report = conversation_data.to_conversations(rows)
         assert (report.used, dict(report.dropped_by_reason)) == (5, {"'answer' not a string (int)": 1})
+
+
+def test_a_json_lines_file_holding_one_array_of_rows_is_read(tmp_path):
+    """A .jsonl file of one JSON array (over several lines) is read as the .json form, as the hub's loader reads it."""
+    (tmp_path / "rows.jsonl").write_text('[{"question": "1 + 1?", "answer": "2"},\n {"question": "2 + 2?", "answer": "4"}]\n')
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows.jsonl"))] == ["2", "4"]

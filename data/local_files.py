@@ -116,12 +116,23 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     try:
         return json_rows(files) if formats == {"json"} else parquet_rows(files)
     except UnicodeDecodeError as error:
-        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
-                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
+        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({undecodable_line(files) or error}). Re-encode "
+                        "it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
     except Exception as error:
         reason = str(error) if isinstance(error, BadRows) else first_bad_file(files) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
+
+
+def undecodable_line(files: list[pathlib.Path]) -> str | None:
+    """The first line of the files that is not UTF-8, with the file's name, its number and why; None when none is."""
+    for file in files:
+        for number, line in enumerate(file.read_bytes().split(b"\n"), 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"{file.name}, line {number}: {error}"
+    return None
 
 
 def parquet_rows(files: list[pathlib.Path]) -> list[dict]:

@@ -71,6 +71,13 @@ def test_a_non_utf8_data_file_names_the_file(tmp_path):
     with pytest.raises(UserError) as error:
         conversation_data.load_rows(str(bad))
     assert f"data.path '{bad}' is not UTF-8 text" in str(error.value) and "iconv" in str(error.value)
+    # In a folder, the file and its line (it said only the folder, and a byte position within a read buffer).
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "rows" / "b.jsonl").write_bytes(b'{"question": "1", "answer": "2"}\n' + bad.read_bytes())
+    with pytest.raises(UserError, match=r"is not UTF-8 text \(b.jsonl, line 2: 'utf-8' codec can't decode byte 0xe9 in "
+                                        r"position 17"):
+        conversation_data.load_rows(str(tmp_path / "rows"))
 
 
 def test_an_empty_data_file_says_it_is_empty(tmp_path):

@@ -55,8 +55,10 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
 
 
 def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The data files under a folder, hidden ones (and those in hidden folders) left out."""
-    return sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS and not hidden_in(file, path))
+    """The data files under a folder, hidden ones (and those in hidden folders) left out; a folder named like a data
+    file (Spark's `train.parquet/` of part files) is no file, its parts are."""
+    return sorted(file for file in path.rglob("*")
+                  if file.suffix in LOCAL_FORMATS and not hidden_in(file, path) and file.is_file())
 
 
 def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
@@ -119,7 +121,7 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
         raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({undecodable_line(files) or error}). Re-encode "
                         "it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
     except Exception as error:
-        reason = str(error) if isinstance(error, BadRows) else first_bad_file(files) or innermost_reason(error)
+        reason = (formats == {"parquet"} and first_bad_file(files)) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
 

@@ -583,3 +583,19 @@ def test_a_json_lines_file_holding_one_array_of_rows_is_read(tmp_path):
     """A .jsonl file of one JSON array (over several lines) is read as the .json form, as the hub's loader reads it."""
     (tmp_path / "rows.jsonl").write_text('[{"question": "1 + 1?", "answer": "2"},\n {"question": "2 + 2?", "answer": "4"}]\n')
     assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows.jsonl"))] == ["2", "4"]
+
+
+def test_a_folder_named_like_a_data_file_is_read_as_the_folder_of_its_parts(tmp_path):
+    """Spark writes `train.parquet/` as a folder of part files: the folder was taken for a file of the split, and
+    reading it said "train.parquet is not a readable Parquet file: [Errno 21] Is a directory" (a JSON lines folder so
+    named said the same, a Parquet reason for a JSON file)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    (tmp_path / "spark" / "train.parquet").mkdir(parents=True)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "1 + 1?", "answer": "2"}]),
+                                tmp_path / "spark" / "train.parquet" / "part-00000.parquet")
+    (tmp_path / "lines" / "train.jsonl").mkdir(parents=True)
+    (tmp_path / "lines" / "train.jsonl" / "part-0.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "4"}) + "\n")
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "spark"))] == ["2"]
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "lines"))] == ["4"]

@@ -5,6 +5,7 @@ the chat template renders it (`render`), or, for plain text with no prompt, that
 """
 
 import dataclasses
+import logging
 
 import torch
 
@@ -13,6 +14,8 @@ from config.sections import PreferenceDataConfig
 from data import conversations as conversation_data, encode
 from data.conversations import DropReport
 from data.sft import unrendered
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -136,8 +139,13 @@ def collate_sides(sides: list[list[int]], seq_len: int, pad_id: int) -> dict:
 
 
 def held_out_pairs(data, tokenizer) -> list[Pair]:
-    """The held-out pairs: `data.eval_path`, else the test split of `data.path`; none when it has no test split."""
+    """The held-out pairs: `data.eval_path`, else the test split of `data.path`; none when it has no test split. Its
+    start-up line counts the pairs used and dropped, as the training split's does."""
     from data import prompts as prompt_data
 
-    loaded = prompt_data.held_out_split(data, lambda path, split: load_pairs(path, split, data, tokenizer)[0])
-    return loaded or []
+    def load(path: str, split: str) -> list[Pair]:
+        pairs, report = load_pairs(path, split, data, tokenizer)
+        log.info("pairs %s (%s): %d used; %s", path, split, len(pairs), report.summary())
+        return pairs
+
+    return prompt_data.held_out_split(data, load) or []

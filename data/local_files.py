@@ -68,8 +68,9 @@ def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
 
 def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_out: bool) -> list[pathlib.Path]:
     """Which of a folder's data `files` one split reads (`load_local`)."""
-    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
-    # folder of training files alone must not pass them off as held-out ones.
+    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, a
+    # folder of training files alone must not pass them off as held-out ones, nor one of held-out files alone as
+    # training ones.
     hub = {file: hub_split(file, path) for file in files}
     named = [file for file in files if hub[file] == split
              or hub[file] is None and any(name.startswith(split) for name in split_names(file, path))]
@@ -88,7 +89,12 @@ def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_
         raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
                         f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
     training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
-    return named or training or files
+    if files and not named and not training:  # they would be trained on, and evaluated on as the held-out split
+        raise UserError(f"data.path {str(path)!r} has no {split} split: its files are all named after held-out splits "
+                        f"({', '.join(str(file.relative_to(path)) for file in files[:3])}). Name the training rows' file "
+                        f"{split}.jsonl (or put them in a {split}/ folder), or set data.path to the file itself (a "
+                        "single file's rows are all training rows).")
+    return named or training
 
 
 def reads_any(folder: pathlib.Path, written: list[pathlib.Path], splits: list[tuple[str, bool]]) -> bool:

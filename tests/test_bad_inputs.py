@@ -599,3 +599,13 @@ def test_a_folder_named_like_a_data_file_is_read_as_the_folder_of_its_parts(tmp_
     (tmp_path / "lines" / "train.jsonl" / "part-0.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "4"}) + "\n")
     assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "spark"))] == ["2"]
     assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "lines"))] == ["4"]
+
+
+def test_a_folder_of_held_out_files_alone_has_no_training_split(tmp_path):
+    """A folder holding only test.jsonl trained on it, and its test split evaluated on the same rows, without a word
+    (train and held-out rows both ['held']); the hub's loader has no train split there either."""
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "test.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "held"}) + "\n")
+    with pytest.raises(UserError, match=r"has no train split: its files are all named after held-out splits \(test.jsonl\)"):
+        conversation_data.load_rows(str(tmp_path / "rows"))
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows"), split="test")] == ["held"]

@@ -56,9 +56,18 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
 
 def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
     """The data files under a folder, hidden ones (and those in hidden folders) left out; a folder named like a data
-    file (Spark's `train.parquet/` of part files) is no file, its parts are."""
-    return sorted(file for file in path.rglob("*")
-                  if file.suffix in LOCAL_FORMATS and not hidden_in(file, path) and file.is_file())
+    file (Spark's `train.parquet/` of part files) is no file, its parts are. Symlinked folders are walked (a split's
+    `train/` linked from elsewhere), each real folder once and none that holds `path` itself (a link back up)."""
+    root, files, seen = path.resolve(), [], set()
+    for folder, folders, names in path.walk(follow_symlinks=True):
+        real = folder.resolve()
+        if real in seen or (real != root and root.is_relative_to(real)):
+            folders.clear()
+            continue
+        seen.add(real)
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        files += [folder / name for name in names if pathlib.Path(name).suffix in LOCAL_FORMATS and not name.startswith(".")]
+    return sorted(files)
 
 
 def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
@@ -118,6 +127,10 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
                         f"files of one of those formats; found {[file.name for file in files]}.")
+    broken = [str(file.relative_to(path)) for file in files if not file.exists()]
+    if broken:
+        raise UserError(f"data.path {str(path)!r}: {broken[0]} is a symlink to nothing ({file_target(path / broken[0])}). "
+                        "Fix the link, or remove it.")
     empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
@@ -130,6 +143,11 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
         reason = (formats == {"parquet"} and first_bad_file(files)) or innermost_reason(error)
         raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
                         "data.path to another one.") from None
+
+
+def file_target(link: pathlib.Path) -> str:
+    """Where a symlink points, as it is written."""
+    return str(link.readlink()) if link.is_symlink() else "missing"
 
 
 def undecodable_line(files: list[pathlib.Path]) -> str | None:

@@ -609,3 +609,18 @@ def test_a_folder_of_held_out_files_alone_has_no_training_split(tmp_path):
     with pytest.raises(UserError, match=r"has no train split: its files are all named after held-out splits \(test.jsonl\)"):
         conversation_data.load_rows(str(tmp_path / "rows"))
     assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows"), split="test")] == ["held"]
+
+
+def test_a_symlinked_folder_in_a_data_folder_is_read(tmp_path):
+    """A split folder that is a symlink (data/train -> the rows elsewhere) was not entered: the training split read
+    only the folder's other files (['extra'] here), unsaid. A link back up the tree is not walked again."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "part-0.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "linked"}) + "\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "data" / "extra.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "extra"}) + "\n")
+    (tmp_path / "data" / "up").symlink_to(tmp_path)
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "data"))] == ["linked"]
+    (tmp_path / "data" / "train" / "gone.jsonl").symlink_to(tmp_path / "absent.jsonl")
+    with pytest.raises(UserError, match=r"train/gone.jsonl is a symlink to nothing \(.*absent.jsonl\)"):
+        conversation_data.load_rows(str(tmp_path / "data"))

@@ -5,6 +5,7 @@ import logging
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -624,3 +625,22 @@ def test_a_symlinked_folder_in_a_data_folder_is_read(tmp_path):
     (tmp_path / "data" / "train" / "gone.jsonl").symlink_to(tmp_path / "absent.jsonl")
     with pytest.raises(UserError, match=r"train/gone.jsonl is a symlink to nothing \(.*absent.jsonl\)"):
         conversation_data.load_rows(str(tmp_path / "data"))
+
+
+def test_a_broken_held_out_file_of_the_data_folder_is_refused_not_skipped(tmp_path, caplog):
+    """A folder's test.jsonl with a line that is not JSON only skipped evaluation with a warning ("no held-out split
+    found, so evaluation is skipped"), and the run trained on: the file is there, it is broken. A folder without
+    test* files still skips evaluation."""
+    from data.prompts import held_out_split
+
+    row = json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n"
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "train.jsonl").write_text(row)
+    data = types.SimpleNamespace(path=str(tmp_path / "rows"), eval_path="", eval_split="test", train_split="train")
+    load = lambda path, split: conversation_data.load_rows(path, split=split)  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        assert held_out_split(data, load) is None
+    assert "evaluation is skipped" in caplog.text
+    (tmp_path / "rows" / "test.jsonl").write_text(row + "{broken\n")
+    with pytest.raises(UserError, match=r"test.jsonl, line 2, is not JSON"):
+        held_out_split(data, load)

@@ -135,7 +135,7 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
     try:
-        return json_rows(files) if formats == {"json"} else parquet_rows(files)
+        return json_rows(path, files) if formats == {"json"} else parquet_rows(files)
     except UnicodeDecodeError as error:
         raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({undecodable_line(files) or error}). Re-encode "
                         "it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
@@ -174,12 +174,13 @@ def parquet_rows(files: list[pathlib.Path]) -> list[dict]:
             datasets.enable_progress_bars()
 
 
-def json_rows(files: list[pathlib.Path]) -> list[dict]:
+def json_rows(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     """The rows of .json / .jsonl files as Python's JSON reader gives them, each row with every column of the files
     (None where it has none, as a table gives them); BadRows when one is not rows of objects or their columns
     differ. Not `datasets`' reader: a column of mixed types it keeps as JSON text and reads back as JSON, so a row's
-    text "2", "null" or "true" came back as 2, None or True once another row gave a number there."""
-    tables = {file.name: json_file_rows(file) for file in files}
+    text "2", "null" or "true" came back as 2, None or True once another row gave a number there. `path`: the file
+    or folder data.path names; a folder's files are told apart by their path in it."""
+    tables = {str(file.relative_to(path)) if path.is_dir() else file.name: json_file_rows(file) for file in files}
     columns = {name: list(dict.fromkeys(key for row in rows for key in row)) for name, rows in tables.items()}
     reason = differing_columns({name: sorted(names) for name, names in columns.items()})
     if reason:

@@ -644,3 +644,15 @@ def test_a_broken_held_out_file_of_the_data_folder_is_refused_not_skipped(tmp_pa
     (tmp_path / "rows" / "test.jsonl").write_text(row + "{broken\n")
     with pytest.raises(UserError, match=r"test.jsonl, line 2, is not JSON"):
         held_out_split(data, load)
+
+
+def test_json_files_of_one_name_in_two_folders_are_both_read(tmp_path):
+    """Files are told apart by their path in the folder, not their name (part-0.jsonl in two shard folders)."""
+    for shard, answer in (("a", "2"), ("b", "4")):
+        (tmp_path / "rows" / "train" / shard).mkdir(parents=True)
+        (tmp_path / "rows" / "train" / shard / "part-0.jsonl").write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows"))] == ["2", "4"]
+    (tmp_path / "rows" / "train" / "b" / "part-0.jsonl").write_text(json.dumps({"prompt": "q", "answer": "4"}) + "\n")
+    with pytest.raises(UserError, match=r"its files' columns differ: train/a/part-0.jsonl has \['answer', 'question'\], "
+                                        r"train/b/part-0.jsonl has \['answer', 'prompt'\]"):
+        conversation_data.load_rows(str(tmp_path / "rows"))

@@ -190,6 +190,11 @@ class TrainingChecks:
                 f"`data.path` is empty{f' ({self.data.path!r})' if self.data.path else ''}: the data would be read "
                 "from the current directory. Set `--data.path` to a json/jsonl/parquet file or a folder of them, a hub "
                 "dataset name, or a bundled set (`arithmetic`).")
+        for key in ("train_split", "eval_split"):
+            split = getattr(self.data, key)
+            require(split.strip(), f"`data.{key}` is empty{f' ({split!r})' if split else ''}: a folder's every file (its "
+                    f"held-out ones too) would be read as it. Set `--data.{key}` to the split's name (`train`, `test`, a "
+                    "hub set's split).")
         require(self.data.eval_path or self.data.train_split != self.data.eval_split,
                  f"`data.train_split` and `data.eval_split` are both `{self.data.eval_split}`: the held-out figures "
                  "would be measured on the training rows. Set `--data.eval_split` to another split, or point "

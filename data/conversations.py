@@ -144,10 +144,21 @@ def check_columns(rows: list[dict], *, prompt_field: str, response_field: str, m
     columns = sorted({key for row in rows for key in row})
     wanted = {"data.messages_field": messages_field} if messages_field else {
         "data.prompt_field": prompt_field, "data.response_field": response_field}
+    chat = [column for column in columns if any(holds_messages(row.get(column)) for row in rows[:100])]
     for key, field in wanted.items():
         if field not in columns:
-            raise UserError(f"{key} is {field!r}, but {source} has no such column; its columns are {columns}. "
-                            f"Set {key} to one of them (it names the column of the training and held-out data alike).")
+            hint = (f" The column {chat[0]!r} holds chat messages: set data.messages_field={chat[0]} to read them."
+                    if chat and not messages_field else
+                    " The rows have the data.prompt_field and data.response_field columns "
+                    f"({prompt_field!r}, {response_field!r}): leave data.messages_field unset to read them."
+                    if messages_field and {prompt_field, response_field} <= set(columns) else "")
+            raise UserError(f"{key} is {field!r}, but {source} has no such column; its columns are {columns}.{hint} "
+                            f"{'Or set' if hint else 'Set'} {key} to one of them (it names the column of the training and held-out data alike).")
+
+
+def holds_messages(value) -> bool:
+    """Whether a row's value is a list of chat messages (dicts with a role), as `data.messages_field` reads."""
+    return isinstance(value, list) and bool(value) and all(isinstance(item, dict) and "role" in item for item in value)
 
 
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",

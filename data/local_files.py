@@ -2,6 +2,7 @@
 loader reads them), and reading them into rows, with a paragraph naming the file when one cannot be read.
 """
 
+import contextlib
 import json
 import pathlib
 import re
@@ -42,15 +43,31 @@ def load_local(path: pathlib.Path, split: str, held_out: bool) -> list[dict]:
     """Load a local data file, or the files in a folder (hidden ones, such as `.ipynb_checkpoints/`, left out): those
     named after `split`, or in a folder so named; for the training split, when none is, every file not named after a
     held-out split (`HELD_OUT_NAME`), nor in a folder so named. A folder without files of a held-out split has no
-    such split: a UserError."""
+    such split: a UserError, as is a folder `datasets`' save_to_disk wrote (Arrow files beside .json metadata)."""
     if not path.is_dir():
         return read_files(path, [path])
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file() and any(path.glob("*.arrow")):
+        raise UserError(f"data.path {str(path)!r} is a folder written by `datasets`' save_to_disk: its Arrow files are "
+                        "not read here, and its .json files are metadata, not rows. Write the rows as Parquet "
+                        "(`datasets.load_from_disk(folder).to_parquet('train.parquet')`; a DatasetDict's each split "
+                        "to its own `<split>.parquet` in one folder) and set data.path to that file or folder.")
     return read_files(path, split_files(path, folder_files(path), split, held_out))
 
 
 def folder_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The data files under a folder, hidden ones (and those in hidden folders) left out."""
-    return sorted(file for file in path.rglob("*") if file.suffix in LOCAL_FORMATS and not hidden_in(file, path))
+    """The data files under a folder, hidden ones (and those in hidden folders) left out; a folder named like a data
+    file (Spark's `train.parquet/` of part files) is no file, its parts are. Symlinked folders are walked (a split's
+    `train/` linked from elsewhere), each real folder once and none that holds `path` itself (a link back up)."""
+    root, files, seen = path.resolve(), [], set()
+    for folder, folders, names in path.walk(follow_symlinks=True):
+        real = folder.resolve()
+        if real in seen or (real != root and root.is_relative_to(real)):
+            folders.clear()
+            continue
+        seen.add(real)
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        files += [folder / name for name in names if pathlib.Path(name).suffix in LOCAL_FORMATS and not name.startswith(".")]
+    return sorted(files)
 
 
 def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
@@ -60,8 +77,9 @@ def hidden_in(file: pathlib.Path, folder: pathlib.Path) -> bool:
 
 def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_out: bool) -> list[pathlib.Path]:
     """Which of a folder's data `files` one split reads (`load_local`)."""
-    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, and a
-    # folder of training files alone must not pass them off as held-out ones.
+    # A folder holding train.jsonl and test.jsonl, or train/ and test/ folders, must not mix the two splits, a
+    # folder of training files alone must not pass them off as held-out ones, nor one of held-out files alone as
+    # training ones.
     hub = {file: hub_split(file, path) for file in files}
     named = [file for file in files if hub[file] == split
              or hub[file] is None and any(name.startswith(split) for name in split_names(file, path))]
@@ -80,7 +98,12 @@ def split_files(path: pathlib.Path, files: list[pathlib.Path], split: str, held_
         raise UserError(f"data.path {str(path)!r} has no {split} split: none of its files, nor a folder they are in, "
                         f"is named {split}*{hint}. Or set data.eval_path to a file of held-out rows.")
     training = [file for file in files if not any(HELD_OUT_NAME.match(name) for name in split_names(file, path))]
-    return named or training or files
+    if files and not named and not training:  # they would be trained on, and evaluated on as the held-out split
+        raise UserError(f"data.path {str(path)!r} has no {split} split: its files are all named after held-out splits "
+                        f"({', '.join(str(file.relative_to(path)) for file in files[:3])}). Name the training rows' file "
+                        f"{split}.jsonl (or put them in a {split}/ folder), or set data.path to the file itself (a "
+                        "single file's rows are all training rows).")
+    return named or training
 
 
 def reads_any(folder: pathlib.Path, written: list[pathlib.Path], splits: list[tuple[str, bool]]) -> bool:
@@ -104,60 +127,170 @@ def read_files(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
     if not files or len(formats) != 1 or None in formats:
         raise UserError(f"data.path {str(path)!r} must be a .json, .jsonl or .parquet file, or a folder holding "
                         f"files of one of those formats; found {[file.name for file in files]}.")
+    broken = [str(file.relative_to(path)) for file in files if not file.exists()]
+    if broken:
+        raise UserError(f"data.path {str(path)!r}: {broken[0]} is a symlink to nothing ({file_target(path / broken[0])}). "
+                        "Fix the link, or remove it.")
     empty = [file.name for file in files if file.stat().st_size < 4096 and not file.read_bytes().strip()]
     if empty:
         raise UserError(f"data.path {str(path)!r}: {', '.join(empty)} is empty. Fix the file, or set data.path to another one.")
+    try:
+        return json_rows(path, files) if formats == {"json"} else parquet_rows(files)
+    except UnicodeDecodeError as error:
+        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({undecodable_line(files) or error}). Re-encode "
+                        "it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
+    except Exception as error:
+        reason = (formats == {"parquet"} and first_bad_file(files)) or innermost_reason(error)
+        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
+                        "data.path to another one.") from None
+
+
+def file_target(link: pathlib.Path) -> str:
+    """Where a symlink points, as it is written."""
+    return str(link.readlink()) if link.is_symlink() else "missing"
+
+
+def undecodable_line(files: list[pathlib.Path]) -> str | None:
+    """The first line of the files that is not UTF-8, with the file's name, its number and why; None when none is."""
+    for file in files:
+        for number, line in enumerate(file.read_bytes().split(b"\n"), 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"{file.name}, line {number}: {error}"
+    return None
+
+
+def parquet_rows(files: list[pathlib.Path]) -> list[dict]:
+    """The rows of Parquet files, read as one table."""
     import datasets
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
     try:
-        return datasets.load_dataset(formats.pop(), data_files=[str(file) for file in files], split="train").to_list()
-    except UnicodeDecodeError as error:
-        raise UserError(f"data.path {str(path)!r} is not UTF-8 text ({error}). Re-encode it as UTF-8 (e.g. "
-                        "`iconv -f latin1 -t utf-8`), or set data.path to another file.") from None
-    except Exception as error:
-        reason = first_bad_file(files) or innermost_reason(error)
-        raise UserError(f"data.path {str(path)!r} could not be read as a table ({reason}). Fix the file, or set "
-                        "data.path to another one.") from None
+        return datasets.load_dataset("parquet", data_files=[str(file) for file in files], split="train").to_list()
     finally:
         if shown:
             datasets.enable_progress_bars()
 
 
+def json_rows(path: pathlib.Path, files: list[pathlib.Path]) -> list[dict]:
+    """The rows of .json / .jsonl files as Python's JSON reader gives them, each row with every column of the files
+    (None where it has none, as a table gives them); BadRows when one is not rows of objects or their columns
+    differ. Not `datasets`' reader: a column of mixed types it keeps as JSON text and reads back as JSON, so a row's
+    text "2", "null" or "true" came back as 2, None or True once another row gave a number there. `path`: the file
+    or folder data.path names; a folder's files are told apart by their path in it."""
+    tables = {str(file.relative_to(path)) if path.is_dir() else file.name: json_file_rows(file) for file in files}
+    columns = {name: list(dict.fromkeys(key for row in rows for key in row)) for name, rows in tables.items()}
+    reason = differing_columns({name: sorted(names) for name, names in columns.items()})
+    if reason:
+        raise BadRows(reason)
+    names = list(dict.fromkeys(name for file_columns in columns.values() for name in file_columns))
+    rows = [row for file_rows in tables.values() for row in file_rows]
+    for row in rows:  # in place: a copy of every row would double the rows' memory while it is made
+        for name in names:
+            row.setdefault(name, None)
+    return rows
+
+
+class BadRows(ValueError):
+    """Why a data file is not rows of JSON objects, naming the file (and the line or element)."""
+
+
+class RepeatedKey(ValueError):
+    """A JSON object that gives a key twice (Python's reader would keep the last one given)."""
+
+
+def unique_object(pairs: list[tuple]) -> dict:
+    """A JSON object's pairs as a dict; RepeatedKey when one key comes twice."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RepeatedKey(f"gives the key {key!r} twice")
+        seen.add(key)
+    return dict(pairs)
+
+
+def json_kind(value) -> str:
+    """The JSON name of a value's kind, as the errors give it (`null`, else the Python type: int, list, str)."""
+    return "null" if value is None else type(value).__name__
+
+
+def json_file_rows(file: pathlib.Path) -> list[dict]:
+    """A .json or .jsonl file's rows; BadRows for a line or an array's element that is not a JSON object, a key given
+    twice, or no rows at all. A .json file is one JSON document (an array of objects, or one object) or JSON lines,
+    as is a .jsonl file that opens with `[` (as the hub's loader reads both); a blank line is no row; an empty object
+    is a row (of no columns, dropped and counted where it is read)."""
+    rows, lines = None, None
+    with open(file, encoding="utf-8-sig") as start:
+        array = start.read(4096).lstrip().startswith("[")
+    if file.suffix == ".json" or array:
+        text = file.read_text(encoding="utf-8-sig")
+        try:
+            whole = json.loads(text, object_pairs_hook=unique_object)
+        except RepeatedKey as error:
+            raise BadRows(f"{file.name} {error}") from None
+        except ValueError as error:
+            if array:
+                raise BadRows(f"{file.name} is not JSON: {error}") from None
+            lines = text.split("\n")  # JSON lines in a .json file; not splitlines, as JSON text may hold U+2028
+        else:
+            rows = whole if isinstance(whole, list) else [whole]
+            other = next(((number, row) for number, row in enumerate(rows, 1) if not isinstance(row, dict)), None)
+            if other and isinstance(whole, list):
+                raise BadRows(f"{file.name}, element {other[0]}, is a JSON {json_kind(other[1])}, not an object")
+            if other:
+                raise BadRows(f"{file.name} is a JSON {json_kind(whole)}, not an object or a list of objects")
+    if rows is None:
+        rows = []
+        with contextlib.nullcontext(lines) if lines is not None else open(file, encoding="utf-8-sig") as numbered:
+            for number, line in enumerate(numbered, 1):
+                if line.strip():
+                    rows.append(json_line_row(file, number, line))
+    if not any(rows):
+        raise BadRows(f"{file.name} holds no rows")
+    return rows
+
+
+def json_line_row(file: pathlib.Path, number: int, line: str) -> dict:
+    """Line `number` of a JSON lines `file` as a row; BadRows, naming the line, when it is not a JSON object."""
+    try:
+        row = json.loads(line, object_pairs_hook=unique_object)
+    except RepeatedKey as error:
+        raise BadRows(f"{file.name}, line {number}, {error}") from None
+    except ValueError as error:
+        raise BadRows(f"{file.name}, line {number}, is not JSON: {error}") from None
+    if not isinstance(row, dict):
+        raise BadRows(f"{file.name}, line {number}, is a JSON {json_kind(row)}, not an object")
+    return row
+
+
 def first_bad_file(files: list[pathlib.Path]) -> str | None:
-    """Which of the data files the table reader failed on, and why, or None when none shows a fault: a JSON lines
-    line that is not a JSON object, a Parquet file that is damaged or holds no rows, or files whose columns differ
-    (a folder's files are read as one table). Read only after a failure, so a large set pays nothing for it."""
+    """Which of the Parquet files the table reader failed on, and why, or None when none shows a fault: a file that
+    is damaged or holds no rows, or files whose columns differ (a folder's files are read as one table). Read only
+    after a failure, so a large set pays nothing for it."""
     import pyarrow.parquet
 
     columns = {}
     for file in files:
-        if file.suffix == ".parquet":
-            try:
-                metadata = pyarrow.parquet.read_metadata(file)
-            except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
-                return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
-            if metadata.num_rows == 0:
-                return f"{file.name} holds no rows"
-            columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
-        elif file.suffix == ".jsonl":
-            with open(file, encoding="utf-8-sig", errors="replace") as lines:
-                for number, line in enumerate(lines, 1):
-                    try:
-                        row = json.loads(line) if line.strip() else {}
-                    except ValueError as error:
-                        return f"{file.name}, line {number}, is not JSON: {error}"
-                    if not isinstance(row, dict):
-                        return f"{file.name}, line {number}, is a JSON {type(row).__name__}, not an object"
-                    if file.name not in columns and row:
-                        columns[file.name] = sorted(row)
+        try:
+            metadata = pyarrow.parquet.read_metadata(file)
+        except Exception as error:  # noqa: BLE001 - pyarrow's reasons are several classes; each is the user's file
+            return f"{file.name} is not a readable Parquet file: {innermost_reason(error)}"
+        if metadata.num_rows == 0:
+            return f"{file.name} holds no rows"
+        columns[file.name] = sorted(metadata.schema.to_arrow_schema().names)
+    return differing_columns(columns)
+
+
+def differing_columns(columns: dict[str, list[str]]) -> str | None:
+    """Why files of these (sorted) `columns` by name cannot be one table, or None when all have the same."""
     differing = [(name, names) for name, names in columns.items() if names != next(iter(columns.values()))]
-    if differing:
-        (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
-        return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
-                "are read as one table, so give them the same columns or point data.path at one kind")
-    return None
+    if not differing:
+        return None
+    (first, first_names), (other, other_names) = next(iter(columns.items())), differing[0]
+    return (f"its files' columns differ: {first} has {first_names}, {other} has {other_names}; a folder's files "
+            "are read as one table, so give them the same columns or point data.path at one kind")
 
 
 def innermost_reason(error: BaseException) -> str:

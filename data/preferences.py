@@ -5,6 +5,7 @@ the chat template renders it (`render`), or, for plain text with no prompt, that
 """
 
 import dataclasses
+import logging
 
 import torch
 
@@ -13,6 +14,8 @@ from config.sections import PreferenceDataConfig
 from data import conversations as conversation_data, encode
 from data.conversations import DropReport
 from data.sft import unrendered
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -90,15 +93,19 @@ def check_columns(rows: list[dict], data, path: str, split: str) -> bool:
 def load_pairs(path: str, split: str, data, tokenizer) -> tuple[list[Pair], DropReport]:
     """The rows of `path` (`data.path`'s forms) as tokenized pairs, each offering its row's `tools` (as SFT reads them);
     rows whose sides or tools are missing, malformed, alike or longer than `data.max_seq_len` are dropped and counted
-    (a UserError when none is left)."""
+    (a UserError when none is left), as are text sides without the prompt the set's prompt column gives others."""
     rows = conversation_data.load_split(data, path, split)
     has_prompt = check_columns(rows, data, path, split)
     report, pairs = DropReport(rows_read=len(rows)), []
     for index, row in enumerate(rows):
         prompt = row.get(data.prompt_field) if has_prompt else None
         tools, tools_problem = conversation_data.row_tools(row.get("tools"))
-        sides = [render(prompt, row.get(name), tokenizer, tools) for name in (data.chosen_field, data.rejected_field)]
-        problem = tools_problem or next((side for side in sides if isinstance(side, str)), None)
+        given = [row.get(name) for name in (data.chosen_field, data.rejected_field)]
+        sides = [render(prompt, side, tokenizer, tools) for side in given]
+        # A set with a prompt column whose row has none: its text sides would be scored as bare text.
+        unprompted = has_prompt and prompt is None and any(isinstance(side, str) for side in given)
+        problem = (tools_problem or (f"missing {data.prompt_field!r}" if unprompted else None)
+                   or next((side for side in sides if isinstance(side, str)), None))
         reason = (problem if problem
                   else "chosen and rejected alike" if sides[0] == sides[1]
                   else f"longer than data.max_seq_len={data.max_seq_len}" if max(map(len, sides)) > data.max_seq_len
@@ -132,8 +139,13 @@ def collate_sides(sides: list[list[int]], seq_len: int, pad_id: int) -> dict:
 
 
 def held_out_pairs(data, tokenizer) -> list[Pair]:
-    """The held-out pairs: `data.eval_path`, else the test split of `data.path`; none when it has no test split."""
+    """The held-out pairs: `data.eval_path`, else the test split of `data.path`; none when it has no test split. Its
+    start-up line counts the pairs used and dropped, as the training split's does."""
     from data import prompts as prompt_data
 
-    loaded = prompt_data.held_out_split(data, lambda path, split: load_pairs(path, split, data, tokenizer)[0])
-    return loaded or []
+    def load(path: str, split: str) -> list[Pair]:
+        pairs, report = load_pairs(path, split, data, tokenizer)
+        log.info("pairs %s (%s): %d used; %s", path, split, len(pairs), report.summary())
+        return pairs
+
+    return prompt_data.held_out_split(data, load) or []

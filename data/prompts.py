@@ -198,20 +198,34 @@ def held_out_split(data, load):
     """`load(path, split)` of the held-out data: `data.eval_split` of `data.eval_path`, else of `data.path`, else None.
 
     A missing test split of `data.path` only skips evaluation (said as a warning); a single local file has none (its
-    rows are the training rows); a bad `data.eval_path` is the user's error.
+    rows are the training rows); a bad `data.eval_path`, or a broken held-out file of the folder `data.path`, is the
+    user's error.
     """
     refuse_held_out_files_trained_on(data)
-    if not data.eval_path and pathlib.Path(data.path).expanduser().is_file():
+    local = pathlib.Path(data.path).expanduser()
+    if not data.eval_path and local.is_file():
         log.warning("no held-out split in %s (one file: its rows are the training rows): evaluation is skipped; set "
                     "data.eval_path to held-out rows, or make data.path a folder with train* and test* files", data.path)
         return None
+    # A folder that has the split's files: an error in reading them is theirs, not a missing split.
+    has_split = not data.eval_path and data.path not in BUNDLED_DATA and local.is_dir() and held_out_files(local, data)
     try:
         return load(data.eval_path or data.path, data.eval_split)
     except UserError as error:
         if data.eval_path:  # the loaders name data.path; here the file is data.eval_path's
             raise UserError(str(error).replace("data.path", "data.eval_path")) from None
+        if has_split:
+            raise
         log.warning("no held-out split found, so evaluation is skipped: %s", error)
         return None
+
+
+def held_out_files(folder: pathlib.Path, data) -> bool:
+    """Whether the data folder `folder` has files of the held-out split `data.eval_split`."""
+    try:
+        return bool(local_files.split_files(folder, local_files.folder_files(folder), data.eval_split, True))
+    except UserError:  # no such split
+        return False
 
 
 def refuse_held_out_files_trained_on(data) -> None:

@@ -5,6 +5,7 @@ import logging
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -36,6 +37,10 @@ def make(**changes) -> SFTConfig:
     ({"ckpt.keep_last": 0}, "`ckpt.keep_last` must be at least 1"),
     # Trained on (and for GRPO, rewarded against) the prompt's own text.
     ({"data.prompt_field": "answer"}, "`data.prompt_field` and `data.response_field` are both `answer`: every prompt would hold its own answer"),
+    # Every file's name starts with "": a folder's training split read its test.jsonl too, and the held-out split its
+    # train.jsonl (train rows ['test', 'train'], or held-out rows ['test', 'train'], without a word).
+    ({"data.train_split": ""}, "`data.train_split` is empty: a folder's every file (its held-out ones too) would be read as it"),
+    ({"data.eval_split": " "}, "`data.eval_split` is empty (' '): a folder's every file"),
 ])
 def test_settings_are_checked_before_anything_runs(changes, expected):
     with pytest.raises(UserError) as error:
@@ -67,6 +72,13 @@ def test_a_non_utf8_data_file_names_the_file(tmp_path):
     with pytest.raises(UserError) as error:
         conversation_data.load_rows(str(bad))
     assert f"data.path '{bad}' is not UTF-8 text" in str(error.value) and "iconv" in str(error.value)
+    # In a folder, the file and its line (it said only the folder, and a byte position within a read buffer).
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "rows" / "b.jsonl").write_bytes(b'{"question": "1", "answer": "2"}\n' + bad.read_bytes())
+    with pytest.raises(UserError, match=r"is not UTF-8 text \(b.jsonl, line 2: 'utf-8' codec can't decode byte 0xe9 in "
+                                        r"position 17"):
+        conversation_data.load_rows(str(tmp_path / "rows"))
 
 
 def test_an_empty_data_file_says_it_is_empty(tmp_path):
@@ -524,3 +536,123 @@ def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
     assert re.search(r"but rank 1 on .+ read other contents from `model.path=tiny` than rank 0 did", model)
     assert re.fullmatch(r"Every rank must run global rank 0's settings, but rank 1 on .+ was started with "
                         r"`optim.lr=0.0002` \(rank 0: 0.0001\)\. Start every node with the same command.*", settings)
+
+
+def test_a_json_file_of_no_rows_or_other_values_names_what_it_holds(tmp_path):
+    """A .json file's array element that is not an object, a file of one number, an empty array, lines of empty objects
+    and a JSON lines line giving a key twice name what is wrong (they said "Column() changed from object to string in
+    row 0", "DataFrame constructor not properly called!", "Instruction \"train\" corresponds to no data!", "Trailing
+    data at position 57")."""
+    rows = [{"question": "1 + 1?", "answer": "2"}]
+    checks = {"element.json": (json.dumps(rows + [5]), "element.json, element 2, is a JSON int, not an object"),
+              "number.json": ("5", "number.json is a JSON int, not an object or a list of objects"),
+              "array.json": ("[]", "array.json holds no rows"),
+              "objects.jsonl": ("{}\n{}\n", "objects.jsonl holds no rows"),
+              "twice.jsonl": (json.dumps(rows[0]) + '\n{"question": "a", "answer": "b", "answer": "c"}\n',
+                              "twice.jsonl, line 2, gives the key 'answer' twice")}
+    for name, (text, expected) in checks.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError, match=f"could not be read as a table \\({re.escape(expected)}\\)"):
+            conversation_data.load_rows(str(tmp_path / name))
+
+
+def test_a_save_to_disk_folder_is_refused_with_how_to_write_rows(tmp_path):
+    """A `datasets` save_to_disk folder (Arrow shards beside dataset_info.json and state.json) is named as such: its
+    metadata .json files were read as data ("Couldn't cast _data_files: list<item: struct<filename: string>> ...")."""
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "1 + 1?", "answer": "2"}]).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(UserError, match=r"is a folder written by `datasets`' save_to_disk.*to_parquet"):
+        conversation_data.load_rows(str(tmp_path / "saved"))
+
+
+def test_json_rows_come_back_as_written_when_a_column_mixes_types(tmp_path):
+    """One row's number in a column of text made `datasets` keep the column as JSON text, and its reading back turned
+    every other row's text that parses as JSON into that value: "2" became 2, "007" 7, "null" None, "true" True, "[1]"
+    [1], so those rows were dropped as "'answer' not a string (int)" (all 5 here) though the file gives strings."""
+    answers = ["2", "007", "null", "true", "[1]", 5]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"question": "q", "answer": answer}) + "\n" for answer in answers))
+    (tmp_path / "mixed.json").write_text(json.dumps([{"question": "q", "answer": answer} for answer in answers]))
+    for name in ("mixed.jsonl", "mixed.json"):
+        rows = conversation_data.load_rows(str(tmp_path / name))
+        assert [row["answer"] for row in rows] == answers
+        _, report = conversation_data.to_conversations(rows)
+        assert (report.used, dict(report.dropped_by_reason)) == (5, {"'answer' not a string (int)": 1})
+
+
+def test_a_json_lines_file_holding_one_array_of_rows_is_read(tmp_path):
+    """A .jsonl file of one JSON array (over several lines) is read as the .json form, as the hub's loader reads it."""
+    (tmp_path / "rows.jsonl").write_text('[{"question": "1 + 1?", "answer": "2"},\n {"question": "2 + 2?", "answer": "4"}]\n')
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows.jsonl"))] == ["2", "4"]
+
+
+def test_a_folder_named_like_a_data_file_is_read_as_the_folder_of_its_parts(tmp_path):
+    """Spark writes `train.parquet/` as a folder of part files: the folder was taken for a file of the split, and
+    reading it said "train.parquet is not a readable Parquet file: [Errno 21] Is a directory" (a JSON lines folder so
+    named said the same, a Parquet reason for a JSON file)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    (tmp_path / "spark" / "train.parquet").mkdir(parents=True)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "1 + 1?", "answer": "2"}]),
+                                tmp_path / "spark" / "train.parquet" / "part-00000.parquet")
+    (tmp_path / "lines" / "train.jsonl").mkdir(parents=True)
+    (tmp_path / "lines" / "train.jsonl" / "part-0.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "4"}) + "\n")
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "spark"))] == ["2"]
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "lines"))] == ["4"]
+
+
+def test_a_folder_of_held_out_files_alone_has_no_training_split(tmp_path):
+    """A folder holding only test.jsonl trained on it, and its test split evaluated on the same rows, without a word
+    (train and held-out rows both ['held']); the hub's loader has no train split there either."""
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "test.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "held"}) + "\n")
+    with pytest.raises(UserError, match=r"has no train split: its files are all named after held-out splits \(test.jsonl\)"):
+        conversation_data.load_rows(str(tmp_path / "rows"))
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows"), split="test")] == ["held"]
+
+
+def test_a_symlinked_folder_in_a_data_folder_is_read(tmp_path):
+    """A split folder that is a symlink (data/train -> the rows elsewhere) was not entered: the training split read
+    only the folder's other files (['extra'] here), unsaid. A link back up the tree is not walked again."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "part-0.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "linked"}) + "\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "data" / "extra.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "extra"}) + "\n")
+    (tmp_path / "data" / "up").symlink_to(tmp_path)
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "data"))] == ["linked"]
+    (tmp_path / "data" / "train" / "gone.jsonl").symlink_to(tmp_path / "absent.jsonl")
+    with pytest.raises(UserError, match=r"train/gone.jsonl is a symlink to nothing \(.*absent.jsonl\)"):
+        conversation_data.load_rows(str(tmp_path / "data"))
+
+
+def test_a_broken_held_out_file_of_the_data_folder_is_refused_not_skipped(tmp_path, caplog):
+    """A folder's test.jsonl with a line that is not JSON only skipped evaluation with a warning ("no held-out split
+    found, so evaluation is skipped"), and the run trained on: the file is there, it is broken. A folder without
+    test* files still skips evaluation."""
+    from data.prompts import held_out_split
+
+    row = json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n"
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "train.jsonl").write_text(row)
+    data = types.SimpleNamespace(path=str(tmp_path / "rows"), eval_path="", eval_split="test", train_split="train")
+    load = lambda path, split: conversation_data.load_rows(path, split=split)  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        assert held_out_split(data, load) is None
+    assert "evaluation is skipped" in caplog.text
+    (tmp_path / "rows" / "test.jsonl").write_text(row + "{broken\n")
+    with pytest.raises(UserError, match=r"test.jsonl, line 2, is not JSON"):
+        held_out_split(data, load)
+
+
+def test_json_files_of_one_name_in_two_folders_are_both_read(tmp_path):
+    """Files are told apart by their path in the folder, not their name (part-0.jsonl in two shard folders)."""
+    for shard, answer in (("a", "2"), ("b", "4")):
+        (tmp_path / "rows" / "train" / shard).mkdir(parents=True)
+        (tmp_path / "rows" / "train" / shard / "part-0.jsonl").write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+    assert [row["answer"] for row in conversation_data.load_rows(str(tmp_path / "rows"))] == ["2", "4"]
+    (tmp_path / "rows" / "train" / "b" / "part-0.jsonl").write_text(json.dumps({"prompt": "q", "answer": "4"}) + "\n")
+    with pytest.raises(UserError, match=r"its files' columns differ: train/a/part-0.jsonl has \['answer', 'question'\], "
+                                        r"train/b/part-0.jsonl has \['answer', 'prompt'\]"):
+        conversation_data.load_rows(str(tmp_path / "rows"))

@@ -4,6 +4,7 @@ and what GRPO asks of a reward model (`grpo.reward_model`) before it is built.""
 
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -91,6 +92,35 @@ def test_pairs_are_read_in_every_form_the_preference_sets_use(tokenizer, tmp_pat
     with pytest.raises(UserError, match="`data.prompt_field` is 'question', but .* has no such column"):
         preferences.load_pairs(str(tmp_path / "explicit"), "train", dataclasses.replace(data, prompt_field="question"),
                                tokenizer)
+
+
+def test_a_row_without_the_prompt_its_set_gives_is_dropped_not_scored_as_bare_text(tokenizer, tmp_path):
+    """A row of a set with a prompt column whose prompt is null or absent, with text sides: it was scored as the bare
+    texts (`2<|im_end|>` beside the other rows' whole chat renderings), and counted as used."""
+    rows = [{"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": None, "chosen": "2", "rejected": "3"},
+            {"chosen": "4", "rejected": "5"},
+            {"prompt": None, "chosen": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}],
+             "rejected": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "5"}]}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs, report = preferences.load_pairs(str(tmp_path / "pairs.jsonl"), "train", PreferenceDataConfig(), tokenizer)
+    assert (len(pairs), report.dropped_by_reason, [row for row, _ in report.first_drops]) == (
+        2, {"missing 'prompt'": 2}, [1, 2])
+    assert all(tokenizer.decode(pair.chosen).startswith("<|im_start|>user") for pair in pairs)
+
+
+def test_held_out_pairs_dropped_are_counted_in_a_start_up_line(tokenizer, tmp_path, caplog):
+    """The held-out split's malformed and alike pairs were dropped without a word (only the training split's line
+    counted its drops), so the held-out accuracy was measured on fewer pairs than the file gives, unsaid."""
+    rows = [{"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "1 + 1?", "chosen": "2", "rejected": "2"},
+            {"prompt": "1 + 1?", "chosen": None, "rejected": "3"}]
+    (tmp_path / "pairs").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level(logging.INFO):
+        pairs = preferences.held_out_pairs(PreferenceDataConfig(path=str(tmp_path / "pairs")), tokenizer)
+    assert len(pairs) == 1
+    assert (f"pairs {tmp_path / 'pairs'} (test): 1 used; 1 of 3 rows used, 2 dropped (chosen and rejected alike: 1, "
+            "malformed or missing side: 1)") in caplog.text
 
 
 def test_the_scored_position_is_the_last_token_that_is_not_padding_as_transformers_pools():

@@ -674,6 +674,18 @@ def test_unknown_field_names_the_key_and_the_existing_columns():
         to_conversations(rows, messages_field="conversation")
 
 
+def test_chat_rows_read_as_prompt_and_response_name_data_messages_field_and_back():
+    """Chat rows under the default fields said only "Set data.prompt_field to one of them ['messages']", which reads a
+    list of messages as a prompt; prompt/response rows with data.messages_field set, to set it to a text column."""
+    chat = [{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}]
+    with pytest.raises(UserError, match=r"data.prompt_field is 'question', .* its columns are \['messages'\]\. The "
+                                        r"column 'messages' holds chat messages: set data.messages_field=messages"):
+        to_conversations(chat)
+    with pytest.raises(UserError, match=r"data.messages_field is 'messages', .* The rows have the data.prompt_field and "
+                                        r"data.response_field columns \('question', 'answer'\): leave data.messages_field unset"):
+        to_conversations([{"question": "1 + 1?", "answer": "2"}], messages_field="messages")
+
+
 def test_no_usable_rows_names_data_path():
     with pytest.raises(UserError, match="data.path"):
         to_conversations([{"question": "q", "answer": ""}])

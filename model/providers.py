@@ -173,6 +173,11 @@ def configure_provider(bridge, *, dtype: str, tp: int, pp: int, vpp: int | None,
     provider.pipeline_dtype = rules.DTYPES[dtype]
     provider.bf16 = dtype == "bf16"
     provider.fp16 = dtype == "fp16"
+    # megatron-core's fused cross entropy (SFT's loss; Bridge's providers turn it on) casts the logits' gradient to
+    # bf16 whatever their dtype (`fused_cross_entropy.calculate_gradients`): in an fp32 or fp16 model every gradient
+    # of the loss lost its low bits. Fused only where the logits are bf16 anyway; elsewhere megatron-core's unfused
+    # cross entropy, which keeps their dtype (and compiles nothing on a run's first step).
+    provider.cross_entropy_loss_fusion = bool(getattr(provider, "cross_entropy_loss_fusion", False)) and dtype == "bf16"
     # Fused weight-gradient accumulation is a TE/apex CUDA kernel.
     provider.gradient_accumulation_fusion = HAVE_TRANSFORMER_ENGINE and torch.cuda.is_available()
     provider.use_cpu_initialization = not torch.cuda.is_available()

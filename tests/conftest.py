@@ -101,8 +101,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:7.1f} s  {nproc} proc  {test}  {command}")
 
 
-# megatron-core torch.compile's its fused functions (SwiGLU, bias-GELU, ...): on CPU the first step of every process
-# then compiles for seconds. A test comparing runs made with the same setting, or asserting what does not depend on
+# megatron-core torch.compile's its fused functions (a bf16 model's cross entropy, a Mixture-of-Experts router's top-k,
+# ...): on CPU the first step of such a process then compiles for seconds. A test comparing runs made with the same setting, or asserting what does not depend on
 # the last bit, runs eagerly; the runs exactly as users start them (the default SFT and GRPO) keep compiling.
 EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 

@@ -79,13 +79,9 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     """Log-probs of `labels` under softmax(logits / temperature) from vocab-parallel logits, without gathering the vocabulary."""
     from megatron.core import tensor_parallel
 
-    # logits: [batch, seq, vocab shard]; labels: [batch, seq]. Scaled in fp32, as the sampler and the entropy scale them:
-    # bf16 logits divided in bf16 were rounded once more (at temperature 0.7, log-probs 0.02 on average and up to 0.09
-    # off the sampler's). The copy is the cross entropy's to shift in place, so the model's own output stays intact.
-    scaled = logits.to(torch.float32, copy=True)  # [batch, seq, vocab shard]
-    if temperature != 1.0:  # dividing by 1 changes no bit
-        scaled.div_(temperature)
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels)  # [batch, seq]
+    # logits: [batch, seq, vocab shard]; labels: [batch, seq]. Dividing makes a copy, which the
+    # cross entropy then shifts in place, so the model's own output stays intact.
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits / temperature, labels)  # [batch, seq]
 
 
 @torch.no_grad()

@@ -1098,6 +1098,12 @@ def test_held_out_forwards_keep_the_token_budget_of_the_training_micro_batches(t
     config.data.max_seq_len, config.train.micro_batch_size = 64, 4
     assert held_out_calls(share, config, interleaved=0) == [[[0, 1, 2, 3]], [[4, 5]]]
     assert held_out_calls(share, config, interleaved=2) == [[[0], [1], [2], [3]], [[4], [5]]]
+    # The interleaved schedule takes a multiple of PP micro-batches a call: megatron-core raised on calls of 3 (and of
+    # 1) rows at PP=2 in the baseline evaluation, a traceback before the first step.
+    config.train.micro_batch_size = 3
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1]], [[2], [3]], [[4], [5]]]
+    config.train.micro_batch_size = 1
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1]], [[2], [3]], [[4], [5]]]
     config.train.micro_batch_tokens = 128
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))

@@ -187,7 +187,7 @@ def interleaved_share(share: list, interleaved: int) -> list:
     """This rank's held-out rows, under the interleaved schedule (`interleaved` = parallel.pp) filled up to a multiple
     of PP rows with copies of the last one that the loss does not read (loss mask 0): its calls take a multiple of PP
     one-row micro-batches, and the held-out loss (a sum over the response tokens) is unchanged."""
-    if not interleaved:
+    if not interleaved or len(share) % interleaved == 0:
         return share
     filler = batches.Example(share[-1].input_ids, [0] * len(share[-1].loss_mask))
     return share + [filler] * (-len(share) % interleaved)

@@ -264,6 +264,13 @@ class TrainingChecks:
         require(train.global_batch_size % (train.micro_batch_size * data_parallel) == 0,
                  f"`train.global_batch_size={train.global_batch_size}` must be a multiple of `train.micro_batch_size="
                  f"{train.micro_batch_size}` x data-parallel size {data_parallel}.")
+        microbatches, pp = train.global_batch_size // (train.micro_batch_size * data_parallel), self.parallel.pp
+        require(self.parallel.vpp == 1 or microbatches % pp == 0,
+                 f"`parallel.vpp={self.parallel.vpp}` runs megatron-core's interleaved schedule, which takes a step's "
+                 f"micro-batches in groups of `parallel.pp={pp}`: `train.global_batch_size={train.global_batch_size}` / "
+                 f"(`train.micro_batch_size={train.micro_batch_size}` x data-parallel size {data_parallel}) = "
+                 f"{microbatches} micro-batches a step, not a multiple of `parallel.pp={pp}`. Change "
+                 "`--train.global_batch_size` or `--train.micro_batch_size`, or set `--parallel.vpp=1`.")
 
     def _validate_token_budget(self) -> None:
         if not self.train.micro_batch_tokens:

@@ -44,6 +44,9 @@ def make(*argv: str, config_class=SFTConfig):
      "`model.recompute_modules=['attention']` must name one or more of core_attn, layernorm, mlp"),
     (["--model.recompute=selective", "--model.recompute_modules=[]"], 1, "must name one or more of"),
     (["--parallel.tp=2", "--data.max_seq_len=127"], 2, "`data.max_seq_len=127` must be a multiple of `parallel.tp=2`"),
+    # megatron-core's interleaved schedule raised at step 1 (a traceback, after the build) on 24 / 8 = 3 micro-batches.
+    (["--parallel.pp=2", "--parallel.vpp=2", "--train.global_batch_size=24", "--train.micro_batch_size=8"], 2,
+     "= 3 micro-batches a step, not a multiple of `parallel.pp=2`"),
 ])
 def test_start_up_errors_name_the_key(argv, world_size, expected):
     with pytest.raises(UserError) as error:

@@ -1091,13 +1091,22 @@ def test_held_out_forwards_keep_the_token_budget_of_the_training_micro_batches(t
     import torch.distributed as dist
 
     from config.loops import SFTConfig
-    from trainer.sft import held_out_calls
+    from trainer.sft import held_out_calls, interleaved_share
 
     share = [Example(list(range(length + 1)), [0] + [1] * length) for length in (60, 10, 60, 10, 10, 10)]
     config = SFTConfig()
     config.data.max_seq_len, config.train.micro_batch_size = 64, 4
     assert held_out_calls(share, config, interleaved=0) == [[[0, 1, 2, 3]], [[4, 5]]]
     assert held_out_calls(share, config, interleaved=2) == [[[0], [1], [2], [3]], [[4], [5]]]
+    # The interleaved schedule takes a multiple of PP micro-batches a call: megatron-core raised on calls of 3 (and of
+    # 1) rows at PP=2 in the baseline evaluation, a traceback before the first step.
+    config.train.micro_batch_size = 3
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1]], [[2], [3]], [[4], [5]]]
+    config.train.micro_batch_size = 1
+    assert held_out_calls(share, config, interleaved=2) == [[[0], [1]], [[2], [3]], [[4], [5]]]
+    # An odd number of rows (train.eval_samples=7) is filled up to a multiple of PP with a row the loss does not read.
+    odd = interleaved_share(share[:5], 2)
+    assert odd[:5] == share[:5] and odd[5] == Example(share[4].input_ids, [0] * 11) and interleaved_share(share, 2) == share
     config.train.micro_batch_tokens = 128
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))

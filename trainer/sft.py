@@ -167,13 +167,9 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
         return {}
     # Every data-parallel rank scores an equal share (load_data trimmed the set to a multiple of the DP size),
     # so all ranks run the same number of batches and the DP sums stay collective.
-    share = data.eval[runtime.dp_rank :: runtime.dp_size]
     interleaved = config.parallel.pp if len(policy.chunks) > 1 else 0
+    share = interleaved_share(data.eval[runtime.dp_rank :: runtime.dp_size], interleaved)
     calls = held_out_calls(share, config, interleaved)
-    if interleaved and len(share) < interleaved:  # the same on every rank: the shares are equal
-        log.warning("held-out loss skipped: %d held-out rows per data-parallel rank, and virtual pipeline stages need "
-                    "at least parallel.pp=%d; raise train.eval_samples", len(share), interleaved)
-        calls = []
     loss_sum, tokens = 0.0, 0.0
     with contextlib.ExitStack() as modes:
         for chunk in policy.chunks:  # dropout off (LoRA's `peft.dropout`): the held-out loss of the model, not of a draw
@@ -187,19 +183,30 @@ def evaluate(policy, data: SFTData, config, runtime) -> dict:
     return {**({"eval_loss": loss_sum / max(tokens, 1)} if calls else {}), **accuracy}
 
 
+def interleaved_share(share: list, interleaved: int) -> list:
+    """This rank's held-out rows, under the interleaved schedule (`interleaved` = parallel.pp) filled up to a multiple
+    of PP rows with copies of the last one that the loss does not read (loss mask 0): its calls take a multiple of PP
+    one-row micro-batches, and the held-out loss (a sum over the response tokens) is unchanged."""
+    if not interleaved or len(share) % interleaved == 0:
+        return share
+    filler = batches.Example(share[-1].input_ids, [0] * len(share[-1].loss_mask))
+    return share + [filler] * (-len(share) % interleaved)
+
+
 def held_out_calls(share, config, interleaved: int) -> list[list[list[int]]]:
     """This rank's held-out rows (`share`) as the forward-only calls `evaluate` makes, each a list of micro-batches (row
     indices into `share`). Under `train.micro_batch_tokens`, one call of micro-batches within the training's token
     budget (collective: the count is agreed over the ranks), where `train.micro_batch_size` rows a forward passed it
     (32 rows of `data.max_seq_len` tokens by default); else that many rows a call. The interleaved schedule (virtual
-    pipeline stages, `interleaved` = parallel.pp) takes at least PP micro-batches a call, all of one shape: there each
-    call's rows go in as one-row micro-batches, and a last call of fewer than PP rows joins the one before it."""
+    pipeline stages, `interleaved` = parallel.pp) takes a multiple of PP micro-batches a call, all of one shape: there
+    each call's rows (`train.micro_batch_size` rounded down to a multiple of PP, at least PP; `interleaved_share` made
+    the rows a multiple of PP) go in as one-row micro-batches."""
     if config.train.micro_batch_tokens:
         return [token_budget_indices(share, [list(range(len(share)))], config)]
-    starts = list(range(0, len(share), config.train.micro_batch_size))
-    if interleaved and len(starts) > 1 and len(share) - starts[-1] < interleaved:
-        starts.pop()
-    ranges = [range(start, end) for start, end in zip(starts, [*starts[1:], len(share)])]
+    size = config.train.micro_batch_size
+    if interleaved:
+        size = max(interleaved, size - size % interleaved)
+    ranges = [range(start, min(start + size, len(share))) for start in range(0, len(share), size)]
     return [[[row] for row in rows] if interleaved else [list(rows)] for rows in ranges]
 
 

@@ -96,7 +96,14 @@ def use_local_gpu(parallel, world_size: int) -> torch.device:
     `init_distributed`), it changes nothing."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:  # CUDA's `invalid device ordinal` otherwise; NCCL refuses two processes on one GPU
+        processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise UserError(f"Each process needs a GPU of its own, and torchrun started {processes} processes on this node "
+                        f"(`torchrun --nproc-per-node`), and it has {gpus} GPUs visible (CUDA_VISIBLE_DEVICES={visible}): "
+                        f"this process, local rank {local_rank}, has none. Start at most {gpus} processes per node, or "
+                        "make more GPUs visible.")
     set_cuda_connections(parallel, detect_environment(parallel, world_size))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)

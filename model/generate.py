@@ -145,7 +145,7 @@ class Engine:
         consecutively; `continue_rows` (see `generate`) lets a row go on after an end id with tokens of its caller's;
         `record_routes` keeps a Mixture-of-Experts policy's routes (`Completions.routes`). Under Megatron-FSDP the
         parameters are gathered once for the call, not once a token (`wrapping.parameters_gathered_once`)."""
-        with parameters_gathered_once(self.chunks, self.data_parallel_group):
+        with parameters_gathered_once(self.chunks):
             return generate(self.chunks, prompts, max_new_tokens=max_new_tokens, end_ids=self.end_ids,
                             vocab_size=self.vocab_size, samples=samples, temperature=sampling.temperature,
                             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,

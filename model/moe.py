@@ -114,8 +114,8 @@ class RoutingFigures:
             return
         routing_map = output[1]  # [tokens, experts], True where a token is sent to an expert
         padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)  # [seq, batch], True at padding
-        if padding is not None:
-            routing_map = routing_map[~padding.reshape(-1)]  # the router flattens [seq, batch] in the same order
+        if padding is not None:  # masked, not indexed: boolean indexing reads its size from a GPU (a host sync a layer)
+            routing_map = routing_map & ~padding.reshape(-1, 1)  # the router flattens [seq, batch] in the same order
         layer = router.layer_number - 1 + (self.main_layers if router.is_mtp_layer else 0)
         self.tokens[layer] += routing_map.sum(dim=0)
         self.forwards[layer] += 1

@@ -88,6 +88,27 @@ def set_cuda_connections(parallel, environment: rules.Environment) -> None:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = wanted
 
 
+def use_local_gpu(parallel, world_size: int) -> torch.device:
+    """This process's device: on CUDA its node-local GPU (torchrun's LOCAL_RANK) made the current one, with
+    CUDA_DEVICE_MAX_CONNECTIONS set first (`set_cuda_connections`: binding the GPU creates the CUDA context); the CPU
+    elsewhere. Before any user code is imported (GRPO's reward, tools, environment), so a module that puts a model on
+    "cuda" at import lands on this rank's GPU, not every rank's of a node on its first. Called again (by
+    `init_distributed`), it changes nothing."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:  # CUDA's `invalid device ordinal` otherwise; NCCL refuses two processes on one GPU
+        processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise UserError(f"Each process needs a GPU of its own, and torchrun started {processes} processes on this node "
+                        f"(`torchrun --nproc-per-node`), and it has {gpus} GPUs visible (CUDA_VISIBLE_DEVICES={visible}): "
+                        f"this process, local rank {local_rank}, has none. Start at most {gpus} processes per node, or "
+                        "make more GPUs visible.")
+    set_cuda_connections(parallel, detect_environment(parallel, world_size))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def rollout_layout(parallel):
     """A rollout process's layout (asynchronous GRPO): the whole model on one process, forward only."""
     return dataclasses.replace(parallel, tp=1, pp=1, vpp=1, ep=1, etp=0, use_megatron_fsdp=False,
@@ -132,14 +153,9 @@ def init_distributed(parallel, seed: int, rollout_processes: int = 0) -> Runtime
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # python -m trainer.sft without torchrun
         os.environ["MASTER_PORT"] = str(free_port())
-    if use_cuda:
-        # Before the first CUDA context (set_device creates it). When GRPO's default start calls this a second time
-        # in one process, the context exists and the first phase's value stays.
-        set_cuda_connections(parallel, detect_environment(parallel, world_size))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    # When GRPO (which binds the GPU before importing user code) or its default start calls this a second time in one
+    # process, the context exists and the first call's CUDA_DEVICE_MAX_CONNECTIONS stays.
+    device = use_local_gpu(parallel, world_size)
     if rollout_processes and not created_process_group:
         raise UserError(f"`grpo.rollout_processes={rollout_processes}` gives the trainers and the rollout processes a "
                         "default process group each, and this process already has one (a program that calls "

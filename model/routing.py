@@ -116,7 +116,7 @@ class Routes:
 
     def take_mismatch(self) -> tuple[int, int]:
         """(differing, compared) (token, layer) decisions since the last call, on this rank."""
-        counts = (self.differ, self.compared)
+        counts = (int(self.differ), int(self.compared))
         self.differ = self.compared = 0
         return counts
 
@@ -138,8 +138,9 @@ class Routes:
                 _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 differs = (own.sort(dim=1).values != target.to(own.device).sort(dim=1).values).any(dim=1)
                 valid = replayer.valid_tokens.to(own.device)
-                self.differ += int((differs & valid).sum())
-                self.compared += int(valid.sum())
+                # Summed where they are, read once a step (`take_mismatch`): not two host syncs a layer and micro-batch.
+                self.differ = self.differ + (differs & valid).sum()
+                self.compared = self.compared + valid.sum()
                 replayer.compared = True
             return choose(scores, topk, num_groups, group_topk, default_compute_topk)
 

@@ -128,7 +128,7 @@ def unsharded_bytes(pipeline) -> int:
 
 
 @contextlib.contextmanager
-def parameters_gathered_once(chunks: list, group=None):
+def parameters_gathered_once(chunks: list):
     """Under Megatron-FSDP: each parameter bucket a forward gathers stays gathered until the block ends, then is released
     as the forwards would have released it; elsewhere, and on a GPU whose free memory is less than twice the unsharded
     parameters, nothing changes.
@@ -140,16 +140,18 @@ def parameters_gathered_once(chunks: list, group=None):
     the tokens/s on 2 CPU processes, the same tokens: scripts/bench/bench_fsdp_rollout.py). The parameters do not
     change inside (no optimizer step), and every rank runs the same forwards (the caller's data-parallel agreement),
     so the collectives still pair. Memory: the chunk's parameters unsharded while generating, as an inference engine
-    holds them; where that would not fit twice into the GPU's free memory of any rank of `group` (the data-parallel
-    group the gathers run over: every rank must choose alike, or one would gather where its peers do not), each forward
-    gathers and frees as before."""
+    holds them; where that would not fit twice into the GPU's free memory of any rank, each forward gathers and frees
+    as before. Every rank of the world chooses alike (collective, on a GPU): not only the data-parallel group, since
+    expert parameters are gathered over the expert-data-parallel group, which spans several data-parallel groups where
+    experts are split over fewer ranks than the tensor-parallel size (tp=2, etp=1); a rank that held would skip
+    gathers its peers run."""
     pipelines = [chunk.module.all_gather_pipeline for chunk in chunks
                  if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)]
     if pipelines and torch.cuda.is_available():
         need = sum(unsharded_bytes(pipeline) for pipeline in pipelines)
         fits = int(2 * need <= torch.cuda.mem_get_info()[0])
-        if group is not None:  # None: one data-parallel rank, nobody to agree with
-            fits = collectives.all_reduce_int(fits, torch.distributed.ReduceOp.MIN, group)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            fits = collectives.all_reduce_int(fits, torch.distributed.ReduceOp.MIN)
         if not fits:
             pipelines = []
     held = {}  # (pipeline index, bucket id, bwd) -> None, in release order

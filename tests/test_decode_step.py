@@ -297,3 +297,52 @@ def test_generation_under_megatron_fsdp_gathers_the_parameters_once_a_call():
     assert once["ready_after"] <= per_token["ready_after"]
     # What a GPU must hold free, twice over, for the parameters to stay gathered: the model's parameters, bucketed.
     assert result["parameter_bytes"] <= result["unsharded_bytes"] <= 1.1 * result["parameter_bytes"], result
+
+
+class _FakeFSDPPipeline:
+    """What `parameters_gathered_once` reads of a Megatron-FSDP chunk's gather pipeline: one bucket of 1 MB."""
+
+    def __init__(self):
+        buffer = types.SimpleNamespace(bucket_index=types.SimpleNamespace(size=2**18), dtype=torch.float32)
+        self.buffer = types.SimpleNamespace(parameter_groups=[types.SimpleNamespace(model_weight_buffer=buffer)])
+
+    def release_bucket(self, bucket_id, bwd, lazy=False):
+        pass
+
+
+def _hold_on_a_gpu_rank(rank: int, port: int, results) -> None:
+    """One of two ranks of a Megatron-FSDP model at DP=1 (tp=2, etp=1: each rank its own data-parallel group, the two
+    its experts' data-parallel group), on a simulated GPU with room to hold the parameters on rank 0 only."""
+    import datetime
+
+    from model import wrapping
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(seconds=20))
+    torch.cuda.is_available = lambda: True
+    torch.cuda.mem_get_info = lambda: ((2**30 if rank == 0 else 2**20), 2**31)  # free, total
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the agreement's tensor stays where gloo takes it
+    pipeline = _FakeFSDPPipeline()
+    chunk = types.SimpleNamespace(ddp_config=types.SimpleNamespace(use_megatron_fsdp=True),
+                                  module=types.SimpleNamespace(all_gather_pipeline=pipeline))
+    try:
+        with wrapping.parameters_gathered_once([chunk]):
+            results[rank] = "release_bucket" in vars(pipeline)  # whether this rank holds what its forwards gather
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_every_rank_sharing_a_gather_chooses_alike_to_hold_the_gathered_parameters():
+    """Where one rank would hold the gathered parameters and another not (free GPU memory differs), the choice is agreed
+    over every rank: agreed over the data-parallel group only, ranks of different data-parallel groups that gather
+    experts together (tp=2, etp=1) chose apart, and one skipped the expert gathers the other ran (a hang on GPUs)."""
+    import torch.multiprocessing as multiprocessing
+
+    from model.parallel import free_port
+
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        multiprocessing.start_processes(_hold_on_a_gpu_rank, args=(free_port(), results), nprocs=2,
+                                        start_method="spawn", join=True)
+        assert dict(results) == {0: False, 1: False}

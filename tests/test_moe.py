@@ -133,6 +133,30 @@ def shared_worker(out) -> list[str]:
     return ["tests/distributed/moe_worker.py", "--out", str(out)]
 
 
+def test_routing_figures_count_routed_tokens_without_padding_and_without_host_syncs():
+    """A router forward's tokens per expert leave padding out (the hook masks the routing map rather than indexing it,
+    which on a GPU read the kept count back: a host sync every MoE layer and micro-batch), and the route mismatch is
+    summed where it is computed and read once a step (`take_mismatch`)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model.moe import RoutingFigures
+    from model.routing import Routes
+
+    config = SimpleNamespace(num_moe_experts=3, num_layers=2, mtp_num_layers=None, moe_aux_loss_coeff=0.0,
+                             moe_router_load_balancing_type="aux_loss", moe_z_loss_coeff=None)
+    figures = RoutingFigures([], config)
+    router = SimpleNamespace(training=True, layer_number=2, is_mtp_layer=False)
+    routing_map = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 0]], dtype=torch.bool)  # [seq 2 x batch 2, experts]
+    padding = torch.tensor([[False, False], [False, True]])  # [seq, batch]: the last token is padding
+    figures._count(router, (None, padding), {}, (None, routing_map))
+    assert figures.tokens.tolist() == [[0.0, 0.0, 0.0], [2.0, 2.0, 2.0]] and figures.forwards.tolist() == [0.0, 1.0]
+    routes = Routes([])
+    routes.differ, routes.compared = torch.tensor(2), torch.tensor(5)  # as `_measure` leaves them: on the device
+    assert routes.take_mismatch() == (2, 5) and (routes.differ, routes.compared) == (0, 0)
+
+
 @pytest.mark.distributed
 def test_sft_at_ep2_matches_ep1_and_its_export_loads_in_transformers(shared_launch):
     """20 SFT steps on tiny-moe, fp32, 2 processes: EP=2 against EP=1 (DP=2). The same tokens meet the same experts,

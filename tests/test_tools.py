@@ -590,6 +590,58 @@ def test_a_worker_on_a_gpu_rank_sees_only_that_ranks_gpu(monkeypatch):
     assert tool_worker.worker_environment().get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def test_user_code_is_imported_with_this_ranks_gpu_current(monkeypatch, tmp_path):
+    """A reward (or tool, environment) module that puts a model on "cuda" at import lands on its rank's GPU: GRPO binds
+    the process to its node-local GPU (LOCAL_RANK) before importing user code. Before, the import came first (the GPU
+    was bound only with the process group), so every rank's model of a node went to its first GPU."""
+    import sys
+
+    from trainer import grpo as grpo_loop
+
+    current = {"device": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.update(device=int(device)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    (tmp_path / "gpu_reward.py").write_text(
+        "import torch\nSEEN = torch.cuda.current_device()  # a model's .to('cuda') goes here\n"
+        "def score(completion, reference):\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args):
+        raise Stop
+    monkeypatch.setattr(grpo_loop, "join_as_trainer", stop)  # the process group is NCCL's here: not on this machine
+    with pytest.raises(Stop):
+        grpo_loop.main([f"--model.path={tiny.ensure_tiny_checkpoint()}", "--grpo.reward=gpu_reward:score",
+                        f"--train.out_dir={tmp_path / 'out'}"])
+    assert sys.modules.pop("gpu_reward").SEEN == 3
+
+
+def test_more_processes_on_a_node_than_it_has_gpus_are_refused_with_a_paragraph(monkeypatch):
+    """`torchrun --nproc-per-node 8` on a node where 4 GPUs are visible: the fifth process's GPU does not exist (CUDA's
+    `invalid device ordinal` traceback before) and two processes cannot share one under NCCL."""
+    from model import parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    config = parse_args(GRPOConfig, [], "trainer.grpo")[0]
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert parallel.use_local_gpu(config.parallel, 8) == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(UserError, match=r"8 processes on this node \(`torchrun --nproc-per-node`\), and it has 4 GPUs "
+                                        r"visible \(CUDA_VISIBLE_DEVICES=0,1,2,3\)"):
+        parallel.use_local_gpu(config.parallel, 8)
+
+
 def test_tool_results_and_reset_text_are_text_never_control_tokens(tokenizer):
     end = tokenizer.convert_tokens_to_ids(END)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")

@@ -100,9 +100,11 @@ def validated_world_size(config) -> int:
     return world_size - config.grpo.rollout_processes
 
 
-def load_user_code(config) -> tuple:
+def load_user_code(config, world_size: int) -> tuple:
     """(reward function, toolset or None): a user's reward, tool and environment modules, imported before any model
-    is built."""
+    is built, with this process's GPU already bound (`parallel.use_local_gpu`: a module may put a model on "cuda" at
+    import)."""
+    parallel.use_local_gpu(config.parallel, world_size)
     reward = rewards.get_reward(config.grpo.reward, config.grpo.reward_timeout, config.grpo.tool_workers)
     return reward, tool_data.Toolset.from_config(config.grpo)
 
@@ -213,7 +215,7 @@ def main(argv: list[str]):
     checkpoint.catch_stop_signals()  # a stop signal from here on (the default SFT included) is honoured at a step's end
     world_size = validated_world_size(config)
     checkpoint.check_output_dir(config, resume, process.is_global_rank_zero())
-    reward, toolset = load_user_code(config)
+    reward, toolset = load_user_code(config, world_size)
     startup.mark("config")
     if (runtime := join_as_trainer(config, startup, reward, toolset)) is None:
         return None  # a rollout process that served its run, or a default SFT stopped on a signal

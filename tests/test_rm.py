@@ -690,7 +690,10 @@ def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(
     evaluated = [row for row in rows if "eval_accuracy" in row]
     print("embedded reward model:", evaluated)
     assert [row["step"] for row in evaluated] == [0, 25, 50]
-    assert evaluated[-1]["eval_accuracy"] >= 0.93 and evaluated[0]["eval_accuracy"] < 0.85
+    # The untrained head's accuracy spreads widely (0.25-0.92; 0.89 on 2026-12-07, after the default SFT's loss
+    # gradients became exact fp32): its loss, about ln 2, is what shows the learning (0.657 -> 0.051 that day).
+    assert evaluated[-1]["eval_accuracy"] >= 0.93 and evaluated[-1]["eval_accuracy"] > evaluated[0]["eval_accuracy"]
+    assert evaluated[-1]["eval_loss"] < 0.5 * evaluated[0]["eval_loss"]
     grpo = metrics_rows(home / "outputs" / "grpo-rm")
     assert [row["step"] for row in grpo] == [1, 2] and all(row["reward_model_score"] != 0 for row in grpo)
 

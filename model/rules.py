@@ -88,7 +88,11 @@ def ddp_config(config, optimizer=None, extra_defaults: dict | None = None, envir
         settings.update(
             use_megatron_fsdp=True,
             use_distributed_optimizer=True,
-            check_for_nan_in_grad=True,
+            # Not Megatron-FSDP's own check: where it runs it raises on the one rank whose local gradients hold a NaN
+            # (a ValueError printing the whole gradient; its peers wait in the reduce-scatter) after a host sync per
+            # bucket, and an SFT at lr 50 on 2 processes went through NaN steps unchecked. The loops stop every rank
+            # alike on megatron-core's global gradient norm (`trainer.metrics.stop_if_diverged`).
+            check_for_nan_in_grad=False,
             data_parallel_sharding_strategy="optim_grads_params",
             overlap_grad_reduce=True,
             # Megatron-FSDP ignores grad_reduce_in_fp32 and keeps gradients in the compute dtype unless

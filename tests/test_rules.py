@@ -136,7 +136,7 @@ def test_explicit_grad_reduce_in_fp32_override_wins():
 
 def test_fsdp_defaults_and_their_overrides():
     built = rules.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "parallel.use_distributed_optimizer": False}))
-    assert built.use_megatron_fsdp and built.use_distributed_optimizer and built.check_for_nan_in_grad
+    assert built.use_megatron_fsdp and built.use_distributed_optimizer and not built.check_for_nan_in_grad
     assert built.data_parallel_sharding_strategy == "optim_grads_params" and built.overlap_grad_reduce
     bf16_fsdp = make("bf16", **{"parallel.use_megatron_fsdp": True})
     assert rules.ddp_config(bf16_fsdp).megatron_fsdp_main_grads_dtype == torch.float32  # not bf16 by default
@@ -144,9 +144,9 @@ def test_fsdp_defaults_and_their_overrides():
     assert rules.transformer_overrides(make("fp32", **{"parallel.use_megatron_fsdp": True}))["gradient_accumulation_fusion"] is False
     assert "gradient_accumulation_fusion" not in rules.transformer_overrides(make("fp32"))
     overridden = rules.ddp_config(make("fp32", **{"parallel.use_megatron_fsdp": True, "ddp.override_ddp_config": {
-        "data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": False, "check_for_nan_in_grad": False}}))
+        "data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": False, "check_for_nan_in_grad": True}}))
     assert (overridden.data_parallel_sharding_strategy, overridden.overlap_grad_reduce, overridden.check_for_nan_in_grad) == (
-        "optim_grads", False, False)
+        "optim_grads", False, True)
 
 
 def test_fsdp_gives_a_precision_aware_optimizer_its_gradients_in_decoupled_grad():

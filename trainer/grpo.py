@@ -258,6 +258,7 @@ def main(argv: list[str]):
                 update = update_policy(policy, microbatches, seq_len, config, settings, timer)
                 rollouts.after_update(step, timer)
             row = step_row(step, policy, runtime, config, step_batch, update, timer)
+            metrics.stop_if_diverged(row, writer, checkpointer)  # NaN or infinite gradients: nothing more is saved
             if config.train.evaluates_at(step) and eval_prompts:
                 row.update(metrics.timed("eval", evaluate, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, row, into=row)

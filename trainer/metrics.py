@@ -133,6 +133,28 @@ class MetricsWriter:
         self.close(draw=exc_type is None)
 
 
+def stop_if_diverged(row: dict, writer: MetricsWriter, checkpointer) -> None:
+    """Stop the run at a step whose gradient norm is NaN or infinite, before anything the step produced is evaluated or
+    saved: its row is written and the save in flight (the weights before it) published, then one paragraph. In fp32
+    and bf16 megatron-core applies such an update (fp16's overflows it skips: `grad_norm` None), so every later step,
+    checkpoint and export would carry NaN weights, and rotate the good checkpoints out. The norm is megatron-core's
+    global one, the same on every rank, so every rank stops at the same step (the wait is collective)."""
+    grad_norm = row.get("grad_norm")
+    if grad_norm is None or math.isfinite(grad_norm):
+        return
+    writer.write(row)
+    checkpointer.wait()
+    latest = checkpointer.directory / "latest"
+    kept = (f"the last checkpoint, `{checkpointer.directory / latest.read_text().strip()}`, holds the weights before "
+            "it" if latest.is_file() else "no checkpoint was saved before it")
+    loss = f", loss {row['loss']:.4g}" if isinstance(row.get("loss"), float) else ""
+    raise UserError(
+        f"Training diverged at step {row['step']}: the gradient norm is {grad_norm} (learning rate {row['lr']:.4g}"
+        f"{loss}), so the weights this step updated are no longer numbers. The run stops without saving them: the "
+        f"step's row is the last in `{writer.out_dir / outputs.METRICS}`, and {kept}. Lower `optim.lr`, lengthen "
+        "`optim.warmup_steps` or keep `optim.clip_grad` on (1 by default), and start again in a new `train.out_dir`.")
+
+
 def _continue_file(path: Path, start_step: int):
     """`path` opened for appending rows: a resumed run keeps the rows up to its checkpoint's step (those a stopped run
     wrote past it are replaced by the rerun's); a fresh run starts a new file."""

@@ -280,6 +280,7 @@ def main(argv: list[str]):
                 loss_sum, tokens, grad_norm, lr = train_step(policy, microbatches, seq_len, timer)
             row = step_row(step, policy, runtime, loss_sum, tokens, grad_norm, lr, microbatches, seq_len, timer,
                            schedule.epoch)
+            metrics.stop_if_diverged(row, writer, checkpointer)  # NaN or infinite gradients: nothing more is saved
             if config.train.evaluates_at(step) and data.eval:
                 row.update(metrics.timed("eval", evaluate, policy, data, config, runtime, into=row))
             stop = metrics.timed("checkpoint", checkpointer.maybe_save_or_export, step, row, into=row)

@@ -15,6 +15,7 @@ the modules share among themselves is their declared internal API: public names 
 from the module that defines them; underscore names stay inside their module.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from ckpt.state import estimated_save_bytes, uses_megatron_fsdp, load
 from ckpt.writer import BackgroundSaves
 from config import outputs
 from config.cli import to_dict
+from config.errors import AgreedStop
 from config.process import is_global_rank_zero
 from config.hf import read_hf_config
 
@@ -136,6 +138,17 @@ class Checkpointer:
         """Wait for the save in flight and publish it (before an export, and before the run exits). Collective."""
         if self.background is not None:
             self.background.finish(wait=True)
+
+    @contextlib.contextmanager
+    def kept_on_agreed_stop(self):
+        """Around a loop: a run every rank stops alike (`AgreedStop`: a reward that failed on every completion, a NaN
+        gradient norm) first publishes the save in flight, whose write was under way in the background; before, such a
+        stop left it a `.partial-step_*` directory and `latest` a save older (or none). Collective on that exception only."""
+        try:
+            yield
+        except AgreedStop:
+            self.wait()
+            raise
 
     def maybe_save_or_export(self, step: int, row: dict | None = None) -> bool:
         """Save after `step` when due (ckpt.save_interval, the last step, train.exit_interval, a signal), and export

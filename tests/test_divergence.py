@@ -1,9 +1,12 @@
-"""A run whose gradients turn NaN stops at that step on every rank, in one paragraph, with nothing of it saved.
+"""A run whose gradients turn NaN stops at that step on every rank, in one paragraph, with nothing of it saved; a stop
+every rank agrees on mid-run publishes the checkpoint save in flight first.
 
 In fp32 and bf16 megatron-core applies an update whatever its gradient norm. Before, an SFT run at `optim.lr=50` went
 on for every step with loss and grad_norm nan, saved NaN checkpoints over the good ones (`ckpt.keep_last`) and
 exported NaN weights, exit 0 (Megatron-FSDP's own `check_for_nan_in_grad`, on, let it through too); GRPO's next
-rollout stopped with torch's "probability tensor contains either `inf`, `nan` or element < 0" traceback. One 2-process launch (conftest's `joint_launches`), every run saving each step.
+rollout stopped with torch's "probability tensor contains either `inf`, `nan` or element < 0" traceback. And a reward that failed on every completion of step 3 stopped the run with
+its paragraph while step 2's save was written in the background: left as `.partial-step_00000002`, no `latest`.
+One 2-process launch (conftest's `joint_launches`).
 """
 
 import json
@@ -23,14 +26,28 @@ GRPO = ["--model.path=tiny", "--grpo.reward=tests.tool_fixtures:parity", "--trai
         "--optim.weight_decay=0", "--optim.warmup_steps=0", "--ckpt.save_interval=1", "--train.log_interval=1"]
 RUNS = {"sft": ("trainer.sft", SFT), "sft_fsdp": ("trainer.sft", [*SFT, "--parallel.use_megatron_fsdp=true"]),
         "grpo": ("trainer.grpo", GRPO)}
+# A reward whose service goes away after step 2 (each rank scores 32 completions a step, in its own process).
+FLAKY = """import itertools
+_calls = itertools.count()
+def reward(completion, reference):
+    if next(_calls) >= 64:
+        raise ConnectionError("the scoring service went away")
+    return float(len(completion) % 2 == 0)
+"""
 
 
 def launches(tmp_path_factory):
     """The three diverging runs, each expected to stop with its paragraph."""
     root = tmp_path_factory.mktemp("divergence")
+    (root / "flaky_scoring_service.py").write_text(FLAKY)
+    flaky = ["--model.path=tiny", "--grpo.reward=flaky_scoring_service:reward", "--grpo.reward_timeout=0",
+             "--train.steps=4", "--train.global_batch_size=64", "--train.micro_batch_size=32", "--train.eval_samples=0",
+             "--ckpt.save_interval=2", f"--train.out_dir={root / 'flaky'}"]
     results = yield launch([{"module": module, "argv": [*argv, f"--train.out_dir={root / name}"], "expect_error": True}
-                            for name, (module, argv) in RUNS.items()])
-    return {"root": root, **dict(zip(RUNS, results))}
+                            for name, (module, argv) in RUNS.items()]
+                           + [{"module": "trainer.grpo", "argv": flaky, "expect_error": True}],
+                           env={"PYTHONPATH": str(root)})
+    return {"root": root, **dict(zip([*RUNS, "flaky"], results))}
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +72,11 @@ def test_a_diverging_run_stops_at_its_first_nan_step_and_keeps_the_checkpoint_be
     assert f"`{out_dir / 'checkpoints' / before}`, holds the weights before it" in runs[name]["error"]
     assert sorted(path.name for path in (out_dir / "checkpoints").glob("step_*"))[-1] == before
     assert not (out_dir / "hf").exists()
+
+
+def test_a_reward_failing_everywhere_mid_run_publishes_the_save_in_flight_before_it_stops(runs):
+    out_dir = runs["root"] / "flaky"
+    assert runs["flaky"]["error"].startswith("The reward function `grpo.reward=flaky_scoring_service:reward` failed on "
+                                             "every one of the 64 completions of step 3")
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert sorted(path.name for path in (out_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]

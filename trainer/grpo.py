@@ -244,7 +244,7 @@ def main(argv: list[str]):
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
     evaluate = functools.partial(evaluation.held_out_metrics, policy, eval_prompts, reward, runtime, config,
                                  max_new_tokens=config.grpo.max_new_tokens, episode_sampler=episode_sampler)
-    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
+    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer, checkpointer.kept_on_agreed_stop():
         startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate()):
             writer.write({"step": 0, **baseline})  # the starting policy: the figure the run is judged against

@@ -9,7 +9,7 @@ import time
 import numpy
 import torch
 
-from config.errors import UserError
+from config.errors import AgreedStop
 from data import batches, prompts as prompt_data, rewards
 from model import collectives
 from model.sampling import Sampling
@@ -273,7 +273,7 @@ def refuse_a_batch_of_skipped_prompts(step_batch: StepBatch, config, step: int) 
     skipped, groups = collectives.data_parallel_sum([step_batch.skipped_groups, groups])
     if groups and skipped == groups:
         budget = config.data.max_seq_len - config.grpo.max_new_tokens
-        raise UserError(f"Step {step} has nothing to train: all {int(groups)} groups of its batch were skipped. With "
+        raise AgreedStop(f"Step {step} has nothing to train: all {int(groups)} groups of its batch were skipped. With "
                         f"the environment's reset text no prompt fits the prompt budget of {budget} tokens "
                         f"(`data.max_seq_len={config.data.max_seq_len}` - `grpo.max_new_tokens={config.grpo.max_new_tokens}`; "
                         "each skipped prompt is counted in prompts_too_long), so every step would log loss=0. Raise "
@@ -311,12 +311,12 @@ class RewardFailures:
         environment = [kind.startswith(rollout.ENVIRONMENT_FAILURE) for kind in failures]
         what = (f"the reward (`grpo.reward={grpo.reward}` plus the environment's `reward()`)" if any(environment)
                 else f"the reward function `grpo.reward={grpo.reward}`")
-        if errors == count and not grpo.tolerate_reward_errors:
+        if errors == count and not grpo.tolerate_reward_errors:  # every data-parallel rank raises it here
             advice = "; ".join(([] if all(environment) else ["A reward function takes (completion, reference) strings "
                                                              "and returns a number (1.0: full marks)"]) + (
                 [f"an environment's `reward()` returns a number or `(reward, correct)` within `grpo.reward_timeout` "
                  f"({grpo.reward_timeout:g} s; 0: no limit)"] if any(environment) else []))
-            raise UserError(
+            raise AgreedStop(
                 f"{what[0].upper()}{what[1:]} failed on every one of the {int(count)} completions of step {step}, so "
                 f"every reward would be 0 and the run would learn nothing: {'; '.join(failures.values())}. "
                 f"{advice[0].upper()}{advice[1:]}; fix it, or set `--grpo.tolerate_reward_errors=true` to train on "

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from config import outputs
-from config.errors import UserError
+from config.errors import AgreedStop, UserError
 
 log = logging.getLogger("trainer")
 
@@ -143,12 +143,12 @@ def stop_if_diverged(row: dict, writer: MetricsWriter, checkpointer) -> None:
     if grad_norm is None or math.isfinite(grad_norm):
         return
     writer.write(row)
-    checkpointer.wait()
+    checkpointer.wait()  # as `Checkpointer.kept_on_agreed_stop` would, first: the paragraph names what it published
     latest = checkpointer.directory / "latest"
     kept = (f"the last checkpoint, `{checkpointer.directory / latest.read_text().strip()}`, holds the weights before "
             "it" if latest.is_file() else "no checkpoint was saved before it")
     loss = f", loss {row['loss']:.4g}" if isinstance(row.get("loss"), float) else ""
-    raise UserError(
+    raise AgreedStop(
         f"Training diverged at step {row['step']}: the gradient norm is {grad_norm} (learning rate {row['lr']:.4g}"
         f"{loss}), so the weights this step updated are no longer numbers. The run stops without saving them: the "
         f"step's row is the last in `{writer.out_dir / outputs.METRICS}`, and {kept}. Lower `optim.lr`, lengthen "

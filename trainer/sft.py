@@ -265,7 +265,7 @@ def main(argv: list[str]):
     startup.mark("resume")
 
     # ---- loop, and save (checkpoints when due; after the last step also the model as an HF checkpoint)
-    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer:
+    with metrics.MetricsWriter(config, runtime.is_main, start_step) as writer, checkpointer.kept_on_agreed_stop():
         startup.mark("loggers")
         if start_step == 0 and (baseline := evaluate(policy, data, config, runtime)):
             writer.write({"step": 0, **baseline})  # the untrained model: the baseline the run is judged against

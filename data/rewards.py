@@ -322,13 +322,22 @@ class Scores:
                 "in_format": sum(self.in_format), "right_answer": sum(self.right_answer)}
 
 
+# The largest reward magnitude taken, fp32's largest number: a group's rewards are summed in fp64
+# (`grpo_math.group_advantages`), which two rewards near fp64's largest overflow to inf (NaN advantages); 1e39 was
+# taken as finite here and became inf in the fp32 tensor the rewards were held in until 2026-12-07.
+LARGEST_REWARD = 3.4028234663852886e38
+
+
 def as_reward(value) -> float:
-    """A reward function's return value as a finite float; TypeError or ValueError saying what it returned instead."""
+    """A reward function's return value as a finite float of fp32's range; TypeError or ValueError saying what it
+    returned instead."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"it returned {type(value).__name__} {repr(value)[:40]}, not a number")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"it returned {number}, not a finite number")
+    if abs(number) > LARGEST_REWARD:
+        raise ValueError(f"it returned {number:g}, beyond fp32's range (+-3.4e38) the trainer holds rewards in")
     return number
 
 

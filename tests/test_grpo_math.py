@@ -49,6 +49,31 @@ def test_equal_reward_groups_give_exact_zeros_and_are_counted():
         assert advantages[2, 1] > 0 > advantages[2, 0]
 
 
+def test_advantages_of_large_rewards_are_neither_rounded_nor_overflowed():
+    """Rewards go from the reward function to the advantages in fp64: in fp32 the group [1e6 + 0.1, 1e6, 1e6, 1e6] had
+    advantages [1.73, 0, 0, 0] (its mean rounded to 1e6), two rewards of 3e38 overflowed the group's sum (NaN
+    advantages, trained on), and a reward of 1e39 (finite as a Python float) was inf; now the last is refused as a
+    failed call, scored 0."""
+    from types import SimpleNamespace
+
+    from data import rewards
+    from trainer.grpo_sampling import shaped_rewards
+
+    returned = {"a": 1e6 + 0.1, "b": 1e6, "c": 3e38, "d": 0.0, "e": 1e39}
+    scores = rewards.score(lambda completion, reference: returned[completion], list("abbbccdde"), [""] * 9)
+    assert scores.errors == 1 and scores.rewards[-1] == 0.0 and "ValueError" in scores.failures
+    settings = SimpleNamespace(reward_weight=1.0, format_bonus=0.0, overlong_buffer=0)
+    shaped, _ = shaped_rewards(scores, None, [SimpleNamespace(skipped=False, ids=[0])] * 9, settings)
+    advantages, equal = grpo_math.group_advantages(shaped[:8].view(2, 4))
+    scale = 1 / (0.05 + 1e-4)  # the std of [0.1, 0, 0, 0] is 0.05: 0.075 / (0.05 + 1e-4) = 1.4970
+    assert advantages[0].tolist() == pytest.approx([0.075 * scale, -0.025 * scale, -0.025 * scale, -0.025 * scale], rel=1e-5)
+    assert advantages.dtype == torch.float32 and torch.isfinite(advantages).all() and equal.tolist() == [False, False]
+    assert advantages[1].tolist() == pytest.approx([0.866, 0.866, -0.866, -0.866], rel=1e-3)
+    # Rewards apart by fp64's rounding alone are alike, as in fp32: exact zeros, counted.
+    advantages, equal = grpo_math.group_advantages(torch.tensor([[0.1 + 0.2, 0.3, 0.3, 0.3]], dtype=torch.float64))
+    assert equal.tolist() == [True] and advantages.tolist() == [[0.0] * 4]
+
+
 # ---------------------------------------------------------------- clipped surrogate
 
 

@@ -37,15 +37,21 @@ BASELINES = dict(zip(sections.BASELINES, (mean_baseline, leave_one_out_baseline)
 
 def group_advantages(rewards: torch.Tensor, baseline: str = "mean", scale_rewards: bool = True,
                      eps: float = ADVANTAGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-completion advantages `(r - baseline) / (std + eps)` within each prompt's group, and which groups are all-equal."""
+    """Per-completion advantages `(r - baseline) / (std + eps)` within each prompt's group (fp32), and which groups are
+    all-equal. Computed in fp64: in fp32 a group's mean of rewards near 1e6 rounds to the loser's reward (advantages
+    [1.73, 0, 0, 0] for [1e6 + 0.1, 1e6, 1e6, 1e6], not [1.5, -0.5, -0.5, -0.5]), and two rewards near fp32's largest
+    overflow its sum to inf (NaN advantages)."""
     # rewards: [groups, samples]
+    rewards = rewards.double()
     advantages = rewards - BASELINES[baseline](rewards)  # [groups, samples]
     if scale_rewards:
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)  # sample std (n - 1), as TRL
-    # A group whose completions all scored alike carries no signal; force exact zeros (no rounding residue).
-    equal = rewards.amax(dim=1) == rewards.amin(dim=1)  # [groups]
+    # A group whose completions all scored alike carries no signal; force exact zeros (no rounding residue). Alike in
+    # fp32: rewards apart by fp64's rounding alone (0.1 + 0.2 against 0.3) are alike, as they were in fp32 before.
+    rounded = rewards.float()
+    equal = rounded.amax(dim=1) == rounded.amin(dim=1)  # [groups]
     advantages = advantages.masked_fill(equal.unsqueeze(1), 0.0)
-    return advantages, equal
+    return advantages.float(), equal
 
 
 def overlong_penalty(lengths: torch.Tensor, budget: int, buffer: int, penalty: float) -> torch.Tensor:

@@ -25,6 +25,8 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
            **(async_figures(step, global_totals, timer, runtime) if step_batch.version is not None else {})}
     if update.get("rollout_rejected_share") == 1.0:
         say_all_rejected(step, config.grpo, update["rollout_is_ratio_mean"])
+    if update["entropy"] is None:
+        say_nothing_trained(step, config.grpo, row["truncated_rate"])
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "lr", "grad_norm")}}
 
 
@@ -39,6 +41,16 @@ def say_all_rejected(step: int, grpo, ratio_mean: float) -> None:
                 "the truncated distribution, above the whole vocabulary's the loss reads: the ratio sits near the kept "
                 "mass. Use `--grpo.rollout_correction tis`, raise `--grpo.rollout_correction_cap`, or sample without them."
                 if truncated else "Raise `--grpo.rollout_correction_cap` or use `--grpo.rollout_correction tis`.")
+
+
+def say_nothing_trained(step: int, grpo, truncated_rate: float) -> None:
+    """A step whose batch held no trained token (its token means are None in its row, not 0): said each time, with
+    the likely cause."""
+    log.warning("step %d trained on no token: %s", step,
+                f"all its completions were cut at `grpo.max_new_tokens={grpo.max_new_tokens}` (truncated_rate "
+                f"{truncated_rate:g}) and `grpo.mask_truncated` leaves those out of the loss. Raise "
+                "`--grpo.max_new_tokens` or set `--grpo.mask_truncated false`." if grpo.mask_truncated and truncated_rate == 1
+                else "no completion has a token the policy sampled left in the loss.")
 
 
 def samplers(config, runtime) -> int:

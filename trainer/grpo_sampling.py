@@ -150,7 +150,8 @@ def shaped_rewards(scores: rewards.Scores, model_scores: torch.Tensor | None, ep
     """Each episode's reward as trained on ([episodes]) and the overlong penalties' sum: `grpo.reward_weight` x the
     reward function's score with the environment's, plus `grpo.reward_model_weight` x the reward model's, plus the
     format bonus and the overlong penalty, shaping that no weight scales (a bonus under `reward_weight=0` still pays)."""
-    shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float32)
+    # fp64, as the rewards came (`grpo_math.group_advantages` reads them so): fp32 would round 1e6 + 0.1 to 1e6 + 0.125.
+    shaped = grpo.reward_weight * torch.tensor(scores.rewards, dtype=torch.float64)
     if grpo.format_bonus and grpo.reward_weight != 1:  # the scores hold the bonus: take it back out of the weight
         formatted = [in_format and not episode.skipped for in_format, episode in zip(scores.in_format, episodes)]
         shaped = shaped + (1 - grpo.reward_weight) * grpo.format_bonus * torch.tensor(formatted, dtype=torch.float32)

@@ -352,15 +352,18 @@ def optimizer_steps(policy, microbatches: list[dict], seq_len: int, config, sett
     # The step's several updates each have their gradient norm: the mean over those applied is logged, and the largest
     # beside it (None when every update was skipped).
     applied = [norm for norm in grad_norms if norm is not None]
+    # Means over the trained tokens; a step with none (every completion cut at the budget under grpo.mask_truncated)
+    # has none of them: None, not an entropy and a KL of 0 (`grpo_metrics.say_nothing_trained`).
+    per_token = (lambda total: total / tokens) if tokens else (lambda total: None)
+    gap_max = collectives.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX)
     return {"loss": loss_sum / max(count, 1), "grad_norm": sum(applied) / len(applied) if applied else None,
             **({"grad_norm_max": max(applied, default=None)} if len(grad_norms) > 1 else {}),
             **policy.loss_scale_figures(grad_norms.count(None)),
-            "kl": kl / max(tokens, 1) if settings.kl_coef > 0 else None,
-            "entropy": entropy / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
-            "rollout_logprob_diff_mean": gap / max(tokens, 1),
-            "rollout_logprob_diff_max": collectives.all_reduce_float(gap_max, torch.distributed.ReduceOp.MAX),
-            "rollout_kl": rollout_kl / max(tokens, 1), "padding_share": padded / max(positions, 1),
-            **({"teacher_reverse_kl": reverse_kl / max(tokens, 1), "teacher_logprob": teacher_logprob / max(tokens, 1)}
+            "kl": per_token(kl) if settings.kl_coef > 0 else None,
+            "entropy": per_token(entropy), "clip_frac": per_token(clipped),
+            "rollout_logprob_diff_mean": per_token(gap), "rollout_logprob_diff_max": gap_max if tokens else None,
+            "rollout_kl": per_token(rollout_kl), "padding_share": padded / max(positions, 1),
+            **({"teacher_reverse_kl": per_token(reverse_kl), "teacher_logprob": per_token(teacher_logprob)}
                if settings.teacher_coef is not None else {}),
             **correction_figures(settings, ratio, rejected, tokens, ratio_max),
             **route_mismatch(policy.routes),
@@ -372,10 +375,10 @@ def correction_figures(settings: LossSettings, ratio: float, rejected: float, to
     (`rollout_is_ratio_mean` / `_max`), and a rejection's share of them masked (`rollout_rejected_share`). Collective."""
     if settings.correction == "none":
         return {}
-    figures = {"rollout_is_ratio_mean": ratio / max(tokens, 1),
-               "rollout_is_ratio_max": collectives.all_reduce_float(ratio_max, torch.distributed.ReduceOp.MAX)}
+    ratio_max = collectives.all_reduce_float(ratio_max, torch.distributed.ReduceOp.MAX)
+    figures = {"rollout_is_ratio_mean": ratio / tokens if tokens else None, "rollout_is_ratio_max": ratio_max if tokens else None}
     if settings.correction != "tis":
-        figures["rollout_rejected_share"] = rejected / max(tokens, 1)
+        figures["rollout_rejected_share"] = rejected / tokens if tokens else None
     return figures
 
 

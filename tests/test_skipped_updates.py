@@ -1,7 +1,8 @@
 """An update megatron-core skips (fp16: the dynamic loss scale found an inf or NaN gradient) in every loop: the
 learning-rate schedule stays where it was, as megatron's own training loop keeps it, the metrics row says so
 (`grad_norm` null, `skipped_updates`, `loss_scale`), and bf16/fp32 rows carry no loss-scale figures. Plain pytest:
-the loops' step functions on a stand-in optimizer and megatron-core's real learning-rate schedule."""
+the loops' step functions on a stand-in optimizer and megatron-core's real learning-rate schedule. And one megatron-core
+applies (fp32, bf16) whose gradient norm is NaN or infinite: the run stops (`metrics.stop_if_diverged`)."""
 
 import types
 
@@ -101,3 +102,36 @@ def test_a_grpo_step_advances_the_schedule_only_when_one_of_its_updates_was_appl
     assert update["skipped_updates"] == applied.count(False)
     assert update["loss_scale"] == 32768.0 / 2 ** applied.count(False)
     assert policy.lr_schedule.num_steps == schedule_steps
+
+
+class NoCheckpoints:
+    """What `metrics.stop_if_diverged` reads of a Checkpointer: its wait, and a directory with no `latest`."""
+
+    def __init__(self, directory):
+        self.directory, self.waited = directory, 0
+
+    def wait(self):
+        self.waited += 1
+
+
+@pytest.mark.parametrize("loss, advice", [
+    (5.2e4, "Lower `optim.lr`, lengthen `optim.warmup_steps`"),  # the update blew up: the learning rate
+    (float("nan"), "Its loss was already not a number, computed from the finite weights"),  # NaN came with the inputs
+])
+def test_a_non_finite_gradient_norm_stops_every_loop_with_advice_that_fits_its_loss(tmp_path, loss, advice):
+    """The row is written and the save in flight waited for before the paragraph; finite norms and fp16's skipped
+    updates (None) pass."""
+    from config.errors import AgreedStop
+
+    config = configured(SFTConfig)
+    config.train.out_dir = str(tmp_path)
+    checkpointer = NoCheckpoints(tmp_path / "checkpoints")
+    with metrics.MetricsWriter(config, True, 0) as writer:
+        for grad_norm in (2.5, None):
+            metrics.stop_if_diverged({"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": grad_norm}, writer, checkpointer)
+        with pytest.raises(AgreedStop) as stopped:
+            metrics.stop_if_diverged({"step": 2, "loss": loss, "lr": 1e-3, "grad_norm": float("inf")}, writer, checkpointer)
+    assert str(stopped.value).startswith("Training diverged at step 2: the gradient norm is inf")
+    assert advice in str(stopped.value) and "no checkpoint was saved before it" in str(stopped.value)
+    assert checkpointer.waited == 1
+    assert (tmp_path / "metrics.jsonl").read_text().count('"step": 2') == 1

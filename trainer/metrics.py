@@ -147,12 +147,18 @@ def stop_if_diverged(row: dict, writer: MetricsWriter, checkpointer) -> None:
     latest = checkpointer.directory / "latest"
     kept = (f"the last checkpoint, `{checkpointer.directory / latest.read_text().strip()}`, holds the weights before "
             "it" if latest.is_file() else "no checkpoint was saved before it")
-    loss = f", loss {row['loss']:.4g}" if isinstance(row.get("loss"), float) else ""
+    loss = row.get("loss")
+    # The step before left finite weights (its norm was finite), so a loss that is not a number came with the inputs.
+    advice = ("Its loss was already not a number, computed from the finite weights the step before left, so the cause "
+              "is in what the step fed it (in GRPO a reward model's scores or a teacher's log-probs) or an overflow in "
+              "its forward (in bf16, try `model.dtype=fp32`): mend it" if isinstance(loss, float)
+              and not math.isfinite(loss) else
+              "Lower `optim.lr`, lengthen `optim.warmup_steps` or keep `optim.clip_grad` on (1 by default)")
     raise AgreedStop(
         f"Training diverged at step {row['step']}: the gradient norm is {grad_norm} (learning rate {row['lr']:.4g}"
-        f"{loss}), so the weights this step updated are no longer numbers. The run stops without saving them: the "
-        f"step's row is the last in `{writer.out_dir / outputs.METRICS}`, and {kept}. Lower `optim.lr`, lengthen "
-        "`optim.warmup_steps` or keep `optim.clip_grad` on (1 by default), and start again in a new `train.out_dir`.")
+        f"{f', loss {loss:.4g}' if isinstance(loss, float) else ''}), so the weights this step updated are no longer "
+        f"numbers. The run stops without saving them: the step's row is the last in "
+        f"`{writer.out_dir / outputs.METRICS}`, and {kept}. {advice}, and start again in a new `train.out_dir`.")
 
 
 def _continue_file(path: Path, start_step: int):

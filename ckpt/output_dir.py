@@ -50,26 +50,29 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                or (unpointed and path.name in outputs.EXPORTS) for path in earlier):
         return
     if not config.train.overwrite_output_dir:
-        held = (f"`train.out_dir={out_dir}` holds an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
+        keys = _holding_keys(config, earlier)
+        elsewhere = "a new " + " and ".join(f"`--{key}`" for key in keys)
+        held = (f"{' and '.join(f'`{key}={value}`' for key, value in keys.items())} "
+                f"hold{'s' if len(keys) == 1 else ''} an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
                 f"{', ...' if len(earlier) > 3 else ''})")
         if unpointed:
             raise UserError(
                 f"{held}, and `--resume-from-checkpoint latest` finds no `latest` checkpoint in "
                 f"`ckpt.dir={checkpoint_dir(config)}`, so this run would start from step 0 and replace that run's "
                 "metrics and export. Resume it from its checkpoints with `--ckpt.dir` (or `--resume-from-checkpoint "
-                "PATH`), write this run elsewhere with a new `--train.out_dir`, or replace the earlier run with "
+                f"PATH`), write this run elsewhere with {elsewhere}, or replace the earlier run with "
                 "`--train.overwrite_output_dir=true`.")
         if foreign:
             raise UserError(
                 f"{held}, and this run resumes from `{resume}`, a checkpoint outside its own `ckpt.dir` "
                 f"(`{checkpoint_dir(config)}`): it would mix the two runs' metrics and replace the earlier run's "
                 "checkpoints and export. Resume into the checkpoint's own run (its `--train.out_dir`), continue the "
-                "earlier run with `--resume-from-checkpoint latest`, write this one to a new `--train.out_dir`, or "
+                f"earlier run with `--resume-from-checkpoint latest`, write this one to {elsewhere}, or "
                 "replace the earlier run with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics "
                 "first).")
         raise UserError(
             f"{held}, and this run would overwrite its checkpoints and metrics. Continue "
-            "it with `--resume-from-checkpoint latest`, write this run elsewhere with a new `--train.out_dir`, or "
+            f"it with `--resume-from-checkpoint latest`, write this run elsewhere with {elsewhere}, or "
             "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
     _check_inputs_survive(config, earlier, "deletes first (`train.overwrite_output_dir=true`)")
     if is_main:
@@ -79,6 +82,14 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def _holding_keys(config, earlier: list[Path]) -> dict[str, Path]:
+    """The keys whose directories hold the `earlier` run's files: `train.out_dir`, and `ckpt.dir` when it lies outside
+    it (two runs given one `--ckpt.dir` differ in `train.out_dir` alone, so only a new `ckpt.dir` parts them)."""
+    out_dir, directory = Path(config.train.out_dir), checkpoint_dir(config)
+    apart = [path for path in earlier if not _inside(directory, out_dir) and _inside(path, directory)]
+    return ({"train.out_dir": out_dir} if len(apart) < len(earlier) else {}) | ({"ckpt.dir": directory} if apart else {})
 
 
 def _resumes_another_run(config, resume: str) -> bool:

@@ -229,11 +229,12 @@ def held_out_files(folder: pathlib.Path, data) -> bool:
 
 
 def refuse_held_out_files_trained_on(data) -> None:
-    """A UserError when `data.eval_path` is, or holds, a file that the training split of the folder `data.path` reads
-    (a folder without train* files trains on every file not named after a held-out split): its rows would be trained
-    on and then scored as held-out ones."""
+    """A UserError when the held-out split (`data.eval_path`, else the `data.eval_split` files of the folder
+    `data.path`) is, or holds, a file that the training split of the folder `data.path` reads (a folder without train*
+    files trains on every file not named after a held-out split; `train*` also reads `train_holdout.jsonl`): its rows
+    would be trained on and then scored as held-out ones."""
     folder, held_out = (pathlib.Path(path).expanduser().resolve() for path in (data.path, data.eval_path or data.path))
-    if not (data.eval_path and data.path not in BUNDLED_DATA and folder.is_dir() and held_out.exists()):
+    if not (data.path not in BUNDLED_DATA and folder.is_dir() and held_out.exists()):
         return
     try:  # the files the held-out split reads
         read = [held_out] if held_out.is_file() else local_files.split_files(
@@ -242,12 +243,20 @@ def refuse_held_out_files_trained_on(data) -> None:
         return
     files = [file for file in read if file.is_relative_to(folder)]
     trained = [file for file in files if local_files.reads_any(folder, [file], [(data.train_split, False)])]
-    if trained:
+    if not trained:
+        return
+    reads = (f"its files named {data.train_split}*, else every file not named after a held-out split: test*, eval*, "
+             "valid*, dev, val")
+    if data.eval_path:
         raise UserError(f"`data.eval_path={data.eval_path}` holds {trained[0].relative_to(folder)}, which the training "
-                        f"split of `data.path={data.path}` reads too (its files named {data.train_split}*, else every "
-                        "file not named after a held-out split: test*, eval*, valid*, dev, val): the held-out figures "
+                        f"split of `data.path={data.path}` reads too ({reads}): the held-out figures "
                         "would be measured on rows the run trains on. Move the held-out file out of that folder, or "
                         f"name it {data.eval_split}.jsonl (a folder's `data.eval_split` files are held out).")
+    raise UserError(f"`data.eval_split={data.eval_split}` reads {trained[0].relative_to(folder)} of "
+                    f"`data.path={data.path}`, which the training split reads too ({reads}): the held-out figures "
+                    f"would be measured on rows the run trains on. Name the training rows' file {data.train_split}.jsonl "
+                    "(or set `--data.train_split` to its name, one the held-out file's name does not start with), or "
+                    "move the held-out file out of the folder and set `--data.eval_path` to it.")
 
 
 def held_out_source(data) -> str:

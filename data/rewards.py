@@ -260,6 +260,15 @@ def get_reward(name: str, timeout: float = 0.0, workers: int = 0) -> "RewardFunc
     return IsolatedReward(name, function, timeout, workers) if timeout > 0 else function
 
 
+def reference_answer(reference: str) -> str | None:
+    """The number a reference gives as its answer: after its `#### N` line, or the reference itself when it is one
+    number (`{"target": "8"}`, data for a reward of your own); None when it gives none."""
+    answer = extract_final_answer(reference, strict=True)
+    if answer is None and re.fullmatch(NUMBER, reference.strip()):
+        answer = reference.strip().replace(",", "").removeprefix("+")
+    return answer
+
+
 def has_answer_format(completion: str) -> bool:
     """Whether the completion gives its answer as GSM8K does: `#### N`."""
     return extract_final_answer(completion, strict=True) is not None
@@ -386,7 +395,8 @@ def score(reward: RewardFunction, completions: list[str], references: list[str],
         failed.append(failure)
         correct.append(value >= 1.0 if verdict is None else verdict)
         rewards.append(value + (format_bonus if formatted else 0.0))
-    right_answer = [gsm8k_flexible(completion, reference) == 1.0 for completion, reference in zip(completions, references)]
+    right_answer = [_same_number(extract_final_answer(completion, strict=False), reference_answer(reference))
+                    for completion, reference in zip(completions, references)]
     return Scores(rewards, correct, sum(failed), in_format, right_answer, failures, failed)
 
 

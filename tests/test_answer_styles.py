@@ -43,3 +43,14 @@ def test_scores_count_the_answer_forms():
     assert scores.right_answer == [True, True, False, True, False]
     assert scores.correct == [True, False, False, False, False]
     assert scores.totals() == {"reward": 1.0, "correct": 1, "errors": 0, "in_format": 2, "right_answer": 3}
+
+
+def test_a_bare_number_reference_is_the_right_answer():
+    """Data for a reward of your own may give the answer alone (`{"target": "8"}`): `answer_accuracy` (the reference's
+    number as the completion's last number, in any form) read such a reference as having no answer, and logged 0 for
+    every completion, the right ones included."""
+    completions = ["3 + 5 = 8\n#### 8", "3 + 5 = 8\nThe answer is 8.", "3 + 5 = 9\n#### 9", "3 + 5 = 8", "nothing"]
+    scores = rewards.score(rewards.gsm8k_flexible, completions, [" 8 "] * 5)
+    assert scores.right_answer == [True, True, False, True, False]
+    scores = rewards.score(rewards.gsm8k_flexible, completions, ["1,000", "8.0", "9", "eight", "8 apples"])
+    assert scores.right_answer == [False, True, True, False, False]

@@ -303,6 +303,26 @@ def test_a_checkpoint_directory_inside_an_export_is_refused(tmp_path):
     check_output_dir(make(**{"train.out_dir": str(out_dir), "ckpt.dir": str(out_dir)}), "", True)
 
 
+def test_an_earlier_run_in_a_shared_checkpoint_directory_names_ckpt_dir(tmp_path):
+    """Two fresh runs, `--train.out_dir runs/a --ckpt.dir cks` then `--train.out_dir runs/b --ckpt.dir cks`: the second
+    is refused (its saves would rotate the first run's checkpoints out), but the paragraph said `train.out_dir=runs/b`
+    holds an earlier run and to write this run to a new `--train.out_dir`, which is refused the same way."""
+    from ckpt.output_dir import check_output_dir
+
+    checkpoints = tmp_path / "cks"
+    (checkpoints / "step_00000002").mkdir(parents=True)
+    (checkpoints / "latest").write_text("step_00000002")
+    with pytest.raises(UserError) as error:
+        check_output_dir(make(**{"train.out_dir": str(tmp_path / "b"), "ckpt.dir": str(checkpoints)}), "", True)
+    assert f"`ckpt.dir={checkpoints}` holds an earlier run" in str(error.value)
+    assert "a new `--ckpt.dir`" in str(error.value) and "new `--train.out_dir`" not in str(error.value)
+    (tmp_path / "c" / "cks").mkdir(parents=True)  # the default ckpt.dir, inside train.out_dir: named by train.out_dir
+    (tmp_path / "c" / "cks" / "latest").write_text("step_00000002")
+    (tmp_path / "c" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match=r"`train.out_dir=.*/c` holds an earlier run .* new `--train.out_dir`"):
+        check_output_dir(make(**{"train.out_dir": str(tmp_path / "c")}), "", True)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--grpo.reward_timeout=1e30"], "`grpo.reward_timeout` must be 0 (no limit, in the trainer's process) or more, at most 1e+09 s"),
     (["--grpo.tool_timeout=1e12"], "`grpo.tool_timeout` must be positive, at most 1e+09 s"),

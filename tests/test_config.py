@@ -482,3 +482,20 @@ def test_packing_is_refused_with_the_per_sequence_load_balancing_loss():
         config.validate(world_size=1)
     config, _ = parse_args(SFTConfig, [*argv, "--model.moe_aux_loss_type=aux_loss"], "trainer.sft")
     config.validate(world_size=1)
+
+
+def test_a_users_modules_in_the_starting_directory_do_not_replace_the_projects(tmp_path):
+    """Python puts the directory a run starts in first on the import path. A `model.py` of the user's own there stopped
+    `python -m trainer.sft` with `ImportError: cannot import name 'build' from 'model' (/.../model.py)`, and a
+    `data/sft/` folder of JSON lines (a data folder laid out by task) became `data.sft`: SFT stopped at its data with
+    `AttributeError: module 'data.sft' has no attribute 'cached_examples'`. The project's packages are bound first."""
+    (tmp_path / "model.py").write_text("x = 1\n")
+    (tmp_path / "config.py").write_text("x = 1\n")
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    (tmp_path / "data" / "sft" / "train.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    result = subprocess.run([sys.executable, "-m", "trainer.sft", "--help"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    check = "import trainer, data.sft, model.build, config.cli; print(data.sft.__file__, model.build.__file__)"
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == [str(REPO / "data" / "sft.py"), str(REPO / "model" / "build.py")], result.stderr[-2000:]

@@ -960,6 +960,33 @@ def test_a_held_out_file_the_training_folder_also_reads_is_refused(tmp_path):
         assert held_out_split(data, load) == held_out and len(load_rows(str(folder))) == 3
 
 
+def test_a_held_out_split_the_training_split_also_reads_is_refused(tmp_path):
+    """`data.path=folder` with `all.jsonl` and `heldout.jsonl`, `--data.eval_split heldout` (as docs/sft.md gives
+    `--data.eval_split dev` for a dev.jsonl): the folder has no train* file, so its training split read every file not
+    named after a held-out split, heldout.jsonl included: 600 rows trained on (500 + the 100 held-out ones) and the
+    held-out figures measured on 100 of them, without a word. The same for a held-out split whose name starts with the
+    training split's (`train_holdout` beside `train`)."""
+    from data.prompts import held_out_split
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "all.jsonl").write_text("".join(json.dumps({"question": f"q{index}", "answer": "a"}) + "\n"
+                                              for index in range(3)))
+    held_out = [{"question": f"h{index}", "answer": "a"} for index in range(2)]
+    (folder / "heldout.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    load = lambda path, split: load_rows(path, split=split)  # noqa: E731
+    data = types.SimpleNamespace(path=str(folder), eval_path="", eval_split="heldout", train_split="train")
+    with pytest.raises(UserError, match=r"`data.eval_split=heldout` reads heldout.jsonl of `data.path=.*folder`, which "
+                                        r"the training split reads too"):
+        held_out_split(data, load)
+    (folder / "all.jsonl").rename(folder / "train.jsonl")  # named after the training split: heldout.jsonl is held out
+    assert held_out_split(data, load) == held_out and len(load_rows(str(folder))) == 3
+    (folder / "heldout.jsonl").rename(folder / "train_holdout.jsonl")
+    data.eval_split = "train_holdout"
+    with pytest.raises(UserError, match=r"`data.eval_split=train_holdout` reads train_holdout.jsonl"):
+        held_out_split(data, load)
+
+
 def test_arithmetic_splits():
     assert len(load_rows("arithmetic")) == 10000
     assert len(load_rows("arithmetic", split="test")) == 1000

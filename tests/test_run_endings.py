@@ -1,0 +1,54 @@
+"""How a run ends part-way: what each process prints, and what it leaves for a resume."""
+
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A run in which one rank alone meets a user's error mid-run (an environment whose service went away on its node),
+# while rank 0 waits for it in a collective.
+ONE_RANK_STOPS = """
+import torch, torch.distributed as dist
+from config import cli
+from config.errors import UserError
+
+def main(argv):
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise UserError("`grpo.environment`: Flaky() or its reset(row) raised ConnectionError: the service went away. "
+                        "Fix the environment, or change `--grpo.environment`.")
+    dist.all_reduce(torch.zeros(1))
+
+cli.run_cli(main)
+"""
+
+
+def test_a_user_error_on_one_rank_mid_run_is_its_paragraph_on_rank_0_not_a_peers_traceback():
+    """A UserError raised on rank 1 alone after the process group is up: rank 1 prints nothing (rank 0 prints), and
+    rank 0 stopped in its next collective with gloo's `Connection closed by peer` traceback (45 lines), the paragraph
+    only in torchrun's failure summary. Now rank 0 prints rank 1's paragraph, with no traceback, and both exit 2.
+    The two ranks meet in a store served as torchrun's agent serves it."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    ranks = [subprocess.Popen([sys.executable, "-c", ONE_RANK_STOPS], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(2)]
+    said = [rank.communicate(timeout=120) for rank in ranks]
+    del agent_store
+    assert [rank.returncode for rank in ranks] == [2, 2], said
+    assert "Traceback" not in said[0][1], said[0][1]
+    assert said[0][1].strip() == (f"error: rank 1 (on {socket.gethostname()}) stopped: `grpo.environment`: Flaky() or "
+                                  "its reset(row) raised ConnectionError: the service went away. Fix the environment, "
+                                  "or change `--grpo.environment`.")
+    assert said[1][1] == ""

@@ -52,3 +52,36 @@ def test_a_user_error_on_one_rank_mid_run_is_its_paragraph_on_rank_0_not_a_peers
                                   "its reset(row) raised ConnectionError: the service went away. Fix the environment, "
                                   "or change `--grpo.environment`.")
     assert said[1][1] == ""
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_paragraph_and_closing_raises_nothing_more(tmp_path):
+    """Rank 0's metrics.jsonl on a disk that fills mid-run: the row's flush raised OSError (ENOSPC), closing the file
+    on the way out raised it again, and the run ended in two chained tracebacks (and the peers' gloo tracebacks). Now
+    the write is one paragraph naming the file, the error and how to continue, and leaving the writer adds nothing."""
+    import pytest
+
+    from config.cli import parse_args
+    from config.errors import UserError
+    from config.loops import SFTConfig
+    from trainer.metrics import MetricsWriter
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        config, _ = parse_args(SFTConfig, [f"--train.out_dir={disk / 'run'}", "--train.steps=1000"], "trainer.sft")
+        row = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "padding": "x" * 400}
+        with pytest.raises(UserError) as raised:
+            with MetricsWriter(config, True, 0) as writer:
+                (disk / "fill").write_bytes(b"\0" * 60_000)  # another writer fills the disk
+                for step in range(1, 1000):
+                    writer.write({"step": step, **row})
+        message = str(raised.value)
+        assert message.startswith(f"Writing `{disk / 'run' / 'metrics.jsonl'}` failed at step ")
+        assert "[Errno 28] No space left on device" in message
+        assert f"`latest` in `{disk / 'run' / 'checkpoints'}`" in message and "--resume-from-checkpoint latest" in message
+        assert raised.value.__context__ is None or not isinstance(raised.value.__context__, UserError)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -164,7 +164,9 @@ class Checkpointer:
         self.slowest_step_s = max(self.slowest_step_s, (row or {}).get("step_time_s", 0.0))
         if self.background is not None:
             self.background.finish(wait=False)
-        stop = self.preemption.agreed() or train.exits_at(step)
+        # A signal in the last step changes nothing: the run finishes (a stop file would requeue a finished job).
+        signalled = self.preemption.agreed() and step < train.steps
+        stop = signalled or train.exits_at(step)
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)
@@ -174,7 +176,7 @@ class Checkpointer:
             self.last_save_s += time.perf_counter() - started
         if step == train.steps:
             self.export()
-        if stop and self.preemption.requested_anywhere:
+        if signalled:
             log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
                      "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
                      self.slowest_step_s, self.last_save_s)

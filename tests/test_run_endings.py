@@ -85,3 +85,37 @@ def test_a_full_disk_under_metrics_jsonl_is_one_paragraph_and_closing_raises_not
         assert raised.value.__context__ is None or not isinstance(raised.value.__context__, UserError)
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_finished_run_whose_last_row_was_not_written_gets_it_back_from_its_checkpoint(tmp_path):
+    """The last step's row is written after the export: when that write fails (a full disk, the paragraph above says
+    to continue with `--resume-from-checkpoint latest`), the resume found the run finished and did nothing, and
+    metrics.jsonl lacked the last step for good, though its checkpoint holds the row. Now a finished run's resume
+    restores it, as a resume that trains does."""
+    import json
+
+    import torch
+
+    from ckpt import checkpoint
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    out_dir = tmp_path / "run"
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={out_dir}", "--train.steps=2"], "trainer.sft")
+    fingerprint = checkpoint.Checkpointer(config, "", model).fingerprint
+    saved = out_dir / "checkpoints" / checkpoint.checkpoint_name(2)
+    (saved / checkpoint.SHARDED_DIR).mkdir(parents=True)
+    (saved / checkpoint.SHARDED_DIR / ".metadata").write_text("{}")
+    (saved / "rng").mkdir()
+    torch.save({"step": 2, "fingerprint": fingerprint, "metrics_row": {"step": 2, "loss": 0.5}},
+               saved / checkpoint.STATE_FILE)
+    (out_dir / "checkpoints" / checkpoint.LATEST).write_text(saved.name)
+    (out_dir / "hf").mkdir()
+    (out_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+
+    assert checkpoint.Checkpointer(config, "latest", model).finished()
+    assert [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]

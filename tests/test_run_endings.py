@@ -80,6 +80,9 @@ def test_a_full_disk_under_metrics_jsonl_is_one_paragraph_and_closing_raises_not
                     writer.write({"step": step, **row})
         message = str(raised.value)
         assert message.startswith(f"Writing `{disk / 'run' / 'metrics.jsonl'}` failed at step ")
+        # A resume onto the full disk: the kept rows are rewritten first (an OSError traceback at start-up before).
+        with pytest.raises(UserError, match=r"failed at step 3: \[Errno 28\] No space left on device"):
+            MetricsWriter(config, True, 3)
         assert "[Errno 28] No space left on device" in message
         assert f"`latest` in `{disk / 'run' / 'checkpoints'}`" in message and "--resume-from-checkpoint latest" in message
         assert raised.value.__context__ is None or not isinstance(raised.value.__context__, UserError)

@@ -76,12 +76,14 @@ class MetricsWriter:
         if is_main:
             from tqdm import tqdm
 
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
+            with self._writing(self.out_dir / outputs.METRICS):  # a resume rewrites the rows it keeps
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:
-                self.loggers.append(TensorBoardLogger(self.out_dir, start_step))
+                with self._writing(self.out_dir / outputs.TENSORBOARD):
+                    self.loggers.append(TensorBoardLogger(self.out_dir, start_step))
             if config.log.wandb:
                 self.loggers.append(WandbLogger(config, self.out_dir, start_step))
 

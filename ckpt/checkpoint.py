@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from ckpt.export import missing_exports, write_exports
 from ckpt.failures import bytes_in_words
 from ckpt.layout import checkpoint_dir
@@ -72,7 +74,8 @@ class Checkpointer:
 
     def finished(self) -> bool:
         """Whether the checkpoint resumed from has already run every step and the run's exports are written (said
-        once, then there is nothing to do). A finished run whose export is missing goes on to write it."""
+        once, then there is nothing to do but put back the last step's metrics row, when metrics.jsonl lacks it). A
+        finished run whose export is missing goes on to write it."""
         if self.resume_step < self.config.train.steps:
             return False
         missing = missing_exports(self.config)
@@ -83,6 +86,9 @@ class Checkpointer:
             return False
         log.info("this run already finished all %d steps (checkpoint %s); nothing to do", self.config.train.steps,
                  self.resume_path)
+        if is_global_rank_zero():  # the last row is written after the export: a run that died there lacks it
+            state = torch.load(self.resume_path / STATE_FILE, weights_only=False)
+            restore_metrics_row(Path(self.config.train.out_dir) / outputs.METRICS, state.get("metrics_row"))
         return True
 
     def track(self, policy, **parts) -> None:
@@ -164,7 +170,9 @@ class Checkpointer:
         self.slowest_step_s = max(self.slowest_step_s, (row or {}).get("step_time_s", 0.0))
         if self.background is not None:
             self.background.finish(wait=False)
-        stop = self.preemption.agreed() or train.exits_at(step)
+        # A signal in the last step changes nothing: the run finishes (a stop file would requeue a finished job).
+        signalled = self.preemption.agreed() and step < train.steps
+        stop = signalled or train.exits_at(step)
         interval = self.config.ckpt.save_interval
         if stop or step == train.steps or (interval and step % interval == 0):
             path = self.save(step)
@@ -174,7 +182,7 @@ class Checkpointer:
             self.last_save_s += time.perf_counter() - started
         if step == train.steps:
             self.export()
-        if stop and self.preemption.requested_anywhere:
+        if signalled:
             log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
                      "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
                      self.slowest_step_s, self.last_save_s)

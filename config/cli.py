@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from config.errors import UserError
-from config.process import is_global_rank_zero, tell_peers_at_startup
+from config.process import is_global_rank_zero, peer_paragraph, tell_peers_at_startup, tell_peers_mid_run
 from config.sections import LORA_SETTINGS
 
 # Named GRPO recipes (`--config dapo`): YAML files of a handful of keys each, citing the paper and the peers' keys.
@@ -287,7 +287,8 @@ def _parse_value(name: str, text: str):
 
 
 def run_cli(main) -> None:
-    """Run `main(argv)`; a UserError becomes a one-paragraph message on rank 0 and exit status 2."""
+    """Run `main(argv)`; a UserError becomes a one-paragraph message on rank 0 and exit status 2, and so does a failed
+    collective on the peers of a rank that stopped with one alone."""
     # megatron-core forks a writer for every background checkpoint save; once a tokenizer has run in parallel, the
     # tokenizers library prints a warning at each fork and turns its parallelism off in the child anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -301,10 +302,20 @@ def run_cli(main) -> None:
             print(paragraph, file=sys.stderr)
         tell_torchrun(paragraph)
         tell_peers_at_startup(message)
+        tell_peers_mid_run(message)  # raised on this rank alone, perhaps: a peer's collective fails, and says this
         sys.exit(2)
-    except Exception as error:  # a fault before the process group: its peers must not wait for this rank
-        tell_peers_at_startup(f"{type(error).__name__}: {' '.join(str(error).split())[:300]} (its traceback is in "
-                              "that node's log)")
+    except Exception as error:
+        if (peer := peer_paragraph()) is not None:  # a collective that failed because a peer stopped with its paragraph
+            paragraph = f"error: {' '.join(peer.split())}"
+            if is_global_rank_zero():
+                print(paragraph, file=sys.stderr)
+            tell_torchrun(paragraph)
+            sys.exit(2)
+        # A fault of this rank's own: its peers must not wait for it (before the process group), nor print a failed
+        # collective's traceback in place of its line (after).
+        line = f"{type(error).__name__}: {' '.join(str(error).split())[:300]} (its traceback is in that node's log)"
+        tell_peers_at_startup(line)
+        tell_peers_mid_run(line)
         raise
 
 

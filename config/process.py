@@ -36,8 +36,8 @@ def cache_dir() -> pathlib.Path:
 STARTUP_KEYS = "megatron-trainer/start-up"
 
 
-def _startup_store(timeout_s: float):
-    """torchrun's store (MASTER_ADDR:MASTER_PORT) under this launch attempt's start-up prefix, or None where no launcher
+def _startup_store(timeout_s: float, keys: str = STARTUP_KEYS):
+    """torchrun's store (MASTER_ADDR:MASTER_PORT) under this launch attempt's prefix `keys`, or None where no launcher
     agent serves one (a single process, or a launcher other than torchrun: a rank would have to serve it), or where
     the ranks cannot tell which attempt they are in: several agents that may restart their workers (`--max-restarts`).
     A node whose worker failed counts a restart, but the agents of the other nodes restart theirs for its new
@@ -53,7 +53,7 @@ def _startup_store(timeout_s: float):
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     # The store outlives a launch attempt (torchrun's restart count) and an elastic change of members (the world size).
     attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{os.environ['WORLD_SIZE']}"
-    return dist.PrefixStore(f"{STARTUP_KEYS}/{attempt}", store)
+    return dist.PrefixStore(f"{keys}/{attempt}", store)
 
 
 def tell_peers_at_startup(paragraph: str) -> None:
@@ -91,3 +91,50 @@ def meet_peers_at_startup(timeout_s: float) -> None:
         if store.add("arrived", 0) >= everyone:
             return
         time.sleep(0.2)  # a few store requests a second per rank, thousands of ranks included
+
+
+# Failures after the process group exists. A rank that stopped alone with a UserError mid-run (an environment whose
+# service went away on its node) printed nothing, since rank 0 prints, and rank 0 stopped in its next collective with
+# gloo's `Connection closed by peer` traceback (NCCL's waits until torchrun stops it): the paragraph was only in
+# torchrun's summary. So the rank leaves its paragraph in torchrun's store, and a peer whose collective then fails
+# says it instead of that traceback.
+MID_RUN_KEYS = "megatron-trainer/mid-run"
+# How long a rank whose collective failed looks for a peer's paragraph: the peer leaves it before it exits, but its
+# way out may close the process group first.
+PEER_PARAGRAPH_WAIT_S = 5.0
+
+
+def tell_peers_mid_run(paragraph: str) -> None:
+    """Once the process group is up, leave this rank's paragraph where a peer whose collective fails because this rank
+    stopped reads it (`peer_paragraph`). Best effort: a store out of reach costs only that."""
+    import contextlib
+    import socket
+
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if (store := _startup_store(10, MID_RUN_KEYS)) is not None and not store.check(["failed"]):
+            store.set("failed", f"rank {os.environ.get('RANK', '0')} (on {socket.gethostname()}) stopped: {paragraph}")
+
+
+def peer_paragraph() -> str | None:
+    """The paragraph a peer left when it stopped mid-run (`tell_peers_mid_run`), waited for a few seconds while this
+    rank's process group is up; None when there is none."""
+    import contextlib
+    import time
+
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if (store := _startup_store(10, MID_RUN_KEYS)) is None:
+            return None
+        deadline = time.monotonic() + (PEER_PARAGRAPH_WAIT_S if dist.is_initialized() else 0)
+        while True:
+            if store.check(["failed"]):
+                return store.get("failed").decode()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+    return None

@@ -558,6 +558,32 @@ def test_exit_interval_stops_after_every_multiple_as_megatron_does():
     assert written == [6, 9, 10, "hf"]
 
 
+def test_a_stop_signal_in_the_last_step_finishes_the_run_and_writes_no_stop_file(tmp_path, monkeypatch, caplog):
+    """A stop signal that lands in the last step (a scheduler's warning as the run ends): the run saves and exports,
+    as a finish does, but it also logged `stopping at step 10 (signal) ... Resume with --resume-from-checkpoint latest`
+    and wrote the stop file, so scripts/slurm/train.sbatch requeued a finished job, which then did nothing. At the
+    last step a signal changes nothing: no stop line, no stop file. A step before it still stops and writes one."""
+    import types
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    stop_file = tmp_path / "stopped"
+    monkeypatch.setenv(checkpoint.STOP_FILE_VARIABLE, str(stop_file))
+    config, _ = parse_args(SFTConfig, ["--train.steps=10"], "trainer.sft")
+    checkpointer, written = object.__new__(checkpoint.Checkpointer), []
+    checkpointer.config, checkpointer.background, checkpointer.slowest_step_s, checkpointer.last_save_s = config, None, 0.0, 0.0
+    checkpointer.preemption = types.SimpleNamespace(agreed=lambda: True, requested_anywhere=True)
+    checkpointer.save = lambda step: written.append(step) or tmp_path / checkpoint.checkpoint_name(step)
+    checkpointer.wait, checkpointer.export = lambda: None, lambda: written.append("hf")
+    with caplog.at_level("INFO"):
+        checkpointer.maybe_save_or_export(10)
+        assert written == [10, "hf"]
+        assert "stopping at step" not in caplog.text and not stop_file.exists()
+        assert checkpointer.maybe_save_or_export(9) and written[-1] == 9
+    assert "stopping at step 9 (signal)" in caplog.text and stop_file.is_file()
+
+
 def test_tensorboard_holds_each_step_once_after_a_resume_the_restored_row_included(tmp_path):
     """A resume logs its checkpoint's own step to TensorBoard again, once: the stopped run's events from that step on
     are purged. A run that died after the save of step 3 and before writing its row gets the row back in metrics.jsonl

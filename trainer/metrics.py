@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.layout import LATEST, checkpoint_dir
 from config import outputs
 from config.errors import AgreedStop, UserError
 
@@ -68,18 +69,21 @@ class MetricsWriter:
 
     def __init__(self, config, is_main: bool, start_step: int):
         self.is_main, self.train, self.start_step = is_main, config.train, start_step
-        self.out_dir = Path(config.train.out_dir)
+        self.out_dir, self.checkpoints = Path(config.train.out_dir), checkpoint_dir(config)
+        self.step, self.failed = start_step, False  # the last step written; whether a write failed (said once)
         self.file = self.samples_file = self.progress = None
         self.loggers = []
         if is_main:
             from tqdm import tqdm
 
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
+            with self._writing(self.out_dir / outputs.METRICS):  # a resume rewrites the rows it keeps
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:
-                self.loggers.append(TensorBoardLogger(self.out_dir, start_step))
+                with self._writing(self.out_dir / outputs.TENSORBOARD):
+                    self.loggers.append(TensorBoardLogger(self.out_dir, start_step))
             if config.log.wandb:
                 self.loggers.append(WandbLogger(config, self.out_dir, start_step))
 
@@ -87,10 +91,13 @@ class MetricsWriter:
         """Append one row and send its scalars to every logger; a console line on logged steps and evaluation rows."""
         if not self.is_main:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.step = row["step"]
+        with self._writing(self.out_dir / outputs.METRICS):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         for logger in self.loggers:
-            logger.scalars(row["step"], _scalars(row))
+            with self._writing(logger.directory):
+                logger.scalars(row["step"], _scalars(row))
         if self.progress is not None and "loss" in row:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
@@ -103,20 +110,49 @@ class MetricsWriter:
         """A few completions of one step (prompt, completion, reward, ...) to samples.jsonl and, as text, to the loggers."""
         if not self.is_main or not samples:
             return
-        if self.samples_file is None:  # opened on first use: only GRPO writes samples
-            self.samples_file = _continue_file(self.out_dir / outputs.SAMPLES, self.start_step)
-        self.samples_file.write("".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
-        self.samples_file.flush()
+        with self._writing(self.out_dir / outputs.SAMPLES):
+            if self.samples_file is None:  # opened on first use: only GRPO writes samples
+                self.samples_file = _continue_file(self.out_dir / outputs.SAMPLES, self.start_step)
+            self.samples_file.write("".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
+            self.samples_file.flush()
         for logger in self.loggers:
-            logger.samples(step, samples)
+            with self._writing(logger.directory):
+                logger.samples(step, samples)
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """A failure to write rank 0's record at `path` (a full disk, a quota, permissions) as the one paragraph that
+        stops the run; a later one (closing the same file on the way out) is not said again."""
+        try:
+            yield
+        except OSError as error:
+            if self.failed:
+                return
+            self.failed = True
+            pointer = self.checkpoints / LATEST
+            latest = (f"`latest` in `{self.checkpoints}` names `{pointer.read_text().strip()}`, the last complete "
+                      "checkpoint" if pointer.is_file() else f"`latest` in `{self.checkpoints}` names no checkpoint yet")
+            raise UserError(f"Writing `{path}` failed at step {self.step}: {' '.join(str(error).split())}. The run "
+                            f"stops here; {latest}. Make room in `{path.parent}` (or fix what the error names) and "
+                            "continue with `--resume-from-checkpoint latest`.") from None
 
     def close(self, draw: bool = True) -> None:
         """Flush and close the files, the bar and the loggers; then draw metrics.png from metrics.jsonl."""
         if not self.is_main:
             return
-        for handle in (self.file, self.samples_file, self.progress, *self.loggers):
-            if handle is not None:
-                handle.close()
+        failure = None
+        if self.progress is not None:
+            self.progress.close()
+        for handle, path in ((self.file, self.out_dir / outputs.METRICS), (self.samples_file, self.out_dir / outputs.SAMPLES),
+                             *((logger, logger.directory) for logger in self.loggers)):
+            try:
+                with self._writing(path):  # closing flushes what a failed write left in the buffer: said once
+                    if handle is not None:
+                        handle.close()
+            except UserError as error:  # every handle is closed before it is raised
+                failure = failure or error
+        if failure is not None:
+            raise failure
         if draw:
             from trainer import plots
 
@@ -130,6 +166,7 @@ class MetricsWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        self.failed = self.failed or exc_type is not None  # a run failing already says its own error, not the close's
         self.close(draw=exc_type is None)
 
 
@@ -188,7 +225,8 @@ class TensorBoardLogger:
         # A resumed run hides what a stopped run logged from its checkpoint's step on (TensorBoard's purge_step), and
         # logs that step again from metrics.jsonl and samples.jsonl, once: a row the checkpoint restored to
         # metrics.jsonl (a run that died in its final export, after the save) had never reached TensorBoard.
-        self.writer = SummaryWriter(str(out_dir / outputs.TENSORBOARD), purge_step=start_step or None)
+        self.directory = out_dir / outputs.TENSORBOARD
+        self.writer = SummaryWriter(str(self.directory), purge_step=start_step or None)
         for row in outputs.read_rows(out_dir / outputs.METRICS) if start_step else []:
             if row.get("step") == start_step:
                 self.scalars(start_step, _scalars(row))
@@ -226,7 +264,8 @@ class WandbLogger:
 
         from config.cli import to_dict
 
-        id_file = out_dir / "wandb" / "trainer-run-id"
+        self.directory = out_dir / "wandb"
+        id_file = self.directory / "trainer-run-id"
         run_id = id_file.read_text().strip() if start_step and id_file.is_file() else None
         try:
             self.run = wandb.init(project=config.log.wandb_project or os.environ.get("WANDB_PROJECT") or "megatron-trainer",

@@ -181,7 +181,7 @@ def stop_if_diverged(row: dict, writer: MetricsWriter, checkpointer) -> None:
         return
     writer.write(row)
     checkpointer.wait()  # as `Checkpointer.kept_on_agreed_stop` would, first: the paragraph names what it published
-    latest = checkpointer.directory / "latest"
+    latest = checkpointer.directory / LATEST
     kept = (f"the last checkpoint, `{checkpointer.directory / latest.read_text().strip()}`, holds the weights before "
             "it" if latest.is_file() else "no checkpoint was saved before it")
     loss = row.get("loss")

@@ -34,20 +34,28 @@ def reward(completion, reference):
         raise ConnectionError("the scoring service went away")
     return float(len(completion) % 2 == 0)
 """
+# A reward that fails on the first 4 answers it scores on each rank: the step-0 baseline's held-out ones.
+HELD_OUT_FAILS = FLAKY.replace("if next(_calls) >= 64:", "if next(_calls) < 4:").replace(
+    "the scoring service went away", "not up yet")
 
 
 def launches(tmp_path_factory):
     """The three diverging runs, each expected to stop with its paragraph."""
     root = tmp_path_factory.mktemp("divergence")
     (root / "flaky_scoring_service.py").write_text(FLAKY)
+    (root / "late_scoring_service.py").write_text(HELD_OUT_FAILS)
+    late = ["--model.path=tiny", "--grpo.reward=late_scoring_service:reward", "--grpo.reward_timeout=0",
+            "--train.steps=1", "--train.global_batch_size=64", "--train.micro_batch_size=32", "--train.eval_samples=8",
+            f"--train.out_dir={root / 'late'}"]
     flaky = ["--model.path=tiny", "--grpo.reward=flaky_scoring_service:reward", "--grpo.reward_timeout=0",
              "--train.steps=4", "--train.global_batch_size=64", "--train.micro_batch_size=32", "--train.eval_samples=0",
              "--ckpt.save_interval=2", f"--train.out_dir={root / 'flaky'}"]
     results = yield launch([{"module": module, "argv": [*argv, f"--train.out_dir={root / name}"], "expect_error": True}
                             for name, (module, argv) in RUNS.items()]
-                           + [{"module": "trainer.grpo", "argv": flaky, "expect_error": True}],
+                           + [{"module": "trainer.grpo", "argv": flaky, "expect_error": True},
+                              {"module": "trainer.grpo", "argv": late}],
                            env={"PYTHONPATH": str(root)})
-    return {"root": root, **dict(zip([*RUNS, "flaky"], results))}
+    return {"root": root, **dict(zip([*RUNS, "flaky", "late"], results))}
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +88,13 @@ def test_a_reward_failing_everywhere_mid_run_publishes_the_save_in_flight_before
                                              "every one of the 64 completions of step 3")
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert sorted(path.name for path in (out_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]
+
+
+def test_a_reward_failing_on_held_out_answers_is_counted_and_said(runs):
+    """Before, the baseline's `eval_accuracy` 0 was all a user saw of a reward failing on every held-out answer."""
+    baseline = json.loads((runs["root"] / "late" / "metrics.jsonl").read_text().splitlines()[0])
+    assert baseline["step"] == 0 and baseline["eval_accuracy"] == 0.0 and baseline["eval_reward_errors"] == 8
+    assert ("held-out evaluation: the reward function failed on 8 of the 8 held-out completions, each scored 0 in "
+            "eval_accuracy; the first ConnectionError failure: `late_scoring_service:reward` raised ConnectionError: "
+            "not up yet") in runs["late"]["log"]
+    assert runs["late"]["step1"]["reward_errors"] == 0

@@ -5,8 +5,12 @@ reward function gives full marks. Beside it, `eval_format_rate` (answers in the 
 `eval_answer_accuracy` (the right number as the last number, in any form) say what moved.
 """
 
+import logging
+
 from model import collectives, sampling
 from trainer import rollout as rollout_data
+
+log = logging.getLogger(__name__)
 
 
 def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tokens: int,
@@ -33,4 +37,12 @@ def held_out_metrics(policy, prompts: list, reward, runtime, config, max_new_tok
            "eval_answer_accuracy": totals["right_answer"] / len(prompts)}
     if episode_sampler.toolset is not None:
         row["eval_tool_call_rate"] = totals["with_calls"] / len(prompts)
+    if totals["errors"]:  # the same on every rank: a reward failing on held-out answers alone scored 0 without a word
+        row["eval_reward_errors"] = totals["errors"]
+        failures = {kind: text for rank_failures in collectives.data_parallel_gather(scores.failures)
+                    for kind, text in rank_failures.items()}
+        if runtime.is_main:
+            log.warning("held-out evaluation: the reward function failed on %d of the %d held-out completions, each "
+                        "scored 0 in eval_accuracy; %s", int(totals["errors"]), len(prompts),
+                        "; ".join(f"the first {kind} failure: {text}" for kind, text in failures.items()))
     return row

@@ -1,11 +1,13 @@
 """A run whose gradients turn NaN stops at that step on every rank, in one paragraph, with nothing of it saved; a stop
-every rank agrees on mid-run publishes the checkpoint save in flight first.
+every rank agrees on mid-run publishes the checkpoint save in flight first; a reward failing on held-out answers is
+counted and said.
 
 In fp32 and bf16 megatron-core applies an update whatever its gradient norm. Before, an SFT run at `optim.lr=50` went
 on for every step with loss and grad_norm nan, saved NaN checkpoints over the good ones (`ckpt.keep_last`) and
 exported NaN weights, exit 0 (Megatron-FSDP's own `check_for_nan_in_grad`, on, let it through too); GRPO's next
-rollout stopped with torch's "probability tensor contains either `inf`, `nan` or element < 0" traceback. And a reward that failed on every completion of step 3 stopped the run with
-its paragraph while step 2's save was written in the background: left as `.partial-step_00000002`, no `latest`.
+rollout stopped with torch's "probability tensor contains either `inf`, `nan` or element < 0" traceback. And a reward
+that failed on every completion of step 3 stopped the run with its paragraph while step 2's save was written in the
+background: left as `.partial-step_00000002`, no `latest`.
 One 2-process launch (conftest's `joint_launches`).
 """
 

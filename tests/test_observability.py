@@ -83,17 +83,24 @@ def wandb_records(out_dir) -> list:
 
 def launches(tmp_path_factory):
     """The short SFT run, with TensorBoard and W&B (offline) on; then a short GRPO run (one process) from its output,
-    with TensorBoard on (in conftest's `joint_launches`). Returns both output directories."""
+    with TensorBoard on, and one on two processes with dynamic sampling (in conftest's `joint_launches`). Returns the
+    three output directories."""
     sft_dir, grpo_dir = tmp_path_factory.mktemp("sft"), tmp_path_factory.mktemp("grpo")
     yield launch([{"module": "trainer.sft", "env": {"WANDB_MODE": "offline"},
                    "argv": [*SFT[2:], f"--train.out_dir={sft_dir}", "--log.tensorboard=true", "--log.wandb=true",
                             "--log.wandb_project=observability-test", "--log.wandb_name=short-sft"]}])
-    yield launch([])  # nothing in the second round: the GRPO run shares the third round's one-process launch
+    # Two data-parallel ranks with dynamic sampling, from the SFT's output, rank 0's reward slower (the rank wait's test).
+    waits_dir = tmp_path_factory.mktemp("grpo-rank-wait")
+    yield launch([{"module": "trainer.grpo", "env": {"PYTHONPATH": str(REPO)}, "argv": [
+        f"--model.path={sft_dir / 'hf'}", "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+        "--grpo.max_new_tokens=16", "--train.eval_samples=0", "--grpo.reward=tests.tool_fixtures:parity_slow_on_rank_zero",
+        "--grpo.reward_timeout=0", "--grpo.dynamic_sampling=true", "--grpo.max_sampling_rounds=3",
+        f"--train.out_dir={waits_dir}"]}])
     yield launch([{"module": "trainer.grpo", "argv": [
         f"--model.path={sft_dir / 'hf'}", "--train.steps=3", "--train.global_batch_size=16", "--train.micro_batch_size=8",
         "--grpo.max_new_tokens=16", "--train.eval_samples=4", "--train.log_interval=2", "--log.tensorboard=true",
         f"--train.out_dir={grpo_dir}"]}], nproc=1)
-    return sft_dir, grpo_dir
+    return sft_dir, grpo_dir, waits_dir
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +111,11 @@ def sft_run(joint_launches):
 @pytest.fixture(scope="module")
 def grpo_run(joint_launches):
     return joint_launches[__name__][1]
+
+
+@pytest.fixture(scope="module")
+def rank_wait_run(joint_launches):
+    return joint_launches[__name__][2]
 
 
 # ---------------------------------------------------------------- loggers
@@ -154,6 +166,21 @@ def test_wandb_switched_on_but_missing_is_a_clean_error_before_any_work(tmp_path
     assert result.stderr.startswith("error: `log.wandb=true` needs Weights & Biases") and result.stderr.count("\n") == 1
     assert "uv sync --extra wandb" in result.stderr
     assert "data arithmetic" not in result.stdout and not out_dir.exists()
+
+
+def test_grpo_rank_wait_holds_the_wait_after_every_sampling_round(rank_wait_run):
+    """Dynamic sampling's ranks agree after each round whether another is needed; a rank whose round ended first waits
+    there for the others, and `rank_wait_time_s` says so. Rank 0's reward sleeps 30 ms a completion (16 a round), so
+    rank 1 waits about 0.48 s a round: the mean over the two ranks about 0.24 s. Before, those waits were in no phase:
+    rank_wait_time_s 0.0009-0.0010 s at 1 and 2 rounds (20 ms a completion), the phases 0.73-0.75 of the step; after,
+    0.17 and 0.35 s, the phases 0.998-0.999 of it."""
+    steps = [row for row in metrics(rank_wait_run) if "loss" in row]
+    phases = ("rollout_time_s", "reward_time_s", "pi_old_time_s", "reference_time_s", "update_time_s", "rank_wait_time_s")
+    print("rounds, rank wait, phases' share of the step:", [(row["sampling_rounds"], round(row["rank_wait_time_s"], 4),
+          round(sum(row[key] for key in phases) / row["step_time_s"], 3)) for row in steps])
+    assert len(steps) == 2
+    # Half the expected wait: a loaded machine's scheduler can slow rank 1 too (its own rounds then take longer).
+    assert all(row["rank_wait_time_s"] >= 0.12 * row["sampling_rounds"] for row in steps)
 
 
 def test_grpo_writes_sampled_completions(grpo_run):

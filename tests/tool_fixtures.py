@@ -30,6 +30,14 @@ def parity(completion: str, reference: str) -> float:
     return float(len(completion) % 2 == 0)
 
 
+def parity_slow_on_rank_zero(completion: str, reference: str) -> float:
+    """`parity`, 30 ms slower a completion on global rank 0 (run in the rank's own process, `grpo.reward_timeout=0`):
+    the other data-parallel ranks wait for rank 0 after every sampling round."""
+    if os.environ.get("RANK") == "0":
+        time.sleep(0.03)
+    return parity(completion, reference)
+
+
 def digits(number: str) -> str:
     """The digit sum of a number, deterministic.
 

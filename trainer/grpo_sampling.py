@@ -1,6 +1,7 @@
 """A GRPO step's batch: which prompts it samples, its rounds of scored episodes, their groups' advantages, dynamic
 sampling's choice of groups, and what a failing reward function does to the run (`trainer/grpo.py` states the rules)."""
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -195,19 +196,23 @@ def trained_advantages(sampling_round: Round, group: int, dynamic_sampling: bool
     return sampling_round.advantages[group]
 
 
-def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward, reward_model=None) -> StepBatch:
+def collect_rollouts(policy, episode_sampler, prompts, config, step, runtime, reward, reward_model=None,
+                     timer=None) -> StepBatch:
     """This rank's batch of the step: one round of rollouts, or with `grpo.dynamic_sampling` as many rounds (at most
     `grpo.max_sampling_rounds`) as the data-parallel ranks need to fill their batches with groups that carry signal.
 
     Every rank runs every round (the ranks agree on the count, one all-reduce per round), so generation's
-    collectives under Megatron-FSDP stay matched."""
+    collectives under Megatron-FSDP stay matched. That all-reduce is where a rank whose round ended first waits for
+    the others: timed as the step's `rank_wait` phase (`timer`, a `trainer.metrics.StepTimer`; None: not timed)."""
     grpo = config.grpo
     wanted = config.train.global_batch_size // grpo.n_samples // runtime.dp_size
     rounds = [sample_round(policy, episode_sampler, round_prompts(prompts, config, step, 0, runtime), config, step, 0,
                            runtime, reward, reward_model)]
     while grpo.dynamic_sampling and len(rounds) < grpo.max_sampling_rounds:
         short = max(0, wanted - sum(int(sampling_round.kept.sum()) for sampling_round in rounds))
-        if collectives.data_parallel_sum([short])[0] == 0:
+        with timer.phase("rank_wait") if timer is not None else contextlib.nullcontext():
+            short_anywhere = collectives.data_parallel_sum([short])[0]
+        if short_anywhere == 0:
             break
         round_index = len(rounds)
         rounds.append(sample_round(policy, episode_sampler, round_prompts(prompts, config, step, round_index, runtime),
@@ -252,7 +257,7 @@ class LocalRollouts:
 
     def take(self, step: int, timer) -> StepBatch:
         step_batch = collect_rollouts(self.policy, self.episode_sampler, self.prompts, self.config, step, self.runtime,
-                                      self.reward, self.reward_model)
+                                      self.reward, self.reward_model, timer)
         refuse_a_batch_of_skipped_prompts(step_batch, self.config, step)
         return step_batch
 
@@ -294,8 +299,9 @@ class RewardFailures:
 
     def check(self, step_batch: StepBatch, step: int, timer) -> None:
         """Collective over data-parallel ranks (one small all-reduce; a gather only in a step where a score failed).
-        The step's first collective after sampling, where a rank whose rollouts ended first waits for the others:
-        timed as the step's `rank_wait` phase (`timer`, a `trainer.metrics.StepTimer`)."""
+        The step's first collective after sampling (with dynamic sampling, after its rounds' own), where a rank whose
+        rollouts ended first waits for the others: timed as the step's `rank_wait` phase (`timer`, a
+        `trainer.metrics.StepTimer`)."""
         local_errors = sum(sampling_round.scores.errors for sampling_round in step_batch.rounds)
         local_count = sum(len(sampling_round.episodes) for sampling_round in step_batch.rounds)
         with timer.phase("rank_wait"):

@@ -19,6 +19,10 @@ from config.sections import (
 log = logging.getLogger(__name__)
 
 
+# The checkpoints whose `max_position_embeddings` warning (`validate_model_shape`) this process has printed.
+SAID_POSITIONS: set = set()
+
+
 class ModelChecks:
     """The parallel layout against the model and the machine, the model's settings, MoE routers, recomputation."""
 
@@ -67,7 +71,9 @@ class ModelChecks:
         parallel = self.parallel
         per_chunk = self.check_layout_divides(hf)
         positions = hf.get("max_position_embeddings")
-        if positions and self.data.max_seq_len > positions:
+        said = (str(model_path), positions, self.data.max_seq_len)  # checked at start-up and again at the build
+        if positions and self.data.max_seq_len > positions and said not in SAID_POSITIONS:
+            SAID_POSITIONS.add(said)
             log.warning("`data.max_seq_len=%d` is longer than `model.path=%s` was trained on (config.json's "
                         "max_position_embeddings, %d): positions past it are ones its rotary embedding never saw, and "
                         "long rows may train and generate worse. Lower `--data.max_seq_len` to %d or less unless the "

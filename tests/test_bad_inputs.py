@@ -61,8 +61,10 @@ def test_rows_longer_than_the_models_positions_are_said(caplog):
     with caplog.at_level(logging.WARNING):
         make(**{"model.path": str(ensure_tiny_checkpoint()), "data.max_seq_len": 512}).validate(world_size=1)
         assert "max_position_embeddings" not in caplog.text
-        make(**{"model.path": str(ensure_tiny_checkpoint()), "data.max_seq_len": 1024}).validate(world_size=1)
-    assert "`data.max_seq_len=1024` is longer than `model.path=" in caplog.text
+        config = make(**{"model.path": str(ensure_tiny_checkpoint()), "data.max_seq_len": 1024})
+        config.validate(world_size=1)
+        config.validate_model_shape(ensure_tiny_checkpoint())  # again as the model is built: said once a process
+    assert caplog.text.count("`data.max_seq_len=1024` is longer than `model.path=") == 1
     assert "(config.json's max_position_embeddings, 512)" in caplog.text and "`--data.max_seq_len` to 512" in caplog.text
 
 

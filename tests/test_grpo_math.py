@@ -295,6 +295,29 @@ def test_the_format_bonus_and_overlong_penalty_are_shaping_no_weight_scales():
     assert shaped_rewards(scores, None, episodes, plain)[0].tolist() == scores.rewards  # bit for bit, as before
 
 
+def test_a_reward_models_non_finite_score_is_a_counted_failure_not_a_nan_advantage():
+    """A reward model scoring NaN or inf (weights saved NaN, a bf16 overflow) made its whole group's advantages NaN
+    and the update's gradients after them; such a score is now 0 and counted in `reward_errors`, as a reward
+    function's NaN is, with the first one described; the group's other scores are kept."""
+    from types import SimpleNamespace
+
+    from data import rewards
+    from trainer.grpo_sampling import REWARD_MODEL_FAILURE, finite_model_scores
+
+    scores = rewards.score(rewards.gsm8k, ["#### 8", "#### 7", "#### 8", "#### 8"], ["#### 8"] * 4)
+    episodes = [SimpleNamespace(answer=f"answer {index}") for index in range(4)]
+    model_scores = finite_model_scores(torch.tensor([0.5, float("nan"), float("-inf"), -0.25]), scores, episodes,
+                                       "rm/hf")
+    assert model_scores.tolist() == [0.5, 0.0, 0.0, -0.25]
+    assert scores.errors == 2 and scores.failed == [False, True, True, False]
+    assert scores.failures == {REWARD_MODEL_FAILURE + "non-finite score":
+                               "`grpo.reward_model=rm/hf` scored nan (on the completion 'answer 1')"}
+    assert scores.rewards == [1.0, 0.0, 1.0, 1.0]  # the reward function's part stands
+    advantages, _ = grpo_math.group_advantages(torch.tensor(scores.rewards, dtype=torch.float64).add(model_scores)
+                                               .view(1, 4))
+    assert torch.isfinite(advantages).all()
+
+
 def test_sequence_ratio_is_the_length_normalised_mean_and_clips_whole_completions():
     """GSPO: s_i = exp(mean over the completion's tokens of log pi - log pi_old), the same value on each of its tokens."""
     logprobs = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.5, 0.0, 0.0]], requires_grad=True)

@@ -5,12 +5,14 @@ and what GRPO asks of a reward model (`grpo.reward_model`) before it is built.""
 import dataclasses
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from config.cli import parse_args
 from config.errors import UserError
@@ -571,10 +573,18 @@ def launches(default_sft, tmp_path_factory):
                           command("tp2", "--parallel.tp=2", "--train.exit_interval=3"),
                           command("pp2", "--parallel.pp=2", "--train.exit_interval=3"),
                           command("fsdp", "--parallel.use_megatron_fsdp=true", "--train.exit_interval=3"), *defaults])
+    broken = root / "nan-rm"  # the export with its head's weights NaN: every score NaN
+    shutil.copytree(root / "straight" / "hf", broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     second = yield launch([command("split", "--resume-from-checkpoint", "latest"),
-                           command("continued", f"--model.path={root / 'straight' / 'hf'}", "--train.steps=1")])
+                           command("continued", f"--model.path={root / 'straight' / 'hf'}", "--train.steps=1"),
+                           {"module": "trainer.grpo", "expect_error": True,
+                            "argv": [f"--model.path={default_sft / 'hf'}", f"--grpo.reward_model={broken}",
+                                     "--train.steps=2", "--train.eval_samples=0", f"--train.out_dir={root / 'grpo-nan'}"]}])
     return {"root": root, "home": home, "default_log": first[5]["log"], "grpo_log": first[6]["log"],
-            "continued": second[1]}
+            "continued": second[1], "nan_scores": second[2]}
 
 
 @pytest.fixture(scope="module")
@@ -587,8 +597,6 @@ def test_reward_model_training_resumes_exactly_and_agrees_across_layouts(runs):
     """3 + resume + 3 steps equal 6 straight (every figure, and the exported weights); at TP=2, at PP=2 (one
     replica, all 4 micro-batches on it) and under Megatron-FSDP the same global batches give the same losses within float error, stopped at
     step 3 of the same schedule; the held-out loss falls."""
-    from safetensors.torch import load_file
-
     root = runs["root"]
     straight, split = metrics_rows(root / "straight"), metrics_rows(root / "split")
     print("rm straight:", straight)
@@ -639,6 +647,19 @@ print(json.dumps([scores[0::2].mean().item(), scores[1::2].mean().item()]))
     assert rejected == pytest.approx(last["eval_rejected_score"], abs=1e-5)
     continued = metrics_rows(root / "continued")
     assert continued[0]["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_reward_model_scoring_nan_stops_grpo_at_its_first_step_naming_it(runs):
+    """A reward model whose head is NaN scored every rollout NaN: its groups' advantages were NaN and the update's
+    gradients after them. Each non-finite score is now a counted reward failure, so a step on which all are stops
+    the run with one paragraph naming `grpo.reward_model`, before any update."""
+    error, root = runs["nan_scores"]["error"], runs["root"]
+    assert error.startswith("The reward (`grpo.reward=gsm8k` plus the reward model `grpo.reward_model="), error
+    assert "failed on every one of the 64 completions of step 1" in error and "scored nan (on the completion" in error
+    assert "check its weights" in error and "--grpo.tolerate_reward_errors=true" in error
+    assert not (root / "grpo-nan" / "metrics.jsonl").is_file() or all(
+        row["step"] == 0 for row in metrics_rows(root / "grpo-nan"))
 
 
 def test_an_embedded_set_sampled_from_a_model_since_changed_is_said(tmp_path, monkeypatch, caplog):

@@ -138,12 +138,31 @@ def sample_round(policy, episode_sampler, prompts: list[prompt_data.Prompt], con
     model_scores = None if reward_model is None else reward_model.score(episodes)  # [episodes]
     if model_scores is not None:  # a skipped prompt's episodes score 0 here too, as `rollout.score` gives them
         model_scores = model_scores.masked_fill(torch.tensor([episode.skipped for episode in episodes]), 0.0)
+        model_scores = finite_model_scores(model_scores, scores, episodes, grpo.reward_model)
     shaped, penalty = shaped_rewards(scores, model_scores, episodes, grpo)
     advantages, equal = grpo_math.group_advantages(shaped.view(-1, grpo.n_samples), grpo.baseline, grpo.scale_rewards)
     kept = kept_groups(shaped, scores.correct, equal, grpo.filter_metric)
     truncated = [policy.engine.truncated(episode.ids, grpo.max_new_tokens) for episode in episodes]
     return Round(episodes, truncated, scores, penalty, advantages, equal, kept, seconds, tool_seconds,
                  time.perf_counter() - start - seconds, model_scores)
+
+
+# The prefix of a reward model's failure kinds among a step's reward failures (`finite_model_scores`).
+REWARD_MODEL_FAILURE = "reward model "
+
+
+def finite_model_scores(model_scores: torch.Tensor, scores: rewards.Scores, episodes: list[rollout.Episode],
+                        path: str) -> torch.Tensor:
+    """The reward model's scores ([episodes]) with each that is not a finite number (weights saved NaN, a bf16
+    overflow) taken as 0 and counted in `scores` as a failure of that episode's reward (`reward_errors`), as a reward
+    function's NaN is: trained on, one NaN made every advantage of its group NaN, then the update's gradients."""
+    finite = torch.isfinite(model_scores)
+    for index in (~finite).nonzero().flatten().tolist():
+        answer = episodes[index].answer
+        shown = answer if len(answer) <= 120 else answer[:117] + "..."
+        scores.fail(index, REWARD_MODEL_FAILURE + "non-finite score",
+                    f"`grpo.reward_model={path}` scored {float(model_scores[index])} (on the completion {shown!r})")
+    return model_scores.where(finite, 0.0)
 
 
 def shaped_rewards(scores: rewards.Scores, model_scores: torch.Tensor | None, episodes: list[rollout.Episode],
@@ -316,13 +335,18 @@ class RewardFailures:
                 failures.setdefault(kind, text)
         grpo = self.config.grpo
         environment = [kind.startswith(rollout.ENVIRONMENT_FAILURE) for kind in failures]
-        what = (f"the reward (`grpo.reward={grpo.reward}` plus the environment's `reward()`)" if any(environment)
-                else f"the reward function `grpo.reward={grpo.reward}`")
+        judged = [kind.startswith(REWARD_MODEL_FAILURE) for kind in failures]
+        parts = [f"`grpo.reward={grpo.reward}`"] + (["the environment's `reward()`"] if any(environment) else []) + (
+            [f"the reward model `grpo.reward_model={grpo.reward_model}`"] if any(judged) else [])
+        what = f"the reward ({' plus '.join(parts)})" if len(parts) > 1 else f"the reward function {parts[0]}"
         if errors == count and not grpo.tolerate_reward_errors:  # every data-parallel rank raises it here
-            advice = "; ".join(([] if all(environment) else ["A reward function takes (completion, reference) strings "
-                                                             "and returns a number (1.0: full marks)"]) + (
+            by_function = [not (env or model) for env, model in zip(environment, judged)]
+            advice = "; ".join(([] if not any(by_function) else ["A reward function takes (completion, reference) strings "
+                                                                 "and returns a number (1.0: full marks)"]) + (
                 [f"an environment's `reward()` returns a number or `(reward, correct)` within `grpo.reward_timeout` "
-                 f"({grpo.reward_timeout:g} s; 0: no limit)"] if any(environment) else []))
+                 f"({grpo.reward_timeout:g} s; 0: no limit)"] if any(environment) else []) + (
+                ["a reward model's scores must be finite numbers: check its weights (a reward model exported from a "
+                 "diverged run holds NaN), or score in fp32 (`--model.dtype=fp32`, which the reward model runs in as the policy does)"] if any(judged) else []))
             raise AgreedStop(
                 f"{what[0].upper()}{what[1:]} failed on every one of the {int(count)} completions of step {step}, so "
                 f"every reward would be 0 and the run would learn nothing: {'; '.join(failures.values())}. "

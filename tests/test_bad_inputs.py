@@ -104,6 +104,7 @@ def test_a_truncated_safetensors_file_is_named_before_the_build(tmp_path):
     assert f"`{weights}` is truncated or corrupted" in str(error.value) and "`--model.path`" in str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, expected", [
     (["--optim.betas=[1.5,0.9]"], "`optim.betas` must be two numbers in [0, 1)"),
     (["--optim.betas=[0.9"], "`--optim.betas=[0.9` is not a valid value"),
@@ -452,6 +453,7 @@ except UserError as error:
 """
 
 
+@pytest.mark.slow
 def test_a_user_error_on_one_rank_after_the_process_group_formed_stops_every_rank(tmp_path):
     """GRPO and trainer.rm load the model path, the checkpoint to resume and the data after the process group formed.
     A data file bad on node 1 only (two torchrun agents, GRPO): rank 1 exited with its paragraph and rank 0, gone on
@@ -494,6 +496,7 @@ except PermissionError as error:
 """
 
 
+@pytest.mark.slow
 def test_a_fault_other_than_a_user_error_on_one_rank_stops_every_rank_with_its_paragraph(tmp_path):
     """A phase failing on one rank with an exception that is not a UserError (a file unreadable on its node) left
     `agreed` before the gather its peers waited in: gloo's peers failed with `Connection closed by peer`, NCCL's would
@@ -539,6 +542,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.slow
 def test_a_node_started_with_other_settings_or_other_data_is_refused(tmp_path):
     """Each rank parses its own command line and `--config` file and reads its own `data.path` and GRPO's frozen models:
     a node whose copy differed (node-local, stale) trained on other rows without a word (two agents, node 1's

@@ -258,6 +258,7 @@ def test_unusable_checkpoints_name_the_file(tmp_path, damage, expected):
     assert expected.format(path=path) in str(error.value)
 
 
+@pytest.mark.slow
 def test_bad_resume_path_exits_before_touching_the_output(tmp_path):
     out_dir = tmp_path / "run"
     out_dir.mkdir()
@@ -451,6 +452,7 @@ writer.join()
 """
 
 
+@pytest.mark.slow
 def test_a_second_stop_signal_stops_at_once_while_a_save_is_waited_for():
     process = subprocess.Popen([sys.executable, "-c", WAITS_FOR_A_WRITER], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

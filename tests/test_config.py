@@ -131,6 +131,7 @@ def run_module(*args: str, env: dict | None = None) -> subprocess.CompletedProce
                           timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_help_without_torchrun():
     result = run_module("--help")
     assert result.returncode == 0
@@ -143,6 +144,7 @@ def test_help_without_torchrun():
     assert other_rank.returncode == 0 and other_rank.stdout == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, expected", [
     (["--no.such=1"], "Unknown config key `no.such`"),
     (["--train.steps=x"], "`train.steps` must be an integer"),
@@ -484,6 +486,7 @@ def test_packing_is_refused_with_the_per_sequence_load_balancing_loss():
     config.validate(world_size=1)
 
 
+@pytest.mark.slow
 def test_a_users_modules_in_the_starting_directory_do_not_replace_the_projects(tmp_path):
     """Python puts the directory a run starts in first on the import path. A `model.py` of the user's own there stopped
     `python -m trainer.sft` with `ImportError: cannot import name 'build' from 'model' (/.../model.py)`, and a

@@ -214,6 +214,7 @@ def always_hangs(completion, reference):
 '''
 
 
+@pytest.mark.slow
 def test_a_users_reward_runs_in_workers_and_a_call_past_its_timeout_is_stopped(tmp_path, monkeypatch):
     """`module:function` rewards run in worker processes (`grpo.reward_timeout`): the same scores as in the trainer's
     process; a call that sleeps or spins is stopped at the timeout and scores 0 as a TimeoutError (a hanging reward

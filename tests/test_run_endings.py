@@ -7,6 +7,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from tests.conftest import free_port
@@ -32,6 +33,7 @@ cli.run_cli(main)
 """
 
 
+@pytest.mark.slow
 def test_a_user_error_on_one_rank_mid_run_is_its_paragraph_on_rank_0_not_a_peers_traceback():
     """A UserError raised on rank 1 alone after the process group is up: rank 1 prints nothing (rank 0 prints), and
     rank 0 stopped in its next collective with gloo's `Connection closed by peer` traceback (45 lines), the paragraph

@@ -993,6 +993,7 @@ def test_arithmetic_splits():
     assert load_rows("arithmetic", split="eval") == load_rows("arithmetic", split="test")
 
 
+@pytest.mark.slow
 def test_gsm8k_train_goes_through_the_whole_pipeline(tokenizer):
     train_file = GSM8K / "train.jsonl"
     if not train_file.exists():

@@ -456,6 +456,7 @@ def test_a_thread_left_running_past_its_timeout_is_said_by_the_rank_whose_call_i
     assert console.RankFilter(3, 4).filter(record).getMessage().startswith("rank 3: a call ran past grpo.tool_timeout")
 
 
+@pytest.mark.slow
 def test_a_worker_numbered_past_1024_descriptors_answers_and_a_failing_call_thread_never_hangs(monkeypatch):
     """A trainer holding many files (a launch of several runs held 1070) gives a new worker's pipe a descriptor past
     select's limit of 1024: the call's thread raised there, put nothing, and `run` waited forever (a hung GRPO step).

@@ -582,7 +582,8 @@ def launches(default_sft, tmp_path_factory):
                            command("continued", f"--model.path={root / 'straight' / 'hf'}", "--train.steps=1"),
                            {"module": "trainer.grpo", "expect_error": True,
                             "argv": [f"--model.path={default_sft / 'hf'}", f"--grpo.reward_model={broken}",
-                                     "--train.steps=2", "--train.eval_samples=0", f"--train.out_dir={root / 'grpo-nan'}"]}])
+                                     "--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+                                     "--train.eval_samples=0", f"--train.out_dir={root / 'grpo-nan'}"]}])
     return {"root": root, "home": home, "default_log": first[5]["log"], "grpo_log": first[6]["log"],
             "continued": second[1], "nan_scores": second[2]}
 
@@ -655,9 +656,10 @@ def test_a_reward_model_scoring_nan_stops_grpo_at_its_first_step_naming_it(runs)
     gradients after them. Each non-finite score is now a counted reward failure, so a step on which all are stops
     the run with one paragraph naming `grpo.reward_model`, before any update."""
     error, root = runs["nan_scores"]["error"], runs["root"]
-    assert error.startswith("The reward (`grpo.reward=gsm8k` plus the reward model `grpo.reward_model="), error
-    assert "failed on every one of the 64 completions of step 1" in error and "scored nan (on the completion" in error
-    assert "check its weights" in error and "--grpo.tolerate_reward_errors=true" in error
+    assert error.startswith("The reward (`grpo.reward=arithmetic` plus the reward model `grpo.reward_model="), error
+    assert "failed on every one of the 32 completions of step 1" in error and "scored nan (on the completion" in error
+    assert "A reward model's scores must be finite numbers: check its weights" in error
+    assert "A reward function takes" not in error and "--grpo.tolerate_reward_errors=true" in error
     assert not (root / "grpo-nan" / "metrics.jsonl").is_file() or all(
         row["step"] == 0 for row in metrics_rows(root / "grpo-nan"))
 

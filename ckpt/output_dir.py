@@ -46,6 +46,11 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     if unpointed:  # `latest` names nothing, so this run starts fresh: over a run killed before its first save (whose
         # metrics are its own to replace), or over a finished run whose checkpoints are gone and whose export is not
         earlier = [path for path in earlier if path.name in outputs.EXPORTS or path.name.startswith(PREFIX)]
+        # A run whose checkpoints are in `train.out_dir`'s own `checkpoints/` resumed with `--ckpt.dir` set elsewhere
+        # (moved to a larger disk, say): it started from step 0 with one info line and replaced their run's metrics.
+        default = Path(config.train.out_dir) / "checkpoints"
+        if default.resolve() != checkpoint_dir(config).resolve() and (default / LATEST).is_file():
+            earlier += sorted(default.glob(f"{PREFIX}*"))
     if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
                or (unpointed and path.name in outputs.EXPORTS) for path in earlier):
         return

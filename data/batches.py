@@ -16,6 +16,21 @@ import torch
 NUMPY_DTYPES = {torch.int64: numpy.int64, torch.float32: numpy.float32}  # what `rows_tensor` is asked for
 
 
+def changed_data_note(what: str, saved: dict, count: int, contents: str) -> str | None:
+    """A sentence saying how the data a resumed run reads differs from the data its checkpoint was trained on
+    (`saved`: its "examples" count and "contents" digest; checkpoints saved before the digest have none), or None.
+    The order of an epoch indexes the data by position, so other data at the same positions repeats some rows of the
+    epoch and leaves others out."""
+    if saved.get("examples", count) != count:
+        change = f"holds {count} {what} and the checkpoint's held {saved['examples']}"
+    elif saved.get("contents") and contents and saved["contents"] != contents:
+        change = f"holds as many {what} as the checkpoint's ({count}), but other ones or in another order"
+    else:
+        return None
+    return (f"the data {change} (its path, rows, max_seq_len or packing changed): the rest of this epoch follows "
+            f"another order, so some of its {what} may repeat and others be left out; the epochs after it are whole")
+
+
 @dataclasses.dataclass
 class Example:
     """One tokenized sample: `input_ids` and a same-length 0/1 `loss_mask`."""

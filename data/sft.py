@@ -29,6 +29,7 @@ import torch
 from config.errors import UserError
 from config import hf
 from config.hf import special_texts, turn_end
+from data import batches
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
 from data.encode import (TOKENIZE_CHUNK, building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays,
@@ -345,12 +346,13 @@ class BatchSchedule:
     The batch sizes divide as start-up validation checked (`TrainerConfig.validate`)."""
 
     def __init__(self, num_examples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int):
+                 seed: int, contents: str = ""):
         if num_examples < global_batch_size:
             raise UserError(f"The data has {num_examples} usable examples, fewer than one global batch; lower "
                             f"train.global_batch_size (now {global_batch_size}) or add data.")
         self.micro_batch_size, self.dp_rank, self.dp_size, self.seed = micro_batch_size, dp_rank, dp_size, seed
         self.num_examples, self.global_batch_size = num_examples, global_batch_size
+        self.contents = contents  # a digest of the examples (`model.collectives.content_digest`), said when it changes
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         # The incomplete tail of each epoch is dropped so that every global batch is full (the start-up data line
         # says how many rows: `rows_left_out_note`).
@@ -375,16 +377,13 @@ class BatchSchedule:
     def state_dict(self) -> dict:
         """Return the position in the order, for a checkpoint."""
         return {"epoch": self.epoch, "batches_consumed_in_epoch": self.batches_consumed_in_epoch, "seed": self.seed,
-                "examples": self.num_examples}
+                "examples": self.num_examples, "contents": self.contents}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the order from a checkpoint's position, with the checkpoint's seed; said when the data now holds
-        another number of examples (the order of the epoch's rest is then another)."""
-        if state.get("examples", self.num_examples) != self.num_examples:
-            log.info("the data holds %d examples and the checkpoint's held %d (its path, max_seq_len or packing "
-                     "changed): the rest of this epoch follows another order, so some of its examples may "
-                     "repeat and others be left out; the epochs after it are whole", self.num_examples,
-                     state["examples"])
+        other examples (the order of the epoch's rest then picks others: `batches.changed_data_note`)."""
+        if note := batches.changed_data_note("examples", state, self.num_examples, self.contents):
+            log.info(note)
         if state["batches_consumed_in_epoch"] > self.batches_per_epoch:
             raise UserError(f"The checkpoint's data position ({state['batches_consumed_in_epoch']} batches into the "
                             f"epoch) is past this data's {self.batches_per_epoch} batches per epoch; resume with the "

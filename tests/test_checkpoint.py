@@ -430,6 +430,29 @@ def test_resuming_latest_where_there_is_none_over_a_finished_runs_export_is_refu
     assert not (tmp_path / "hf").exists()
 
 
+def test_resuming_latest_with_ckpt_dir_moved_away_from_the_runs_checkpoints_is_refused(tmp_path):
+    """A run stopped at step 2 (`train.exit_interval`) with its checkpoints in `<train.out_dir>/checkpoints`, resumed
+    with `--resume-from-checkpoint latest --ckpt.dir` elsewhere: there is no `latest` there, so it started from step 0
+    with one info line, replaced the run's metrics.jsonl rows and wrote `hf/` (measured: `trainer.sft` wrote steps 1-6
+    anew, step_00000002 left unread). Refused, naming the checkpoint and `--ckpt.dir`, nothing touched."""
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    out_dir = tmp_path / "run"
+    fake_checkpoint(out_dir / "checkpoints", 2)
+    (out_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={out_dir}", f"--ckpt.dir={tmp_path / 'elsewhere'}"], "trainer.sft")
+    with pytest.raises(UserError) as error:
+        checkpoint.check_output_dir(config, "latest", is_main=True)
+    message = str(error.value)
+    assert f"holds an earlier run (`{out_dir / 'checkpoints' / 'step_00000002'}`)" in message
+    assert f"finds no `latest` checkpoint in `ckpt.dir={tmp_path / 'elsewhere'}`" in message and "`--ckpt.dir`" in message
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    # Its own ckpt.dir (the default) resumes it as before.
+    checkpoint.check_output_dir(parse_args(SFTConfig, [f"--train.out_dir={out_dir}"], "trainer.sft")[0], "latest", True)
+
+
 def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
     config, resume = used_output_dir(tmp_path, "--train.overwrite_output_dir=true")
     (tmp_path / "notes.txt").write_text("not the trainer's")

@@ -170,6 +170,30 @@ def test_a_row_and_its_turns_share_their_strings_in_the_records(tokenizer):
     assert pickle.loads(prompts.records.tobytes())[3] == long_rows[0]
 
 
+def test_a_resume_onto_another_prompt_set_says_the_epochs_rest_is_reordered(tokenizer, caplog):
+    """Each step's prompts are positions in a shuffle of the set's size (`step_prompt_indices`): 6 rows added in place
+    to a 24-prompt file made 5 of the 12 prompts of steps 4-6 (4 a step) repeat prompts of steps 1-3, and left 9 of the
+    24 out of the epoch, without a word (SFT said it of its examples). The checkpoint now notes the set, and a resume
+    on a set of another size, or of the same size in another order, says so."""
+    saved = grpo_sampling.PromptSetRecord(prompt_set(tokenizer)).state_dict()
+    added, reordered = prompt_set(tokenizer, ROWS + ROWS[:2]), prompt_set(tokenizer, ROWS[::-1])
+    before = [index for step in (1, 2, 3) for index in grpo_sampling.step_prompt_indices(24, 4, step, 1234)]
+    after = [index for step in (4, 5, 6) for index in grpo_sampling.step_prompt_indices(30, 4, step, 1234)]
+    assert len(set(before) & set(after)) == 5 and len(set(range(24)) - set(before) - set(after)) == 9
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        grpo_sampling.PromptSetRecord(added).load_state_dict(saved)
+        grpo_sampling.PromptSetRecord(reordered).load_state_dict(saved)
+    said = [record.getMessage() for record in caplog.records]
+    assert said[0].startswith("the data holds 9 prompts and the checkpoint's held 7")
+    assert said[1].startswith("the data holds as many prompts as the checkpoint's (7), but other ones or in another order")
+    assert all("some of its prompts may repeat and others be left out" in line for line in said) and len(said) == 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        grpo_sampling.PromptSetRecord(prompt_set(tokenizer)).load_state_dict(saved)  # the same prompts
+        grpo_sampling.PromptSetRecord(added).load_state_dict(None)  # a checkpoint saved before the set was noted
+    assert not caplog.records
+
+
 def test_the_prompt_order_is_the_shuffle_it_always_was():
     """The epoch's permutation is drawn once, not at every step; the indices are those the per-step shuffle gave (a
     run's prompts, so its metrics, are unchanged), as are dynamic sampling's extra draws."""

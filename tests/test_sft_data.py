@@ -1212,7 +1212,8 @@ def test_resume_from_state_dict_reproduces_the_next_batches(consumed, epoch, con
     for _ in range(consumed):
         original.next_global_batch()
     state = original.state_dict()
-    assert state == {"epoch": epoch, "batches_consumed_in_epoch": consumed_in_epoch, "seed": 7, "examples": 20}
+    assert state == {"epoch": epoch, "batches_consumed_in_epoch": consumed_in_epoch, "seed": 7, "examples": 20,
+                     "contents": ""}
     resumed = schedule(seed=999)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [resumed.next_global_batch() for _ in range(4)] == [original.next_global_batch() for _ in range(4)]
@@ -1233,6 +1234,25 @@ def test_a_resume_onto_data_of_another_size_says_the_epochs_rest_is_reordered(ca
         schedule().load_state_dict({**original.state_dict(), "examples": 20})
         schedule().load_state_dict({key: value for key, value in original.state_dict().items() if key != "examples"})
     assert "examples" not in caplog.text  # the same data, and a checkpoint from before the count was kept
+
+
+def test_a_resume_onto_reordered_data_of_the_same_size_says_the_epochs_rest_is_reordered(caplog):
+    """Rows reordered (or replaced) in place keep the count, and the epoch's order indexes rows by position: the rest
+    of the epoch then repeats some examples and leaves others out, which passed without a word. The checkpoint notes
+    the examples' digest (`model.collectives.content_digest`), and a resume over other contents says so."""
+    from model.collectives import content_digest
+
+    rows = [Example([n, n + 1, n + 2], [0, 1, 1]) for n in range(20)]
+    original = BatchSchedule(20, 8, 2, 0, 1, seed=7, contents=content_digest(rows))
+    original.next_global_batch()
+    with caplog.at_level("INFO", logger="data.sft"):
+        BatchSchedule(20, 8, 2, 0, 1, seed=7, contents=content_digest(rows[::-1])).load_state_dict(original.state_dict())
+    assert "the data holds as many examples as the checkpoint's (20), but other ones or in another order" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="data.sft"):
+        BatchSchedule(20, 8, 2, 0, 1, seed=7, contents=content_digest(list(rows))).load_state_dict(original.state_dict())
+        schedule().load_state_dict({**original.state_dict(), "contents": ""})  # saved before the digest was kept
+    assert not caplog.text
 
 
 def test_a_chat_template_that_refuses_a_conversation_is_a_paragraph_naming_its_roles():

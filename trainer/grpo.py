@@ -82,7 +82,7 @@ from data import prompts as prompt_data, rewards, tool_text, tools as tool_data
 from model import build, collectives, generate, parallel
 from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
-from trainer.grpo_sampling import LocalRollouts, RewardFailures
+from trainer.grpo_sampling import LocalRollouts, PromptSetRecord, RewardFailures
 from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, check_teacher_tokenizer, update_policy
 
 
@@ -236,7 +236,8 @@ def main(argv: list[str]):
     startup.mark("reference model")
 
     # ---- resume
-    checkpointer.track(policy, lr_schedule=policy.lr_schedule, **rollouts.checkpoint_parts())
+    checkpointer.track(policy, lr_schedule=policy.lr_schedule, prompts=PromptSetRecord(train_prompts),
+                       **rollouts.checkpoint_parts())
     start_step = checkpointer.resume()
     rollouts.begin(start_step)
     startup.mark("resume")

@@ -39,6 +39,21 @@ def epoch_order(num_prompts: int, seed: int) -> numpy.ndarray:
     return order
 
 
+class PromptSetRecord:
+    """What a checkpoint notes of the prompt set (`step_prompt_indices` draws each step's prompts by position from a
+    shuffle of its size): a resume on another set is said, as SFT's `BatchSchedule` says of its examples."""
+
+    def __init__(self, prompts):
+        self.count, self.contents = len(prompts), collectives.content_digest(prompts)
+
+    def state_dict(self) -> dict:
+        return {"examples": self.count, "contents": self.contents}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if note := batches.changed_data_note("prompts", state or {}, self.count, self.contents):
+            log.info(note)
+
+
 def rollout_seed(seed: int, step: int, dp_rank: int, round_index: int = 0) -> int:
     """Sampling seed of one step's generation round on one data-parallel rank (tensor- and pipeline-parallel ranks
     share it, as generation requires); round 0 is every step's, later rounds are dynamic sampling's."""

@@ -197,7 +197,8 @@ def main(argv: list[str]):
 
     # ---- build (a reward model's own head, or a new one on a causal LM)
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
-                                         runtime.dp_rank, runtime.dp_size, config.train.seed)
+                                         runtime.dp_rank, runtime.dp_size, config.train.seed,
+                                         collectives.content_digest(data.train))
     view, weight = score_head.causal_view(model_path, "model.path")
     policy = build.build_policy(config, view, tokenizer, on_phase=startup.mark, score_head=(config.train.seed, weight))
 

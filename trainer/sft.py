@@ -256,7 +256,8 @@ def main(argv: list[str]):
     collectives.check_same_everywhere(config, {"data.path": data.train})
     startup.mark("process group")
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
-                                      runtime.dp_rank, runtime.dp_size, config.train.seed)
+                                      runtime.dp_rank, runtime.dp_size, config.train.seed,
+                                      collectives.content_digest(data.train))
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
 
     # ---- resume

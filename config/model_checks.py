@@ -33,6 +33,13 @@ class ModelChecks:
         it is set), PP x VPP its layers, and its rope settings are ones megatron-core reproduces; the layers each model
         chunk holds."""
         parallel = self.parallel
+        # Megatron-Bridge has bridges for vision-language checkpoints (Qwen2.5-VL, Gemma 3's): it built one, whose forward
+        # takes other inputs than a text model's, and the first step failed with a TypeError after the data and model.
+        require("vision_config" not in hf,
+                 f"`--{key}` is a vision-language checkpoint ({architecture(hf) or hf.get('model_type')}: its config.json "
+                 "has a `vision_config`), and this trainer trains and generates text with text-only models. Point "
+                 f"`--{key}` at a text-only checkpoint (Qwen2.5-Instruct rather than Qwen2.5-VL; docs/models.md: Model "
+                 "families verified).")
         check_shape_settings(hf, name)
         check_rope_scaling(hf, name, key)
         check_attention_settings(hf, name, key, self.data.max_seq_len)

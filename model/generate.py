@@ -24,6 +24,7 @@ the output layer's last-position slice assumes the whole sequence. Weights and r
 """
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -98,10 +99,15 @@ def sequence_parallel_off(model):
 
 def end_token_ids(model_path, tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion: the tokenizer's EOS, each `eos_token_id` of the checkpoint's
-    `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two), and the token that closes an assistant
-    turn in its chat template (`config.hf.turn_end`: a base model's ChatML <|im_end|>, whose EOS is <|endoftext|>)."""
+    `generation_config.json` (an int or a list; Qwen2.5-Instruct lists two), or of its config.json where it has no
+    generation_config.json (as transformers' `generate` reads them), and the token that closes an assistant turn in its
+    chat template (`config.hf.turn_end`: a base model's ChatML <|im_end|>, whose EOS is <|endoftext|>)."""
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    declared = read_hf_config(model_path, "model.path", "generation_config.json").get("eos_token_id")
+    # Without generation_config.json transformers generates with config.json's end ids (Llama 3.1's lists three,
+    # <|end_of_text|> and <|eom_id|> beside the tokenizer's <|eot_id|>): ours did not stop at those two.
+    has_generation_config = (Path(model_path) / "generation_config.json").is_file()
+    declared = read_hf_config(model_path, "model.path", "generation_config.json" if has_generation_config
+                              else "config.json").get("eos_token_id")
     ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
     if (end := turn_end(tokenizer)) is not None:
         ids.append(tokenizer.convert_tokens_to_ids(end))

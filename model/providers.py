@@ -345,9 +345,13 @@ def declare_saved_dtype(out_dir: str | Path) -> None:
 
 def keep_source_padding(out_dir: str | Path, source_dir: str | Path) -> None:
     """No padding token in the export's tokenizer where its source had none: `build.load_tokenizer` pads with the end
-    token for the run, and saved, a collator that masks labels equal to `pad_token_id` would mask every end of turn."""
+    token for the run, and saved, a collator that masks labels equal to `pad_token_id` would mask every end of turn.
+    A source may name its padding token in special_tokens_map.json alone (as older transformers saved tokenizers),
+    which transformers reads too: that one is kept."""
     source, saved = Path(source_dir) / "tokenizer_config.json", Path(out_dir) / "tokenizer_config.json"
-    if source.is_file() and saved.is_file() and json.loads(source.read_text()).get("pad_token") is None:
+    named = [Path(source_dir) / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    pads = any(path.is_file() and json.loads(path.read_text()).get("pad_token") is not None for path in named)
+    if source.is_file() and saved.is_file() and not pads:
         settings = json.loads(saved.read_text())
         if settings.pop("pad_token", None) is not None:
             saved.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")

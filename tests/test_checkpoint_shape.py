@@ -119,6 +119,21 @@ def test_refused_rope_settings_are_named_before_any_model_is_built(tmp_path):
         config.validate(world_size=1)
 
 
+def test_a_vision_language_checkpoint_is_refused_before_any_model_is_built(tmp_path):
+    """Megatron-Bridge has bridges for Qwen2.5-VL and Gemma 3's vision-language checkpoints: a tiny random
+    Qwen2_5_VLForConditionalGeneration passed start-up, read its data, built a multimodal model, and the first SFT step
+    failed under a traceback (`Qwen25VLModel.forward() got an unexpected keyword argument 'padding_mask'`)."""
+    model = tiny_copy(tmp_path, model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
+                      vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2})
+    for config, key in ((SFTConfig(), "model.path"), (GRPOConfig(), "grpo.teacher")):
+        config.model.path = str(model) if key == "model.path" else str(tiny_copy(tmp_path / "policy"))
+        if key == "grpo.teacher":
+            config.grpo.teacher = str(model)
+        with pytest.raises(UserError, match=f"`--{key}` is a vision-language checkpoint \\(Qwen2_5_VLForConditional"
+                                            f"Generation.*Point `--{key}` at a text-only checkpoint"):
+            config.validate(world_size=1)
+
+
 QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1, "num_hidden_layers": 2}
 
 

@@ -50,6 +50,24 @@ def test_the_export_pads_only_where_its_source_did(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(with_padding).pad_token == kept
 
 
+def test_the_export_keeps_a_padding_token_its_source_names_in_special_tokens_map_alone(tmp_path):
+    """Older tokenizers name their padding token in special_tokens_map.json only, which transformers reads: the export
+    dropped it (its source's tokenizer_config.json names none), so the export had no padding token where its source
+    had one."""
+    source, export = tmp_path / "source", tmp_path / "export"
+    transformers.AutoTokenizer.from_pretrained(ensure_tiny_checkpoint()).save_pretrained(source)
+    settings = json.loads((source / "tokenizer_config.json").read_text())
+    kept = settings.pop("pad_token")
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+    (source / "special_tokens_map.json").write_text(json.dumps({"pad_token": kept, "eos_token": settings["eos_token"]}))
+    loaded = build.load_tokenizer(source)
+    assert loaded.pad_token == kept != loaded.eos_token  # the source's own, not the run's end token
+    loaded.save_pretrained(export)
+    keep_source_padding(export, source)
+    assert transformers.AutoTokenizer.from_pretrained(export).pad_token == kept  # was None
+
+
 def test_the_export_leaves_out_only_bridges_bare_success_line(capsys):
     """Bridge prints a line after every export; the bare success line is left out, and every other line passes: the
     success line that says tensors were left out, and an error's lines before its exception."""

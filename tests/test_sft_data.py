@@ -269,6 +269,29 @@ def test_a_base_models_tokenizer_learns_and_stops_at_the_templates_turn_end(chec
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [base.eos_token_id, im_end]
 
 
+def test_without_a_generation_config_generation_stops_at_config_jsons_end_ids_as_transformers_does(checkpoint, tmp_path):
+    """A checkpoint without generation_config.json (a converted or hand-saved Llama 3.1: config.json lists
+    <|end_of_text|> and <|eom_id|> beside the tokenizer's <|eot_id|>) generates in transformers until any of config.json's
+    end ids; generation here stopped only at the tokenizer's (and the template's turn end), and ran past the others."""
+    import torch
+    from model.generate import end_token_ids
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    other_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert other_end != tokenizer.eos_token_id
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=32, vocab_size=512, eos_token_id=[other_end, tokenizer.eos_token_id])
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).generation_config.eos_token_id == [
+        other_end, tokenizer.eos_token_id]
+    assert end_token_ids(tmp_path, tokenizer) == (tokenizer.eos_token_id, other_end)  # was (eos,)
+    # A generation_config.json, when there is one, is what transformers reads, and so does this trainer.
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": %d}' % tokenizer.eos_token_id)
+    assert end_token_ids(tmp_path, tokenizer) == (tokenizer.eos_token_id,)
+
+
 def test_a_template_with_generation_markers_gives_the_mask_its_markers_give(checkpoint):
     """TRL's `assistant_only_loss` reads `{% generation %}` markers; the mask read off the renderings is the one the
     markers give (transformers' `return_assistant_tokens_mask`), on a multi-turn row."""

@@ -361,12 +361,17 @@ def as_verdict(value) -> bool | None:
     return bool(value)
 
 
+def shown_completion(completion: str) -> str:
+    """A completion as a failure's description shows it: its first 117 characters and "..." when longer than 120."""
+    return completion if len(completion) <= 120 else completion[:117] + "..."
+
+
 def describe_failure(reward: RewardFunction, error: Exception, completion: str) -> str:
     """One line naming the reward function, its exception and the completion (cut) it failed on."""
     reward = getattr(reward, "function", reward)  # an IsolatedReward's own
     name = f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', repr(reward))}"
     text = " ".join(str(error).split())[:200]
-    shown = completion if len(completion) <= 120 else completion[:117] + "..."
+    shown = shown_completion(completion)
     where = next((note for note in getattr(error, "__notes__", []) if note.startswith(tool_worker.RAISED_AT)), "")
     return f"`{name}` raised {type(error).__name__}: {text}{f' ({where})' if where else ''} (on the completion {shown!r})"
 

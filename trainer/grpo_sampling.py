@@ -173,8 +173,7 @@ def finite_model_scores(model_scores: torch.Tensor, scores: rewards.Scores, epis
     function's NaN is: trained on, one NaN made every advantage of its group NaN, then the update's gradients."""
     finite = torch.isfinite(model_scores)
     for index in (~finite).nonzero().flatten().tolist():
-        answer = episodes[index].answer
-        shown = answer if len(answer) <= 120 else answer[:117] + "..."
+        shown = rewards.shown_completion(episodes[index].answer)
         scores.fail(index, REWARD_MODEL_FAILURE + "non-finite score",
                     f"`grpo.reward_model={path}` scored {float(model_scores[index])} (on the completion {shown!r})")
     return model_scores.where(finite, 0.0)

@@ -192,13 +192,13 @@ def main(argv: list[str]):
         return None
     tokenizer = collectives.agreed(build.load_tokenizer, model_path)
     data = collectives.agreed(load_data, config, tokenizer, runtime.dp_size)
-    collectives.check_same_everywhere(config, {"data.path": data.train})
+    contents = collectives.content_digest(data.train)  # hashed once: compared across ranks, kept in checkpoints
+    collectives.check_same_everywhere(config, {"data.path": contents})
     startup.mark("tokenizer and data")
 
     # ---- build (a reward model's own head, or a new one on a causal LM)
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
-                                         runtime.dp_rank, runtime.dp_size, config.train.seed,
-                                         collectives.content_digest(data.train))
+                                         runtime.dp_rank, runtime.dp_size, config.train.seed, contents)
     view, weight = score_head.causal_view(model_path, "model.path")
     policy = build.build_policy(config, view, tokenizer, on_phase=startup.mark, score_head=(config.train.seed, weight))
 

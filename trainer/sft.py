@@ -253,11 +253,11 @@ def main(argv: list[str]):
     # ---- build
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     checkpoint.check_shared_directories(config)
-    collectives.check_same_everywhere(config, {"data.path": data.train})
+    contents = collectives.content_digest(data.train)  # hashed once: compared across ranks, kept in checkpoints
+    collectives.check_same_everywhere(config, {"data.path": contents})
     startup.mark("process group")
     schedule = sft_data.BatchSchedule(len(data.train), config.train.global_batch_size, config.train.micro_batch_size,
-                                      runtime.dp_rank, runtime.dp_size, config.train.seed,
-                                      collectives.content_digest(data.train))
+                                      runtime.dp_rank, runtime.dp_size, config.train.seed, contents)
     policy = build.build_policy(config, model_path, tokenizer, on_phase=startup.mark)
 
     # ---- resume

@@ -73,9 +73,21 @@ def release_models() -> None:
 
     rotary_pos_embedding.RotaryEmbedding.forward.cache_clear()
     yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
+    # Mixture-of-Experts: megatron-core keeps every router's replay object in a class-level list (which reached the
+    # routers through our routing records: a whole model and 18 gloo groups, 54 threads, a run) and the last routers'
+    # groups in its metrics tracker.
+    from megatron.core.transformer.moe import moe_logging
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    moe_logging.set_moe_metrics_tracker(None)
     gc.collect()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # ... and destroy_model_parallel leaves two of its globals set (the intra-partial data-parallel groups with CP).
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
     for group in list(distributed_c10d._world.pg_map):
         if group is not distributed_c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)

@@ -162,7 +162,8 @@ def holds_messages(value) -> bool:
 
 
 def to_conversations(rows: list[dict], *, prompt_field: str = "question", response_field: str = "answer",
-                     messages_field: str | None = None, source: str = "data.path") -> tuple[list[Conversation], DropReport]:
+                     messages_field: str | None = None, source: str = "data.path",
+                     reference_last: bool = False) -> tuple[list[Conversation], DropReport]:
     """Map rows to conversations, skipping malformed rows and counting them in a `DropReport`; errors name the rows'
     `source` (the file and split: a held-out file's are not the training file's).
 
@@ -170,7 +171,9 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
     call (arguments that are not JSON, or not a JSON object; no function name) or a tool result without a call
     before it (more `tool` messages than calls since the last assistant turn) is skipped and counted under that
     reason, like every malformed row, so none of it is trained on; the callers log `report.summary()`, which names
-    the first rows skipped and why. Only when no row is left is it a UserError."""
+    the first rows skipped and why. Only when no row is left is it a UserError. With `reference_last` (prompts for
+    generation: the turns before the last assistant turn, the reference) a messages row whose last turn is not an
+    assistant turn is skipped too: the turns after that one would be left out of its prompt without a word."""
     check_columns(rows, prompt_field=prompt_field, response_field=response_field, messages_field=messages_field,
                   source=source)
     report = DropReport(rows_read=len(rows))
@@ -180,6 +183,8 @@ def to_conversations(rows: list[dict], *, prompt_field: str = "question", respon
             messages = row.get(messages_field)
             tools, tools_reason = row_tools(row.get("tools"))
             reason = messages_problem(messages, messages_field) or tools_reason
+            if not reason and reference_last and messages[-1]["role"] != "assistant":
+                reason = f"ends with a {messages[-1]['role']} turn, not the assistant's reference"
         else:
             messages = [{"role": "user", "content": row.get(prompt_field)},
                         {"role": "assistant", "content": row.get(response_field)}]

@@ -182,7 +182,7 @@ def load_prompts(data, tokenizer, path: str, split: str, max_new_tokens: int, to
     rows = conversation_data.load_split(data, path, split)
     conversations, report = conversation_data.to_conversations(
         rows, prompt_field=data.prompt_field, response_field=data.response_field, messages_field=data.messages_field or None,
-        source=f"`{path}` ({split})")
+        source=f"`{path}` ({split})", reference_last=True)
     every = prompts_from_conversations(conversations, tokenizer, tools, cache_dir, [rows[index] for index in report.kept_rows])
     prompts = every.subset(numpy.flatnonzero(every.lengths() <= max_tokens))
     log.info("prompts %s (%s): %d used; %s; %d skipped as longer than %d tokens (data.max_seq_len - grpo.max_new_tokens)",

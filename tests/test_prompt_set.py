@@ -162,6 +162,25 @@ def test_load_prompts_keeps_rows_in_order_and_skips_the_long_ones(tokenizer, tmp
     assert all(len(prompt.ids) <= 48 for prompt in prompts) and prompts[3].reference == "#### 8"
 
 
+
+def test_a_messages_row_ending_after_its_reference_is_skipped_and_counted(tokenizer, tmp_path, caplog):
+    """A prompt is the turns before a row's last assistant turn (the reference): a row that goes on after it (a user's
+    next question, a tool's result) lost those turns from its prompt without a word. Such rows are skipped and counted
+    now, as every unusable row is; SFT trains on the same rows as they are."""
+    turns = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "#### 4"}]
+    rows = [{"messages": turns}, {"messages": turns + [{"role": "user", "content": "And 3 + 3?"}]},
+            {"messages": [{"role": "system", "content": "Be brief."}] + turns}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config, _ = parse_args(GRPOConfig, ["--data.messages_field=messages"], "trainer.grpo")
+    with caplog.at_level(logging.INFO, logger="data.prompts"):
+        prompts = prompt_data.load_prompts(config.data, tokenizer, str(path), "train", config.grpo.max_new_tokens)
+    assert [len(prompt.messages) for prompt in prompts] == [1, 2] and {prompt.reference for prompt in prompts} == {"#### 4"}
+    assert ("2 of 3 rows used, 1 dropped (ends with a user turn, not the assistant's reference: 1), 0 truncated; "
+            "first dropped: row 1") in caplog.text
+    conversations, report = to_conversations(rows, messages_field="messages")  # SFT's reading: all three
+    assert len(conversations) == 3 and report.dropped == 0
+
 def test_a_row_and_its_turns_share_their_strings_in_the_records(tokenizer):
     """Each prompt's record pickles its row and turns together: the question is stored once, not twice."""
     long_rows = [{"question": "x" * 5000, "answer": "y" * 3000}]

@@ -26,7 +26,7 @@ import torch
 
 from ckpt.export import missing_exports, write_exports
 from ckpt.failures import bytes_in_words
-from ckpt.layout import checkpoint_dir
+from ckpt.layout import checkpoint_dir, resume_arguments
 from ckpt.publish import tree_bytes, clean_stale_saves, save
 from ckpt.resume import LOOPS, frozen_inputs, model_fingerprint, resolve_resume, restore_metrics_row
 from ckpt.signals import STOP_FILE_VARIABLE, write_stop_file, catch_stop_signals
@@ -184,12 +184,12 @@ class Checkpointer:
             self.export()
         if signalled:
             log.info("stopping at step %d (signal); slowest step %.1f s, this save %.1f s: a scheduler's stop warning "
-                     "must cover a step and a save. Resume with --resume-from-checkpoint latest", step,
-                     self.slowest_step_s, self.last_save_s)
+                     "must cover a step and a save. Resume with %s", step, self.slowest_step_s, self.last_save_s,
+                     resume_arguments(self.config))
             if is_global_rank_zero() and os.environ.get(STOP_FILE_VARIABLE):
                 write_stop_file(Path(os.environ[STOP_FILE_VARIABLE]), step, path)
         elif stop:
-            log.info("stopping at step %d (train.exit_interval); resume with --resume-from-checkpoint latest", step)
+            log.info("stopping at step %d (train.exit_interval); resume with %s", step, resume_arguments(self.config))
         return stop
 
     def export(self) -> None:

@@ -28,3 +28,9 @@ def checkpoint_name(step: int) -> str:
 def checkpoint_dir(config) -> Path:
     """`ckpt.dir`, defaulting to `<train.out_dir>/checkpoints`."""
     return Path(config.ckpt.dir or Path(config.train.out_dir) / "checkpoints")
+
+
+def resume_arguments(config) -> str:
+    """The arguments that continue this run from its latest checkpoint: with a `ckpt.dir` of its own, that too (the run
+    directory does not name it)."""
+    return "--resume-from-checkpoint latest" + (f" --ckpt.dir {config.ckpt.dir}" if config.ckpt.dir else "")

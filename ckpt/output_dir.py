@@ -51,6 +51,11 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
         default = Path(config.train.out_dir) / "checkpoints"
         if default.resolve() != checkpoint_dir(config).resolve() and (default / LATEST).is_file():
             earlier += sorted(default.glob(f"{PREFIX}*"))
+        # ... and the other way round: a run that saved into a `--ckpt.dir` of its own, resumed without it. The run
+        # directory names no checkpoint directory, but its metrics reach a save (`ckpt.save_interval`) and no save
+        # was ever begun here (one killed in its first save leaves the directory: that run starts again).
+        past = 0 if checkpoint_dir(config).exists() else saved_past(out_dir / outputs.METRICS, config.ckpt.save_interval)
+        earlier += [out_dir / outputs.METRICS] if past else []
     if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
                or (unpointed and path.name in outputs.EXPORTS) for path in earlier):
         return
@@ -61,12 +66,14 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 f"hold{'s' if len(keys) == 1 else ''} an earlier run ({', '.join(f'`{path}`' for path in earlier[:3])}"
                 f"{', ...' if len(earlier) > 3 else ''})")
         if unpointed:
+            reached = (f" (its metrics reach step {past}, past a save every `ckpt.save_interval="
+                       f"{config.ckpt.save_interval}` steps)") if past else ""
             raise UserError(
-                f"{held}, and `--resume-from-checkpoint latest` finds no `latest` checkpoint in "
+                f"{held}{reached}, and `--resume-from-checkpoint latest` finds no `latest` checkpoint in "
                 f"`ckpt.dir={checkpoint_dir(config)}`, so this run would start from step 0 and replace that run's "
-                "metrics and export. Resume it from its checkpoints with `--ckpt.dir` (or `--resume-from-checkpoint "
-                f"PATH`), write this run elsewhere with {elsewhere}, or replace the earlier run with "
-                "`--train.overwrite_output_dir=true`.")
+                "metrics and export. Resume it from its checkpoints with `--ckpt.dir` (the one it saved into, or "
+                f"`--resume-from-checkpoint PATH`), write this run elsewhere with {elsewhere}, or replace the earlier "
+                "run with `--train.overwrite_output_dir=true`.")
         if foreign:
             raise UserError(
                 f"{held}, and this run resumes from `{resume}`, a checkpoint outside its own `ckpt.dir` "
@@ -87,6 +94,13 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def saved_past(metrics: Path, save_interval: int) -> int:
+    """The last training step `metrics` (a run's metrics.jsonl) records when it reaches a save of every
+    `save_interval` steps (a run killed before its first save has none to resume: 0), else 0."""
+    steps = [row["step"] for row in outputs.read_rows(metrics) if isinstance(row.get("step"), int)]
+    return max(steps) if save_interval > 0 and steps and max(steps) >= save_interval else 0
 
 
 def _holding_keys(config, earlier: list[Path]) -> dict[str, Path]:

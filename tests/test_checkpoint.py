@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckpt import checkpoint
+from ckpt.layout import resume_arguments
 from tests.conftest import REPO
 from config.errors import UserError
 from config.sections import ParallelConfig
@@ -452,6 +453,42 @@ def test_resuming_latest_with_ckpt_dir_moved_away_from_the_runs_checkpoints_is_r
     # Its own ckpt.dir (the default) resumes it as before.
     checkpoint.check_output_dir(parse_args(SFTConfig, [f"--train.out_dir={out_dir}"], "trainer.sft")[0], "latest", True)
 
+
+
+def test_resuming_latest_without_the_ckpt_dir_the_run_saved_into_is_refused(tmp_path):
+    """A run that saved every 2 steps into a `--ckpt.dir` of its own, killed at step 3, resumed with
+    `--resume-from-checkpoint latest` and no `--ckpt.dir`: the default `<train.out_dir>/checkpoints` holds no `latest`,
+    so it started from step 0 and replaced the run's metrics without a word. Its metrics reach a save and no save was
+    begun in the default directory: refused, naming the step and `--ckpt.dir`. Without a save interval reached (or
+    with the default directory begun: killed in its first save) it starts again as before."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+
+    out_dir = tmp_path / "run"
+    fake_checkpoint(tmp_path / "big-disk", 2)
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text("".join(f'{{"step": {step}, "loss": 1.0}}\n' for step in range(4)))
+    before = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+    config, _ = parse_args(GRPOConfig, [f"--train.out_dir={out_dir}", "--ckpt.save_interval=2"], "trainer.grpo")
+    with pytest.raises(UserError) as error:
+        checkpoint.check_output_dir(config, "latest", is_main=True)
+    message = str(error.value)
+    assert (f"`train.out_dir={out_dir}` holds an earlier run (`{out_dir / 'metrics.jsonl'}`) (its metrics reach step 3, "
+            f"past a save every `ckpt.save_interval=2` steps), and `--resume-from-checkpoint latest` finds no `latest` "
+            f"checkpoint in `ckpt.dir={out_dir / 'checkpoints'}`") in message and "\n" not in message
+    assert "`--ckpt.dir` (the one it saved into" in message
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == before
+    # With the directory it saved into, it resumes; before a save's step, or killed in its first save, it starts again.
+    saved_into = [f"--train.out_dir={out_dir}", "--ckpt.save_interval=2", f"--ckpt.dir={tmp_path / 'big-disk'}"]
+    checkpoint.check_output_dir(parse_args(GRPOConfig, saved_into, "trainer.grpo")[0], "latest", True)
+    # ... which the run's own stop line names ("stopping at step 3 (train.exit_interval); resume with ...").
+    assert (resume_arguments(parse_args(GRPOConfig, saved_into, "trainer.grpo")[0])
+            == f"--resume-from-checkpoint latest --ckpt.dir {tmp_path / 'big-disk'}")
+    assert resume_arguments(config) == "--resume-from-checkpoint latest"
+    later, _ = parse_args(GRPOConfig, [f"--train.out_dir={out_dir}", "--ckpt.save_interval=4"], "trainer.grpo")
+    checkpoint.check_output_dir(later, "latest", is_main=True)
+    (out_dir / "checkpoints" / ".partial-step_00000002").mkdir(parents=True)
+    checkpoint.check_output_dir(config, "latest", is_main=True)
 
 def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
     config, resume = used_output_dir(tmp_path, "--train.overwrite_output_dir=true")

@@ -1,5 +1,7 @@
 """Reading a Hugging Face checkpoint's JSON files (config.json, generation_config.json) for the checks and the builders."""
 
+import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -88,3 +90,25 @@ def turn_end(tokenizer) -> str | None:
                                               {"role": "assistant", "content": marker}], tokenize=False)
     after = rendered[rendered.rindex(marker) + len(marker):] if marker in rendered else ""
     return first_special(tokenizer, after) or tokenizer.eos_token
+
+
+TEMPLATE_VARIABLES = "chat_template_variables"  # the tokenizer's attribute holding `data.chat_template_kwargs`
+
+
+def set_template_variables(tokenizer, variables: dict) -> None:
+    """`data.chat_template_kwargs`: variables the tokenizer's chat template gets at every rendering from here on (every
+    caller renders through `apply_chat_template`: prompts, training rows, multi-turn rollouts, the tools' probes), as
+    transformers passes its extra keywords to the template; `{"enable_thinking": false}` is Qwen3's non-thinking mode.
+    Cache keys cover them (`data.encode.tokenizer_digest_parts`). A name `apply_chat_template` takes itself is refused."""
+    if not variables:
+        return
+    own = [name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if parameter.kind is not parameter.VAR_KEYWORD]
+    taken = [name for name in variables if name in own or name == "conversation"]
+    if taken:
+        raise UserError(f"`data.chat_template_kwargs` sets {', '.join(f'`{name}`' for name in taken)}, which "
+                        "`apply_chat_template` takes itself (the trainer sets them for each rendering); the key is for "
+                        "the template's own variables, such as `{enable_thinking: false}` for Qwen3. Remove them from "
+                        "`--data.chat_template_kwargs`.")
+    tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **variables)
+    setattr(tokenizer, TEMPLATE_VARIABLES, dict(variables))

@@ -149,6 +149,7 @@ class DataConfig:
     messages_field: str = field(default="", metadata={"help": "row field holding chat messages [{role, content}] (overrides prompt/response; every assistant turn is trained)"})
     max_seq_len: int = field(default=128, metadata={"help": "tokens per sample, longer ones are cut from the right (GRPO: prompt + completion; longer prompts are skipped and counted)"})
     pack: bool = field(default=False, metadata={"help": "SFT: pack several samples per row (positions restart, no cross-sample attention)"})
+    chat_template_kwargs: dict = field(default_factory=dict, metadata={"help": "variables for the chat template at every rendering (training rows, prompts, multi-turn rollouts), as transformers' `apply_chat_template(**kwargs)`: `{enable_thinking: false}` is Qwen3's non-thinking mode (GRPO's prompts then end with an empty think block, so completions answer at once); default: none"})
     cache: bool = field(default=True, metadata={"help": "keep tokenized data in $TRAINER_CACHE_DIR (default ~/.cache/megatron-trainer) and reuse it while the data, tokenizer and chat template are unchanged: SFT's examples (and data.max_seq_len), GRPO's prompts"})
 
 

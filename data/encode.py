@@ -16,6 +16,7 @@ import zipfile
 
 from config import console
 from config.errors import UserError
+from config.hf import TEMPLATE_VARIABLES
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def template_error(tokenizer, problem: str) -> UserError:
 
 def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
     """What a cache key must cover of a fast tokenizer (None for a slow one, which has no one text of its state): its
-    chat template and special tokens, a sample as that template renders it now (a template that prints today's date
+    chat template, its variables (`data.chat_template_kwargs`) and special tokens, a sample as that template renders it now (a template that prints today's date
     renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), the versions
     of the libraries that render and encode (transformers' template functions such as `tojson`, jinja2, tokenizers:
     an upgrade may change the rendering of rows unlike the one sample, such as a row's own tools) and the source of
@@ -113,7 +114,8 @@ def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
 
     versions = {module.__name__: module.__version__ for module in (transformers, tokenizers, jinja2)}
     return [json.dumps({"chat_template": tokenizer.chat_template, "special_tokens": tokenizer.special_tokens_map,
-                        "rendering": rendered_sample, "versions": versions}, sort_keys=True, default=str),
+                        "variables": getattr(tokenizer, TEMPLATE_VARIABLES, {}), "rendering": rendered_sample,
+                        "versions": versions}, sort_keys=True, default=str),
             tokenizer.backend_tokenizer.to_str(), pathlib.Path(__file__).read_text(),
             pathlib.Path(__file__).with_name("batches.py").read_text()]
 

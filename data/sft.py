@@ -28,7 +28,7 @@ import torch
 
 from config.errors import UserError
 from config import hf
-from config.hf import special_texts, turn_end
+from config.hf import TEMPLATE_VARIABLES, special_texts, turn_end
 from data import batches
 from data.batches import Example
 from data.conversations import DropReport, conversation_tools
@@ -145,8 +145,12 @@ def split_turns(messages: list[dict], tokenizer) -> tuple[list[tuple[int, int]],
                 "Mistral v0.3's among them: fold it into the first user message, or leave it out)" if system else ""))
         if not (prompted.startswith(context) and rendered.startswith(prompted) and following.startswith(prompted)):
             header = prompted[len(context) :] if prompted.startswith(context) else prompted
+            variables = getattr(tokenizer, TEMPLATE_VARIABLES, None)
             raise template_error(tokenizer, f"its generation prompt {header!r} is not how it renders an assistant turn "
-                                            "once written (DeepSeek-R1's opens a think block only in the prompt)")
+                                            "once written (DeepSeek-R1's opens a think block only in the prompt" + (
+                                                f"; here with `data.chat_template_kwargs={variables}`, whose prompt "
+                                                "Qwen3 writes on the last turn only: leave the key out for rows of "
+                                                "several assistant turns" if variables else "") + ")")
         # Up to the next assistant turn's context: this turn, and the turns after it that are not the assistant's.
         turn, alone, content = rendered[len(prompted) : len(following)], last[len(prompted) :], messages[index]["content"]
         if content not in turn:  # a template that trims (Llama 3's `| trim`) shows the trimmed text

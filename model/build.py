@@ -17,7 +17,7 @@ import torch
 
 from config.errors import UserError
 from config.checkpoint_shape import check_tokenizer_fits
-from config.hf import check_tokenizer_files, read_hf_config
+from config.hf import check_tokenizer_files, read_hf_config, set_template_variables
 from config.sections import EMBEDDED_MODELS
 from model import lora, moe, parallel, rules, score_head as score_heads
 from model.policy import Policy
@@ -72,11 +72,12 @@ def eval_mode(model):
 # ---------------------------------------------------------------- the policy a loop trains
 
 
-def load_tokenizer(model_path: Path, key: str = "model.path"):
+def load_tokenizer(model_path: Path, key: str = "model.path", template_variables: dict | None = None):
     """The checkpoint's tokenizer (loaded before the model, so data errors come first); a directory without one, or one
     with ids past config.json's vocab_size (`check_tokenizer_fits`), is refused naming `key`. One without a padding token (Llama 3's, Mistral's) pads with its end token, as TRL does:
     padding is masked out of every loss, and a reward model scores each row's last token that is not padding, as
-    transformers does with that `pad_token_id`."""
+    transformers does with that `pad_token_id`. `template_variables` (`data.chat_template_kwargs`) go to its chat
+    template at every rendering (`config.hf.set_template_variables`)."""
     import transformers
 
     check_tokenizer_files(model_path, key)
@@ -95,6 +96,7 @@ def load_tokenizer(model_path: Path, key: str = "model.path"):
                             "with. Set `pad_token` (or `eos_token`) in its tokenizer_config.json.")
         log.info("the tokenizer has no padding token: padding with its end token %r", tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
+    set_template_variables(tokenizer, template_variables or {})
     return tokenizer
 
 

@@ -27,7 +27,7 @@ SFT_KEYS = {
     "optim.override_optimizer_config", "ddp.override_ddp_config",
     "data.path", "data.hub_config", "data.eval_path", "data.train_split", "data.eval_split", "data.prompt_field",
     "data.response_field", "data.messages_field",
-    "data.max_seq_len", "data.pack", "data.cache",
+    "data.max_seq_len", "data.pack", "data.chat_template_kwargs", "data.cache",
     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.micro_batch_tokens", "train.seed", "train.out_dir", "train.overwrite_output_dir", "train.exit_interval",
     "train.eval_interval", "train.eval_samples", "train.log_interval",
     "ckpt.dir", "ckpt.save_interval", "ckpt.keep_last", "ckpt.async_save",

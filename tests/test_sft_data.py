@@ -147,6 +147,38 @@ def test_qwen3_multi_turn_rows_learn_each_turn_as_the_whole_conversation_renders
     assert learned_spans(qwen3, *tokenize_conversation(inline, qwen3)) == expected
 
 
+
+def test_chat_template_kwargs_reach_every_rendering_and_the_caches(checkpoint, tmp_path):
+    """`data.chat_template_kwargs` (`{enable_thinking: false}`, Qwen3's non-thinking mode) could not be given: GRPO's
+    prompts always ended with `<|im_start|>assistant\\n`, so a Qwen3 policy spent its completions thinking. Now the
+    variables reach every rendering: prompts end with the empty think block (a cache entry of the prompts rendered
+    without them is not read), SFT learns the last turn after it, and a name `apply_chat_template` takes is refused."""
+    from config.cli import parse_args
+    from config.hf import set_template_variables
+    from config.loops import GRPOConfig
+    from data import prompts as prompt_data
+
+    config, _ = parse_args(GRPOConfig, ["--data.chat_template_kwargs={enable_thinking: false}"], "trainer.grpo")
+    assert config.data.chat_template_kwargs == {"enable_thinking": False}
+    thinking, plain = (transformers.AutoTokenizer.from_pretrained(checkpoint) for _ in range(2))
+    thinking.chat_template = plain.chat_template = QWEN3_TEMPLATE
+    set_template_variables(thinking, config.data.chat_template_kwargs)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "#### 5"}]
+    rendered = {name: thinking.decode(prompt_data.prompts_from_conversations([messages], tokenizer, cache_dir=tmp_path)[0].ids)
+                for name, tokenizer in (("plain", plain), ("thinking", thinking))}
+    assert rendered["plain"].endswith("<|im_start|>assistant\n")
+    assert rendered["thinking"] == rendered["plain"] + "<think>\n\n</think>\n\n"
+    assert len(list((tmp_path / "prompts").glob("*.npz"))) == 2
+    # SFT: the empty think block is the prompt's (the model does not write it), so only the answer is learned.
+    assert learned_spans(plain, *tokenize_conversation(messages, plain)) == ["<think>\n\n</think>\n\n#### 5<|im_end|>"]
+    assert learned_spans(thinking, *tokenize_conversation(messages, thinking)) == ["#### 5<|im_end|>"]
+    # Rows of several assistant turns: Qwen3 writes the non-thinking prompt's block on the last turn only; refused by name.
+    two_turns = [*messages, {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "#### 6"}]
+    with pytest.raises(UserError, match=r"here with `data.chat_template_kwargs=\{'enable_thinking': False\}`"):
+        tokenize_conversation(two_turns, thinking)
+    with pytest.raises(UserError, match=r"`data.chat_template_kwargs` sets `tools`, which `apply_chat_template` takes"):
+        set_template_variables(plain, {"tools": [], "enable_thinking": False})
+
 def test_a_generation_prompt_the_written_turns_do_not_start_with_is_refused_by_name(checkpoint):
     """DeepSeek-R1's template opens a think block in the generation prompt but writes past turns without it: learning
     the turns as written would teach a start the prompt never gives, so the template is refused, its prompt named."""

@@ -127,7 +127,7 @@ def default_sft_before_the_split(config, startup) -> bool:
 
 def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> tuple:
     """(tokenizer, episode sampler, train prompts, held-out prompts), the chat template checked against the tools."""
-    tokenizer = build.load_tokenizer(model_path)
+    tokenizer = build.load_tokenizer(model_path, template_variables=config.data.chat_template_kwargs)
     check_teacher_tokenizer(config, tokenizer)
     if config.grpo.reward_model:  # its tokenizer's checks now, before any model is built (RewardModel loads it again)
         build.load_tokenizer(Path(config.grpo.reward_model), "grpo.reward_model")

@@ -190,7 +190,7 @@ def main(argv: list[str]):
     if checkpointer.finished():
         parallel.shutdown(runtime)
         return None
-    tokenizer = collectives.agreed(build.load_tokenizer, model_path)
+    tokenizer = collectives.agreed(build.load_tokenizer, model_path, "model.path", config.data.chat_template_kwargs)
     data = collectives.agreed(load_data, config, tokenizer, runtime.dp_size)
     contents = collectives.content_digest(data.train)  # hashed once: compared across ranks, kept in checkpoints
     collectives.check_same_everywhere(config, {"data.path": contents})

@@ -246,7 +246,7 @@ def main(argv: list[str]):
     if checkpointer.finished():
         return None
     startup.mark("config")
-    tokenizer = build.load_tokenizer(model_path)
+    tokenizer = build.load_tokenizer(model_path, template_variables=config.data.chat_template_kwargs)
     data = load_data(config, tokenizer, config.parallel.data_parallel_size(world_size))
     startup.mark("tokenizer and data")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from config import outputs
 from model import collectives, moe
-from model.providers import declare_end_ids, declare_saved_dtype, export_hf, keep_source_padding
+from model.providers import declare_end_ids, declare_saved_dtype, export_hf, keep_source_tokenizer_settings
 from model.wrapping import build_chunks, experts_span_data_parallel, training_hooks_detached
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Policy:
             self.tokenizer.save_pretrained(directories[outputs.HF])
             declare_end_ids(directories[outputs.HF], self.engine.end_ids)
             declare_saved_dtype(directories[outputs.HF])
-            keep_source_padding(directories[outputs.HF], self.bridge.hf_pretrained.model_name_or_path)
+            keep_source_tokenizer_settings(directories[outputs.HF], self.bridge.hf_pretrained.model_name_or_path)
 
     def exports(self) -> tuple[str, ...]:
         """The names of what `export` writes into `train.out_dir`."""

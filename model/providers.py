@@ -343,18 +343,29 @@ def declare_saved_dtype(out_dir: str | Path) -> None:
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def keep_source_padding(out_dir: str | Path, source_dir: str | Path) -> None:
-    """No padding token in the export's tokenizer where its source had none: `build.load_tokenizer` pads with the end
-    token for the run, and saved, a collator that masks labels equal to `pad_token_id` would mask every end of turn.
-    A source may name its padding token in special_tokens_map.json alone (as older transformers saved tokenizers),
-    which transformers reads too: that one is kept."""
+def keep_source_tokenizer_settings(out_dir: str | Path, source_dir: str | Path, padding: bool = True) -> None:
+    """The export's tokenizer_config.json as its source had it in two settings:
+    - no padding token where the source had none: `build.load_tokenizer` pads with the end token for the run, and
+      saved, a collator that masks labels equal to `pad_token_id` would mask every end of turn. A source may name its
+      padding token in special_tokens_map.json alone (as older transformers saved tokenizers), which transformers
+      reads too: that one is kept;
+    - the source's `tokenizer_class` where transformers 5 writes its own `TokenizersBackend` (for Llama 3's
+      `PreTrainedTokenizerFast`, say): transformers 4, which inference servers may pin, cannot load that name, and
+      transformers 5 reads the source's name as the same tokenizer.
+    `padding=False` keeps the export's padding token (a reward model's: transformers scores each row at its last
+    token that is not `pad_token_id`)."""
     source, saved = Path(source_dir) / "tokenizer_config.json", Path(out_dir) / "tokenizer_config.json"
+    if not (source.is_file() and saved.is_file()):
+        return
     named = [Path(source_dir) / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
     pads = any(path.is_file() and json.loads(path.read_text()).get("pad_token") is not None for path in named)
-    if source.is_file() and saved.is_file() and not pads:
-        settings = json.loads(saved.read_text())
-        if settings.pop("pad_token", None) is not None:
-            saved.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    settings = json.loads(saved.read_text())
+    changed = padding and not pads and settings.pop("pad_token", None) is not None
+    source_class = json.loads(source.read_text()).get("tokenizer_class")
+    if settings.get("tokenizer_class") == "TokenizersBackend" and isinstance(source_class, str) and source_class:
+        settings["tokenizer_class"], changed = source_class, True
+    if changed:
+        saved.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def declare_end_ids(out_dir: str | Path, end_ids: tuple[int, ...]) -> None:

@@ -26,7 +26,7 @@ from config import outputs
 from config.errors import UserError
 from config.hf import CAUSAL, CLASSIFIER, architecture as hf_architecture, causal_architecture, is_classifier as hf_is_classifier, read_hf_config
 from model.policy import Policy
-from model.providers import declare_saved_dtype, export_hf
+from model.providers import declare_saved_dtype, export_hf, keep_source_tokenizer_settings
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,8 @@ class Classifier(Policy):
             self.tokenizer.save_pretrained(directories[outputs.HF])
             write_classifier(Path(directories[outputs.HF]), weight, self.tokenizer.pad_token_id)
             declare_saved_dtype(directories[outputs.HF])
+            keep_source_tokenizer_settings(directories[outputs.HF], self.bridge.hf_pretrained.model_name_or_path,
+                                           padding=False)
 
     def exports(self) -> tuple[str, ...]:
         return (outputs.HF,)

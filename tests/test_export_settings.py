@@ -1,5 +1,5 @@
 """What the Hugging Face export says about itself: the dtype its tensors are saved in, and its tokenizer's padding as
-the source had it (`model.providers.declare_saved_dtype`, `keep_source_padding`; the runs' exports:
+the source had it (`model.providers.declare_saved_dtype`, `keep_source_tokenizer_settings`; the runs' exports:
 tests/test_precision_e2e.py)."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from model import build
-from model.providers import declare_saved_dtype, export_hf, keep_source_padding, saved_dtype
+from model.providers import declare_saved_dtype, export_hf, keep_source_tokenizer_settings, saved_dtype
 from model.tiny import ensure_tiny_checkpoint
 
 
@@ -42,11 +42,16 @@ def test_the_export_pads_only_where_its_source_did(tmp_path):
     loaded = build.load_tokenizer(source)
     assert loaded.pad_token == loaded.eos_token  # the run's padding
     loaded.save_pretrained(export)
-    keep_source_padding(export, source)
+    assert json.loads((export / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    keep_source_tokenizer_settings(export, source)
     assert transformers.AutoTokenizer.from_pretrained(export).pad_token is None
+    # transformers 5 wrote its own class name, which transformers 4 cannot load; the source's is kept, and reads as
+    # the same tokenizer.
+    assert json.loads((export / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert type(transformers.AutoTokenizer.from_pretrained(export)) is type(loaded)
     with_padding = tmp_path / "with_padding"
     tokenizer.save_pretrained(with_padding)
-    keep_source_padding(with_padding, ensure_tiny_checkpoint())
+    keep_source_tokenizer_settings(with_padding, ensure_tiny_checkpoint())
     assert transformers.AutoTokenizer.from_pretrained(with_padding).pad_token == kept
 
 
@@ -64,7 +69,7 @@ def test_the_export_keeps_a_padding_token_its_source_names_in_special_tokens_map
     loaded = build.load_tokenizer(source)
     assert loaded.pad_token == kept != loaded.eos_token  # the source's own, not the run's end token
     loaded.save_pretrained(export)
-    keep_source_padding(export, source)
+    keep_source_tokenizer_settings(export, source)
     assert transformers.AutoTokenizer.from_pretrained(export).pad_token == kept  # was None
 
 

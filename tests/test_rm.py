@@ -478,6 +478,32 @@ def test_a_reward_model_of_the_policys_family_reads_one_bos(tokenizer, tmp_path)
         assert row[:2] == [bos, 1] and row == rendered, (added, row[:4])
 
 
+def test_a_row_of_the_policys_padded_vocabulary_is_left_out_where_the_reward_model_adds_tokens(tokenizer, tmp_path):
+    """A reward model whose tokenizer is the policy's with a padding token added reads the episode's ids. An id of no
+    policy token (a row of its padded vocabulary, sampled with a tiny probability) is left out, as decoding leaves it
+    out; before, only ids past the reward model's tokens were, so the policy's id 424 (decoded as '') was read as the
+    reward model's [PAD], a token it never saw inside a conversation (and, at a cut episode's end, the scored position
+    moved to the token before it)."""
+    from config.hf import turn_end
+    from trainer.reward_model import RewardModel, holds_vocabulary, template_tail
+
+    policy = llama_like_tokenizer(tokenizer, tmp_path / "policy", ["<|think|>"])
+    own = llama_like_tokenizer(tokenizer, tmp_path / "own", ["<|think|>", "[PAD]"], pad="[PAD]")
+    scorer = object.__new__(RewardModel)
+    scorer.policy_tokenizer, scorer.tokenizer = policy, own
+    scorer.reads_policy_ids, scorer.own_template = holds_vocabulary(own, policy), False
+    scorer.tail_ids = policy(template_tail(policy), add_special_tokens=False)["input_ids"]
+    scorer.end_ids, scorer.turn_end_id = {policy.eos_token_id}, policy.convert_tokens_to_ids(turn_end(policy))
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = policy.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
+    answer = policy("#### 4", add_special_tokens=False)["input_ids"]
+    assert scorer.reads_policy_ids and len(policy) == 424 and own.pad_token_id == 424 and policy.decode([424]) == ""
+    padded = [types.SimpleNamespace(prompt_ids=prompt, ids=answer[:1] + [424] + answer[1:] + [policy.eos_token_id]),
+              types.SimpleNamespace(prompt_ids=prompt, ids=answer + [424])]  # cut at the budget on that id
+    rendered = own.apply_chat_template(user + [{"role": "assistant", "content": "#### 4"}], tokenize=True)["input_ids"]
+    assert scorer.rows(padded) == [rendered, prompt + answer]
+
+
 def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_chat_template(tokenizer, tmp_path, caplog):
     """A reward model of another vocabulary reads a plain episode as its own chat template renders the prompt's turns
     and the completion's text (the turn closed when the episode ended, open when it was cut), as TRL and verl render

@@ -79,7 +79,9 @@ class RewardModel:
         decoding leaves it out: the reward model's embedding may not have its row (one of the family's smaller sizes,
         whose vocabulary is padded less)."""
         if self.reads_policy_ids:
-            tokens = len(self.tokenizer)
+            # The policy's token count, not the reward model's: one that adds tokens (its padding token) would read a
+            # row of the policy's padded vocabulary as one of them.
+            tokens = len(self.policy_tokenizer)
             return [[token for token in self.policy_row(episode) if token < tokens] for episode in episodes]
         return [self.own_rendering(episode) or self.retokenized(self.policy_row(episode)) for episode in episodes]
 

@@ -109,6 +109,21 @@ def test_a_kl_penalty_of_k1_is_said_to_penalise_nothing(caplog):
         assert ("`grpo.kl_estimator=k1` (log pi - log pi_ref) has zero gradient on average" in caplog.text) == warned
 
 
+def test_dynamic_sampling_on_accuracy_that_the_reward_leaves_out_is_said(caplog):
+    """At `grpo.reward_weight=0` the trained reward is the reward model's (or the teacher's term): DAPO's filter on
+    accuracy, the reward function's verdict, dropped groups whose trained reward varied without a word (reviewer).
+    Said once at start-up; filtering on the reward, or a reward function that is trained, says nothing."""
+    model = f"--grpo.teacher={ensure_tiny_checkpoint()}"  # a reward model's run reads the same keys
+    for argv, warned in (([model, "--grpo.reward_weight=0", "--grpo.dynamic_sampling=true"], True),
+                         ([model, "--grpo.reward_weight=0", "--grpo.format_bonus=0.5", "--grpo.dynamic_sampling=true",
+                           "--grpo.filter_metric=reward"], False),
+                         ([model, "--grpo.dynamic_sampling=true"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            parse_args(GRPOConfig, argv, "trainer.grpo")[0].validate(world_size=2)
+        assert ("whose reward-model score or teacher term varies and whose accuracy does not is dropped" in caplog.text) == warned
+
+
 def test_a_format_bonus_is_a_part_of_the_reward_no_weight_scales():
     """With the bonus beside it (no weight scales it), a weight on the reward function alone sets their ratio, and a
     teacher's run at `reward_weight=0` still has a reward that varies for DAPO's filter: neither is refused."""

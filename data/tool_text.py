@@ -30,7 +30,7 @@ TOOL_CALL_SCHEMA = {
                        "items": {"type": "object", "x-parser": "json"}},
     },
 }
-TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 
 # ---------------------------------------------------------------- a turn's tool calls
@@ -64,7 +64,10 @@ def parse_turn(tokenizer, text: str) -> tuple[str, list[Call], str | None]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
             return text, [], f"the tool call {item!r} has no name or no arguments object"
         calls.append(Call(function["name"], arguments))
-    if not calls and TOOL_CALL_START in text and schema is TOOL_CALL_SCHEMA:
+    # A call opened after the last closed one (`<tool_call>{...}</tool_call><tool_call>{"name": ...` ended by the end id)
+    # is a call the iterator never sees: without this it was dropped, the turn's first calls run and nothing counted.
+    unclosed = text.rfind(TOOL_CALL_START) > text.rfind(TOOL_CALL_END)
+    if schema is TOOL_CALL_SCHEMA and TOOL_CALL_START in text and (not calls or unclosed):
         return text, [], f"`{TOOL_CALL_START}` without a closing tag"
     return parsed.get("content") or "", calls, None
 

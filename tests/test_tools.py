@@ -97,6 +97,12 @@ def test_turns_parse_into_calls_or_an_error(tokenizer):
     assert "could not be parsed" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"name": "digits", "arguments": {"number": }\n</tool_call>')[2]
     assert "without a closing tag" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"name": "digits"')[2]
     assert "no name" in tool_text.parse_turn(tokenizer, '<tool_call>\n{"arguments": {}}\n</tool_call>')[2]
+    # A second call left open when the turn ended: its first call ran and the second vanished, no parse error counted.
+    assert tool_text.parse_turn(tokenizer, CALL % "12" + '\n<tool_call>\n{"name": "digits", "arguments": {"number": "7"')[1:] == (
+        [], "`<tool_call>` without a closing tag")
+    # The marker quoted inside a closed call's arguments is no open call.
+    _, calls, error = tool_text.parse_turn(tokenizer, CALL % "<tool_call>")
+    assert error is None and [call.arguments for call in calls] == [{"number": "<tool_call>"}]
 
 
 def test_a_turn_is_read_in_time_linear_in_its_length(tokenizer):

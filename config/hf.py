@@ -102,9 +102,15 @@ def set_template_variables(tokenizer, variables: dict) -> None:
     Cache keys cover them (`data.encode.tokenizer_digest_parts`). A name `apply_chat_template` takes itself is refused."""
     if not variables:
         return
+    unnamed = [name for name in variables if not isinstance(name, str)]
+    if unnamed:  # `{1: 2}`: a TypeError at the first rendering, mid-start-up
+        raise UserError(f"`data.chat_template_kwargs` has {', '.join(repr(name) for name in unnamed)} as a variable's "
+                        "name; the template's variables are named by text, such as `{enable_thinking: false}`. Change "
+                        "`--data.chat_template_kwargs`.")
     own = [name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
            if parameter.kind is not parameter.VAR_KEYWORD]
-    taken = [name for name in variables if name in own or name == "conversation"]
+    # `messages`: transformers renders the template with the conversation under that name, beside these variables.
+    taken = [name for name in variables if name in own or name in ("conversation", "messages")]
     if taken:
         raise UserError(f"`data.chat_template_kwargs` sets {', '.join(f'`{name}`' for name in taken)}, which "
                         "`apply_chat_template` takes itself (the trainer sets them for each rendering); the key is for "

@@ -179,6 +179,19 @@ def test_chat_template_kwargs_reach_every_rendering_and_the_caches(checkpoint, t
     with pytest.raises(UserError, match=r"`data.chat_template_kwargs` sets `tools`, which `apply_chat_template` takes"):
         set_template_variables(plain, {"tools": [], "enable_thinking": False})
 
+
+def test_chat_template_kwargs_that_no_template_can_take_are_refused_by_name(checkpoint):
+    """`{messages: [...]}` (the name transformers renders the conversation under) and `{1: 2}` (a name that is no
+    text) passed start-up and ended the run at its first rendering with a TypeError traceback ("got multiple values
+    for keyword argument 'messages'", "keywords must be strings"); now each is one paragraph naming the key."""
+    from config.hf import set_template_variables
+
+    for variables, named in (({"messages": [], "enable_thinking": False}, "sets `messages`"), ({1: 2}, "has 1 as a")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        with pytest.raises(UserError, match=f"`data.chat_template_kwargs` {named}.*--data.chat_template_kwargs"):
+            set_template_variables(tokenizer, variables)
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)  # left as it was
+
 def test_a_generation_prompt_the_written_turns_do_not_start_with_is_refused_by_name(checkpoint):
     """DeepSeek-R1's template opens a think block in the generation prompt but writes past turns without it: learning
     the turns as written would teach a start the prompt never gives, so the template is refused, its prompt named."""

@@ -858,6 +858,26 @@ def test_held_out_answers_without_the_graded_form_say_there_is_no_accuracy(token
             "which the accuracy grades (the held-out loss is computed)") in caplog.messages
 
 
+def test_held_out_prompts_offering_tools_say_the_accuracy_runs_none(tokenizer, caplog):
+    """SFT's held-out accuracy samples one turn and runs no tool, so on prompts that offer tools (the bundled calculator
+    task's: every held-out row offers `calculator`) a completion that calls one was scored as a wrong answer without a
+    word; GRPO refuses such prompts without `grpo.tools`. Now the start-up says what the figure counts."""
+    from config.loops import SFTConfig
+    from trainer.sft import load_data
+
+    config = SFTConfig()
+    config.data.path, config.data.messages_field, config.data.cache = "calculator", "messages", False
+    config.train.eval_samples = 8
+    with caplog.at_level("INFO"):
+        data = load_data(config, tokenizer, data_parallel_size=1)
+    assert len(data.eval_prompts) == 8 and data.eval_prompts.offering_tools() == 8
+    assert [message for message in caplog.messages if message.startswith("held-out accuracy:")] == [
+        "held-out accuracy: 8 of the 8 held-out prompts of `calculator` (test) offer tools (the rows' `tools`), which "
+        "SFT's evaluation does not run: a completion that calls one is scored as its answer, wrong, so eval_accuracy "
+        "counts only answers given without a call. GRPO with `--grpo.tools` evaluates with the tools run "
+        "(`eval_tool_call_rate` beside it)"]
+
+
 def test_held_out_accuracy_is_measured_on_the_rows_the_held_out_loss_keeps(tokenizer, tmp_path, caplog):
     """A held-out row too long for `data.max_seq_len` (no response token left) is dropped from the held-out loss, and the
     log says which rows are evaluated; the accuracy's prompts were built from every held-out row, so the accuracy was

@@ -64,6 +64,13 @@ def load_data(config, tokenizer, data_parallel_size: int) -> SFTData:
                  "accuracy grades (the held-out loss is computed)", ungraded, len(eval_prompts),
                  prompt_data.held_out_source(data))
         eval_prompts = []
+    if offering := (eval_prompts.offering_tools() if eval_prompts else 0):
+        # A completion that calls a tool is no answer to grade: eval_accuracy is the share answered without a call.
+        log.warning("held-out accuracy: %d of the %d held-out prompts of %s offer tools (the rows' `tools`), which SFT's "
+                    "evaluation does not run: a completion that calls one is scored as its answer, wrong, so "
+                    "eval_accuracy counts only answers given without a call. GRPO with `--grpo.tools` evaluates with "
+                    "the tools run (`eval_tool_call_rate` beside it)", offering, len(eval_prompts),
+                    prompt_data.held_out_source(data))
     return SFTData(train, eval_examples, eval_prompts)
 
 

@@ -174,9 +174,11 @@ def transformer_overrides(config) -> dict:
     return settings
 
 
-def moe_router_overrides(model) -> dict:
+def moe_router_overrides(model, lora: bool = False) -> dict:
     """Transformer-config fields of a Mixture-of-Experts router that the `model.moe_*` keys set (`providers.configure_provider`
-    applies them only to a model with experts); a key left at `default` or unset keeps the checkpoint provider's value."""
+    applies them only to a model with experts); a key left at `default` or unset keeps the checkpoint provider's value.
+    Under LoRA (`lora`) the base's expert biases stay as loaded, as its weights do: megatron-core updates them outside
+    the optimizer, and a LoRA checkpoint holds the adapters alone, so a resume would have dropped their change."""
     settings = {}
     if model.moe_aux_loss_type != "default":
         settings["moe_router_load_balancing_type"] = model.moe_aux_loss_type
@@ -188,7 +190,7 @@ def moe_router_overrides(model) -> dict:
         settings["moe_z_loss_coeff"] = model.moe_z_loss_coeff or None
     if model.moe_router_dtype != "default":
         settings["moe_router_dtype"] = model.moe_router_dtype
-    if model.moe_freeze_router:
+    if model.moe_freeze_router or lora:
         settings["moe_router_bias_update_rate"] = 0.0  # expert biases (DeepSeek-V3's aux-free balancing) stay too
     return settings
 

@@ -55,6 +55,14 @@ def test_router_keys_reach_megatron_core(argv, config_class, expected):
     assert {key: getattr(built, key) for key in expected} == expected
 
 
+def test_lora_keeps_the_bases_expert_biases_as_it_keeps_its_weights():
+    """Expert biases (DeepSeek-V3's aux-free balancing) are updated outside the optimizer: under LoRA they changed the
+    frozen base, and a LoRA checkpoint holds the adapters alone, so a resume dropped the change (reviewer). Their
+    update rate is 0 under LoRA, as with `model.moe_freeze_router`; without LoRA the checkpoint's rate stands."""
+    assert rules.moe_router_overrides(make().model, lora=True) == {"moe_router_bias_update_rate": 0.0}
+    assert rules.moe_router_overrides(make().model) == {}
+
+
 @pytest.mark.parametrize("written, expected", [(0.02, 0.02), (None, 1e-3)])  # None: transformers' default, 1e-3
 def test_an_unset_aux_loss_coefficient_is_the_checkpoints(tmp_path, written, expected):
     """`model.moe_aux_loss_coeff` unset is the checkpoint's (config.json's `router_aux_loss_coef`): Megatron-Bridge 0.6.2's

@@ -57,8 +57,8 @@ MERGED = "tokens merge across a turn boundary"
 
 def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | str]:
     """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; for a conversation that cannot
-    be learned as the data gives it, the reason it is dropped: a message its rendering leaves out (`unrendered`), or
-    a token across the edge of a learned span (`MERGED`: a response starting with a newline merges with the header's).
+    be learned as the data gives it, the reason it is dropped: a message its rendering leaves out (`unrendered`), an
+    assistant turn with nothing to learn but its end (`empty_turn`), or a token across the edge of a learned span (`MERGED`: a response starting with a newline merges with the header's).
 
     The ids are those of the whole rendering, so a tokenizer that writes a word differently at the start of a text
     (SentencePiece's leading space, Mistral's and Llama 2's) gets the ids the model reads; the mask comes from each
@@ -70,8 +70,21 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[t
         encodings = encode_batch([rendered for _, rendered in split], tokenizer)
         tokenized = [token_mask(encoding.ids, encoding.offsets, spans, len(rendered))
                      for (spans, rendered), encoding in zip(split, encodings)]
-    return [unrendered(messages, rendered) or (MERGED if pair is None else pair)
+    return [unrendered(messages, rendered) or empty_turn(messages) or (MERGED if pair is None else pair)
             for messages, (_, rendered), pair in zip(conversations, split, tokenized)]
+
+
+def empty_turn(messages: list[dict]) -> str | None:
+    """Why a conversation is not learned as the data gives it: a learned assistant turn with nothing in it (blank
+    content, no tool calls, no reasoning), whose learned span is the end-of-turn token alone: the model was taught to
+    close its turn at once, where the same turn as a prompt/response pair is dropped as an empty response. None when
+    every learned turn has something."""
+    for message in messages:
+        said = (message["content"].strip() or message.get("tool_calls")
+                or (message.get("reasoning_content") or "").strip())
+        if message["role"] == "assistant" and message.get("weight") != 0 and not said:
+            return "an empty assistant turn"
+    return None
 
 
 def unrendered(messages: list[dict], rendered: str) -> str | None:

@@ -403,6 +403,30 @@ def test_multi_turn_messages_row_learns_every_assistant_turn(tokenizer):
     ]
 
 
+def test_a_multi_turn_row_with_an_empty_assistant_turn_is_dropped_as_a_pair_with_an_empty_response_is(tokenizer):
+    """An assistant turn with nothing in it (blank content, no tool calls, no reasoning) in a multi-turn row taught the
+    model to close its turn at once after that user turn (its learned span was `<|im_end|>` alone), where the same
+    turn as a prompt/response pair is dropped as an empty response. Now the row is dropped and counted; a turn of tool
+    calls alone, one of reasoning alone, and one of weight 0 are kept."""
+    def conversation(first: dict) -> dict:
+        return {"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", **first},
+                             {"role": "user", "content": "3 + 3?"}, {"role": "assistant", "content": "6"}]}
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    rows = [conversation({"content": ""}), conversation({"content": " \n"}), conversation({"content": "4"}),
+            conversation({"content": "", "tool_calls": [call]}), conversation({"content": "", "reasoning_content": "2+2"}),
+            conversation({"content": "", "weight": 0})]
+    rows[3]["messages"].insert(2, {"role": "tool", "content": "4"})
+    conversations, report = to_conversations(rows, messages_field="messages")
+    examples = build_examples(conversations, tokenizer, 128, report)
+    assert report.kept_rows == [2, 3, 4, 5]  # before: [0, 1, 2, 3, 4, 5]
+    assert report.first_drops == [(0, "an empty assistant turn"), (1, "an empty assistant turn")]
+    assert [learned_spans(tokenizer, *vars(example).values()) for example in examples] == [
+        ["4<|im_end|>", "6<|im_end|>"],
+        ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>', "6<|im_end|>"],
+        ["<|im_end|>", "6<|im_end|>"],  # the tiny template writes no reasoning: its content, empty, is learned
+        ["6<|im_end|>"]]
+
+
 # Qwen2.5's chat template as its checkpoints ship it, without the tool-call parts: a role it does not know is not written.
 QWEN25_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

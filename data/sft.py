@@ -58,7 +58,8 @@ MERGED = "tokens merge across a turn boundary"
 def tokenize_conversations(conversations: list[list[dict]], tokenizer) -> list[tuple[list[int], list[int]] | str]:
     """Tokenize like `tokenize_conversation`, the whole renderings in one batched call; for a conversation that cannot
     be learned as the data gives it, the reason it is dropped: a message its rendering leaves out (`unrendered`), an
-    assistant turn with nothing to learn but its end (`empty_turn`), or a token across the edge of a learned span (`MERGED`: a response starting with a newline merges with the header's).
+    assistant turn with nothing to learn but its end (`empty_turn`), or a token across the edge of a learned span
+    (`MERGED`: a response starting with a newline merges with the header's).
 
     The ids are those of the whole rendering, so a tokenizer that writes a word differently at the start of a text
     (SentencePiece's leading space, Mistral's and Llama 2's) gets the ids the model reads; the mask comes from each

@@ -359,6 +359,21 @@ KILLING_REWARD = (
     "    if calls > 40 and int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
     "        os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return 0.0\n")
+# The bundled reward, SIGTERM-ing the last rank (asynchronous GRPO's rollout process) alone at its Nth score when
+# $TRAINER_TEST_SIGTERM_AT is N, as a preempted node's processes are signalled: with 32 completions a step, at 70 while
+# it scores step 3's batch (sampled one update behind, during step 2).
+SIGTERM_REWARD = (
+    "import os, signal\n"
+    "from data.rewards import arithmetic\n"
+    "calls = 0\n"
+    "def reward(completion, reference):\n"
+    "    global calls\n"
+    "    at = os.environ.get('TRAINER_TEST_SIGTERM_AT')\n"
+    "    if at and int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
+    "        calls += 1\n"
+    "        if calls == int(at):\n"
+    "            os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return arithmetic(completion, reference)\n")
 RESUME_LAYOUTS = {"ddp": [], "pp": ["--parallel.pp=2"], "fsdp": ["--parallel.use_megatron_fsdp=true"]}
 # The default start's GRPO (`trainer.grpo` with no model path) and the short default SFT it runs first.
 DEFAULT_START = ["--train.steps=2", "--train.global_batch_size=32", "--train.micro_batch_size=16", "--train.eval_samples=16"]
@@ -385,6 +400,7 @@ def launches(default_sft, tmp_path_factory):
     sft_checkpoint = default_sft / "hf"
     root = tmp_path_factory.mktemp("grpo-runs")
     (root / "fragile_reward.py").write_text(FRAGILE_REWARD)
+    (root / "sigterm_reward.py").write_text(SIGTERM_REWARD)
     env = {"PYTHONPATH": f"{root}:{REPO}"}
     small = [f"--model.path={sft_checkpoint}", "--train.steps=4", "--train.global_batch_size=32",
              "--train.micro_batch_size=16", "--train.eval_samples=8", "--grpo.kl_coef=0.05",
@@ -411,6 +427,8 @@ def launches(default_sft, tmp_path_factory):
         return {"module": "trainer.grpo", "argv": [*asynchronous, f"--train.out_dir={root / 'async' / name}", *extra]}
 
     sampler = "--grpo.rollout_processes=1"
+    # The resumed run's first part stopped by a SIGTERM to its rollout process alone (its reward, scored there).
+    signalled = ("--grpo.reward=sigterm_reward:reward", "--grpo.reward_timeout=0")
     synchronous = ("--grpo.max_staleness=0", "--train.steps=3")
     # The default start from a directory with no SFT output yet (a short SFT through $TRAINER_DEFAULT_SFT_ARGS): stopped
     # at the SFT's `train.exit_interval`, and the same command again in the next launch.
@@ -420,14 +438,15 @@ def launches(default_sft, tmp_path_factory):
                "env": {"TRAINER_DEFAULT_SFT_ARGS": DEFAULT_START_SFT + " --train.exit_interval=10"}}
     first = yield launch([lora_command(sft_checkpoint, root / "lora"), *resume_commands("straight"),
                           *resume_commands("split", "--train.exit_interval=2"), async_command("straight", sampler),
-                          async_command("split", sampler, "--train.exit_interval=2"),
+                          async_command("split", sampler, *signalled) | {"env": {"TRAINER_TEST_SIGTERM_AT": "70"}},
                           async_command("synchronous", sampler, *synchronous), stopped], env=env)
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
     stopped_left = {"sft_steps": max(row["step"] for row in metrics(start / "outputs" / "sft")),
                     "grpo": (start / "outputs" / "grpo").exists(), "sft_hf": (start / "outputs" / "sft" / "hf").exists()}
     second = yield launch([*resume_commands("split", "--resume-from-checkpoint", "latest"),
-                           async_command("split", sampler, "--resume-from-checkpoint", "latest"), stopped], env=env)
+                           async_command("split", sampler, *signalled, "--resume-from-checkpoint", "latest"), stopped],
+                          env=env)
     # The pipeline layout's reference: the same run at PP=1 on one process (one replica, as at PP=2 on two), a row per
     # completion as pipeline stages have it (`grpo.share_prompts` is off there); the synchronous run's, colocated.
     yield launch([{"module": "trainer.grpo", "argv": [*small, "--grpo.share_prompts=false", f"--train.out_dir={root / 'pp1'}"]},
@@ -443,7 +462,7 @@ def launches(default_sft, tmp_path_factory):
                   async_command("dp2_overlap", sampler, overlap, *synchronous),
                   async_command("moe_pp2", sampler, *moe_stages, "--grpo.max_staleness=0", "--train.steps=2")],
                  nproc=3, env=env)
-    return {"root": root, "lora_log": first[0]["log"], "split_exported_at_step_2": split_exported_at_step_2,
+    return {"root": root, "lora_log": first[0]["log"], "async_signalled_log": first[-3]["log"], "split_exported_at_step_2": split_exported_at_step_2,
             "default_start": {"root": start, "stopped": first[-1]["log"], "stopped_left": stopped_left,
                               "resumed": second[-1]["log"]}}
 
@@ -516,7 +535,9 @@ def test_resume_repeats_the_straight_run_exactly_under_ddp_pipeline_stages_and_m
 def test_asynchronous_grpo_repeats_resumes_exactly_and_equals_the_colocated_loop_when_synchronous(shared_runs):
     """`grpo.rollout_processes=1` (one trainer, one rollout process, the decoupled objective `rollout_correction=tis`):
     at max_staleness 1, 2 steps + resume + 2 equal 4 straight (the checkpoint holds step 3's batch, sampled by the
-    policy after step 1), each step after the first sampled one update behind; at 0, the colocated loop on one process:
+    policy after step 1), each step after the first sampled one update behind; the first 2 stopped by a SIGTERM to the
+    rollout process alone (a preempted rollout node), which rides on step 3's batch: the trainer stops after step 2
+    and saves, as for a signal of its own (before, the rollout process ignored it and the run went on to its end); at 0, the colocated loop on one process:
     the same completions and scores at every step. TP=2 trainers push weights their layout gathers: the rollout
     process's log-probs equal theirs before each update to the last bits (the gap a stale or a wrong weight would
     open is orders of magnitude larger)."""
@@ -526,6 +547,9 @@ def test_asynchronous_grpo_repeats_resumes_exactly_and_equals_the_colocated_loop
     straight, split = ([tuple(row.get(key) for key in fields) for row in metrics(root / run)] for run in ("straight", "split"))
     print("asynchronous GRPO straight vs resumed:", straight)
     assert split == straight and [row[0] for row in straight] == [0, 1, 2, 3, 4]
+    signalled = shared_runs["async_signalled_log"]
+    assert "rollout process 0 had a stop signal: the trainers stop after this step, and save" in signalled
+    assert "stopping at step 2 (signal)" in signalled
     steps = [row for row in metrics(root / "straight") if "loss" in row]
     assert [row["staleness"] for row in steps] == [0, 1, 1, 1]
     for row in steps:  # the weights' push and the waits on both sides are logged, and the stale steps show their gap

@@ -15,13 +15,16 @@ With max_staleness 1 the rollout processes sample step s+1 while step s trains; 
 checkpoint after step s holds the batches already received for steps s+1..s+k (`state_dict`): they were sampled by
 policies the checkpoint no longer has, so they are saved rather than regenerated, and a resume continues exactly.
 A failure on a rollout process (a reward or tool error that stops the run, a bug) is sent to its trainers as a
-paragraph and raised on both sides; torchrun stops the rest."""
+paragraph and raised on both sides; torchrun stops the rest. A stop signal to a rollout process alone (its node
+preempted) rides on its next batch: the trainers stop at that step's end and save, as for a signal of their own, and
+the rollout process serves what they still wait for, then ends."""
 
 import dataclasses
 import logging
 import time
 
 from ckpt.resume import changed_settings
+from ckpt.signals import catch_stop_signals
 from config import cli
 from config.errors import UserError
 from model import collectives, link as links, parallel
@@ -139,6 +142,12 @@ class RemoteRollouts:
                 raise UserError(message)
             self.received += 1
             self.pending[self.received] = message
+            if message.stop_requested:  # its rollout process was signalled: stop as if this process were
+                message.stop_requested = False  # not again on resume, where a checkpoint holds it received ahead
+                if not catch_stop_signals().requested and self.runtime.is_main:
+                    log.info("rollout process %d had a stop signal: the trainers stop after this step, and save",
+                             self.source - self.link.trainers)
+                catch_stop_signals().requested = True
 
     def _push(self, version: int, header: dict) -> None:
         links.push_weights(self.policy, self.link, {"version": version, **header})
@@ -182,6 +191,7 @@ def serve(config, runtime, replica, episode_sampler, prompts, reward) -> None:
                             episode_sampler, prompts, reward, step, trainers)
             # The wait is this process's, once: the rows' sum over batches is then every rollout process's.
             batch.version, batch.sampler_idle_s = version, idle if dp_rank == served[0] else 0.0
+            batch.stop_requested = catch_stop_signals().requested  # this node preempted: the trainers stop and save
             sending = time.perf_counter()
             for rank in trainers:
                 link.send(batch, rank)

@@ -124,6 +124,7 @@ class StepBatch:
     version: int | None = None  # asynchronous GRPO: the policy that sampled it, the one after this many steps
     sampler_idle_s: float = 0.0  # asynchronous GRPO: the rollout process's waits before sampling it (`serve`)
     route_layers: list[int] | None = None  # Mixture-of-Experts: the layer number of each layer `routes` holds
+    stop_requested: bool = False  # asynchronous GRPO: its rollout process had a stop signal (SIGTERM/SIGINT)
 
     @property
     def seconds(self) -> float:

@@ -28,6 +28,7 @@ import hashlib
 
 import torch.distributed as dist
 
+from ckpt.signals import catch_stop_signals
 from config import cli
 from config.errors import UserError
 from config.loops import GRPOConfig, RMConfig, SFTConfig
@@ -63,6 +64,13 @@ def working_directory(command: dict):
         os.chdir(start)
         os.environ.clear()
         os.environ.update(environment)
+
+
+def forget_stop_signals() -> None:
+    """A stop signal ends the command it came in, as it would that command's own process: the next starts unsignalled."""
+    preemption = catch_stop_signals()
+    preemption.requested = preemption.requested_anywhere = False
+    preemption.first_signal_at = None
 
 
 def run_command(command: dict) -> tuple[dict, bool]:
@@ -128,6 +136,7 @@ def main() -> None:
                 f"{shlex.join([commands[index]['module'], *commands[index]['argv']])}\n{traceback.format_exc()}")
             raise
         fsdp_used = fsdp_used or fsdp
+        forget_stop_signals()
         dist.barrier()
         ran = time.perf_counter()
         if not fsdp_used:  # a Megatron-FSDP run's groups cannot be freed for a later run (conftest puts FSDP runs last)

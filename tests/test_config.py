@@ -416,7 +416,7 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
     `steps: 100` ran as the default). A section's key given twice, or a mapping's on the command line, likewise."""
     (tmp_path / "twice.yaml").write_text("train:\n  steps: 100\noptim:\n  lr: 1e-4\ntrain:\n  global_batch_size: 8\n")
     with pytest.raises(UserError, match=r"`.*twice.yaml` is not valid YAML \(`train` is given twice, on lines 1 and 5: "
-                                        "the second would replace the first without a word\)"):
+                                        r"the second would replace the first without a word\)"):
         parse_args(SFTConfig, ["--config", str(tmp_path / "twice.yaml")], "trainer.sft")
     (tmp_path / "key.yaml").write_text("train:\n  steps: 100\n  steps: 200\n")
     with pytest.raises(UserError, match=r"`steps` is given twice, on lines 2 and 3"):

@@ -31,7 +31,73 @@ log = logging.getLogger(__name__)
 def check_output_dir(config, resume: str, is_main: bool) -> None:
     """Refuse a fresh run whose `train.out_dir` holds an earlier run's checkpoints or metrics (before any work), or
     with `train.overwrite_output_dir=true` delete them first (global rank 0). A resumed run continues them. Any run
-    is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them."""
+    is refused when its exports would replace `model.path` or `data.path`, or its overwrite would delete them, and
+    (global rank 0) when another run writes there now (`hold_run_directories`)."""
+    replaced = _earlier_run_replaced(config, resume)
+    if not is_main:
+        return
+    hold_run_directories(config)  # before anything is deleted: a run started twice must not delete the first's files
+    if replaced:
+        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and outputs in %s",
+                    config.train.out_dir)
+    for path in replaced:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+# This process's locks on run directories (`hold_run_directories`): the directory's (device, inode), so a directory
+# moved since is still known, -> the descriptor holding its lock.
+HELD: dict[tuple[int, int], int] = {}
+
+
+def _close_held_in_child() -> None:
+    """A forked child (a checkpoint writer, a reward or tool worker) closes its copies of the held descriptors: the
+    parent keeps the locks, and a child that outlived it would otherwise keep them too."""
+    for descriptor in HELD.values():
+        os.close(descriptor)
+    HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def hold_run_directories(config) -> None:
+    """Lock `train.out_dir` (made if missing), and `ckpt.dir` where it lies outside it, for this process's life: a
+    second run started into either while this one runs (a job submitted twice, a command started again in another
+    terminal) is refused at start-up, where both found no earlier run and then wrote the same metrics and checkpoints
+    over each other. The lock is the kernel's (`flock` on the directory): it ends with the process, however that
+    ends. Where the file system offers none on directories (NFS, Lustre mounted without `flock`), the run goes on
+    unlocked."""
+    import fcntl
+
+    out_dir, checkpoints = Path(config.train.out_dir), checkpoint_dir(config)
+    for key, value in [("train.out_dir", out_dir)] + ([] if _inside(checkpoints, out_dir) else [("ckpt.dir", checkpoints)]):
+        directory = Path(value).expanduser().resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        identity = (directory.stat().st_dev, directory.stat().st_ino)
+        if identity in HELD:  # this process's own run (a command of a test's shared launch, a resume in-process)
+            continue
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise UserError(
+                f"`{key}={value}` is in use: another run started into it is still running (a process holds the "
+                f"directory's lock; `fuser -v {directory}` names it). Two runs there would write the same metrics and "
+                f"checkpoints over each other. Wait for it to end (then `--resume-from-checkpoint latest` continues "
+                f"it), or give this run a new `--{key}`.") from None
+        except OSError as error:
+            os.close(descriptor)
+            log.debug("%s: no lock on %s (%s): a second run started into it is not refused", key, directory, error)
+            continue
+        HELD[identity] = descriptor
+
+
+def _earlier_run_replaced(config, resume: str) -> list[Path]:
+    """`check_output_dir`'s refusals; what `train.overwrite_output_dir=true` deletes (none: nothing to delete)."""
     out_dir = Path(config.train.out_dir)
     _check_writable_directories(config)
     _check_checkpoints_survive_exports(config)
@@ -42,7 +108,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
     earlier = _earlier_run(config)
     unpointed = resume == LATEST and not (checkpoint_dir(config) / LATEST).is_file()
     if resume and not foreign and not unpointed:
-        return
+        return []
     if unpointed:  # `latest` names nothing, so this run starts fresh: over a run killed before its first save (whose
         # metrics are its own to replace), or over a finished run whose checkpoints are gone and whose export is not
         earlier = [path for path in earlier if path.name in outputs.EXPORTS or path.name.startswith(PREFIX)]
@@ -58,7 +124,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
         earlier += [out_dir / outputs.METRICS] if past else []
     if not any(path.name == outputs.METRICS or path.name.startswith(PREFIX) or path.name == LATEST
                or (unpointed and path.name in outputs.EXPORTS) for path in earlier):
-        return
+        return []
     if not config.train.overwrite_output_dir:
         keys = _holding_keys(config, earlier)
         elsewhere = "a new " + " and ".join(f"`--{key}`" for key in keys)
@@ -87,13 +153,7 @@ def check_output_dir(config, resume: str, is_main: bool) -> None:
             f"it with `--resume-from-checkpoint latest`, write this run elsewhere with {elsewhere}, or "
             "replace it with `--train.overwrite_output_dir=true` (deletes its checkpoints and metrics first).")
     _check_inputs_survive(config, earlier, "deletes first (`train.overwrite_output_dir=true`)")
-    if is_main:
-        log.warning("train.overwrite_output_dir=true: deleting the earlier run's checkpoints and outputs in %s", out_dir)
-        for path in earlier:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+    return earlier
 
 
 def saved_past(metrics: Path, save_interval: int) -> int:

@@ -499,6 +499,70 @@ def test_overwrite_output_dir_deletes_the_earlier_run_first(tmp_path):
     assert sorted(path.name for path in tmp_path.rglob("*")) == ["checkpoints", "notes.txt"]
 
 
+# A run's start-up as far as its output directory (global rank 0), then a forked child (a checkpoint writer, a reward
+# worker) that outlives it: both wait.
+HOLDS_THE_RUN_DIRECTORY = """
+import multiprocessing, sys, time
+from ckpt import checkpoint
+from config.cli import parse_args
+from config.loops import SFTConfig
+config, resume = parse_args(SFTConfig, sys.argv[1:], "trainer.sft")
+checkpoint.check_output_dir(config, resume, is_main=True)
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_directory_a_running_run_holds_is_refused_and_deletes_nothing(tmp_path):
+    """Two runs started into one `train.out_dir` (a job submitted twice): both found no earlier run and wrote the same
+    metrics and checkpoints over each other; with `train.overwrite_output_dir=true` the second deleted the first's
+    files as it ran. The first now holds the directory's lock (and a separate `ckpt.dir`'s) for its life: the second is
+    refused in one paragraph, resumed or overwriting, and nothing is deleted; once the first is killed (its forked
+    child still alive, as an orphaned writer or worker can be) a run starts there."""
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+
+    run, checkpoints = tmp_path / "run", tmp_path / "elsewhere"
+    argv = [f"--train.out_dir={run}", f"--ckpt.dir={checkpoints}"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_THE_RUN_DIRECTORY, *argv], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE)
+    child = None
+    try:
+        child = psutil.Process(int(holder.stdout.readline()))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # the running run's first row
+        for extra, resume in (([], ""), (["--train.overwrite_output_dir=true"], ""), ([], "latest")):
+            config, _ = parse_args(SFTConfig, [*argv, *extra], "trainer.sft")
+            with pytest.raises(UserError) as error:
+                checkpoint.check_output_dir(config, resume, is_main=True)
+            if not extra and not resume:  # the earlier run's metrics, said as ever
+                assert "holds an earlier run" in str(error.value)
+                continue
+            assert str(error.value) == (
+                f"`train.out_dir={run}` is in use: another run started into it is still running (a process holds the "
+                f"directory's lock; `fuser -v {run}` names it). Two runs there would write the same metrics and "
+                "checkpoints over each other. Wait for it to end (then `--resume-from-checkpoint latest` continues it), "
+                "or give this run a new `--train.out_dir`.")
+            assert (run / "metrics.jsonl").is_file()
+        # Another out_dir sharing the running run's `ckpt.dir`: its lock too.
+        config, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path / 'other'}", f"--ckpt.dir={checkpoints}"],
+                               "trainer.sft")
+        with pytest.raises(UserError, match=rf"^`ckpt.dir={checkpoints}` is in use: another run"):
+            checkpoint.check_output_dir(config, "", is_main=True)
+        holder.kill()
+        holder.wait()
+        assert child.is_running()
+        config, _ = parse_args(SFTConfig, [*argv, "--train.overwrite_output_dir=true"], "trainer.sft")
+        checkpoint.check_output_dir(config, "", is_main=True)  # the lock ended with the run: it starts, over it
+        assert not (run / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        if child is not None and child.is_running():
+            child.kill()
+
+
 # A process that waits for a checkpoint writer the way the loop does (megatron-core joins its forked writer, no
 # timeout), for a writer that never ends.
 WAITS_FOR_A_WRITER = """

@@ -443,7 +443,9 @@ def launches(default_sft, tmp_path_factory):
     # Stopped early: no export yet.
     split_exported_at_step_2 = any((root / name / "split" / "hf").exists() for name in layouts)
     stopped_left = {"sft_steps": max(row["step"] for row in metrics(start / "outputs" / "sft")),
-                    "grpo": (start / "outputs" / "grpo").exists(), "sft_hf": (start / "outputs" / "sft" / "hf").exists()}
+                    # GRPO's directory is made and locked at start-up (`hold_run_directories`): nothing in it yet
+                    "grpo": sorted(path.name for path in (start / "outputs" / "grpo").iterdir()),
+                    "sft_hf": (start / "outputs" / "sft" / "hf").exists()}
     second = yield launch([*resume_commands("split", "--resume-from-checkpoint", "latest"),
                            async_command("split", sampler, *signalled, "--resume-from-checkpoint", "latest"), stopped],
                           env=env)
@@ -726,7 +728,7 @@ def test_default_start_runs_the_default_sft_then_grpo_in_one_process_group(share
     runs = shared_runs["default_start"]
     root = runs["root"]
     assert "running the default SFT first" in runs["stopped"] and "stopped before its last step" in runs["stopped"]
-    assert runs["stopped_left"] == {"sft_steps": 10, "grpo": False, "sft_hf": False}
+    assert runs["stopped_left"] == {"sft_steps": 10, "grpo": [], "sft_hf": False}
     assert "resumed from" in runs["resumed"] and "step_00000010" in runs["resumed"]
     sft_rows, grpo_rows = metrics(root / "outputs" / "sft"), metrics(root / "outputs" / "grpo")
     assert [row["step"] for row in sft_rows] == list(range(1, 21)) and sft_rows[-1]["loss"] < sft_rows[0]["loss"]

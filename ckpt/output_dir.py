@@ -73,7 +73,8 @@ def hold_run_directories(config) -> None:
     import fcntl
 
     out_dir, checkpoints = Path(config.train.out_dir), checkpoint_dir(config)
-    for key, value in [("train.out_dir", out_dir)] + ([] if _inside(checkpoints, out_dir) else [("ckpt.dir", checkpoints)]):
+    held = [("train.out_dir", out_dir)] + ([] if _inside(checkpoints, out_dir) else [("ckpt.dir", checkpoints)])
+    for key, value in held:
         directory = Path(value).expanduser().resolve()
         directory.mkdir(parents=True, exist_ok=True)
         identity = (directory.stat().st_dev, directory.stat().st_ino)

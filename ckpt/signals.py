@@ -69,6 +69,11 @@ class Preemption:
         return (f"stopped at once by a second {signal_name}: the checkpoint save in flight, if any, is abandoned, and "
                 f"`latest` still names {latest} (continue with `--resume-from-checkpoint latest`)")
 
+    def pass_on(self) -> None:
+        """A stop signal another process of the run received (an asynchronous run's rollout process, on a node of its
+        own), honoured here as this process's own."""
+        self.requested = True
+
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (ranks may receive the signal at different steps)."""
         flag = torch.tensor([float(self.requested)])

@@ -235,11 +235,16 @@ def messages_problem(messages, field: str) -> str | None:
             if unanswered_calls == 0:
                 return "tool result without a call"
             unanswered_calls -= 1
-    if not any((message_text(message.get("content")) or "").strip() or message.get("tool_calls")
-               for message in messages if message["role"] == "assistant" and message.get("weight") != 0):
+    if not any(says_something(message) for message in messages
+               if message["role"] == "assistant" and message.get("weight") != 0):
         return "no assistant turn"
     # The assistant header is found by rendering the turns before it, so there must be some.
     return "starts with assistant turn" if messages[0]["role"] == "assistant" else None
+
+
+def says_something(message: dict) -> bool:
+    """Whether a turn holds more than its end: text that is not blank, or tool calls."""
+    return bool((message_text(message.get("content")) or "").strip() or message.get("tool_calls"))
 
 
 def message_problem(message: dict) -> str | None:

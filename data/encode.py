@@ -102,8 +102,9 @@ def template_error(tokenizer, problem: str) -> UserError:
 def tokenizer_digest_parts(tokenizer, rendered_sample: str) -> list[str] | None:
     """What a cache key must cover of a fast tokenizer (None for a slow one, which has no one text of its state): its
     chat template, its variables (`data.chat_template_kwargs`) and special tokens, a sample as that template renders
-    it now (a template that prints today's date renders differently tomorrow), the whole backend (vocabulary, merges, normalisation, added tokens), the versions
-    of the libraries that render and encode (transformers' template functions such as `tojson`, jinja2, tokenizers:
+    it now (a template that prints today's date renders differently tomorrow), the whole backend (vocabulary, merges,
+    normalisation, added tokens), the versions of the libraries that render and encode (transformers' template
+    functions such as `tojson`, jinja2, tokenizers:
     an upgrade may change the rendering of rows unlike the one sample, such as a row's own tools) and the source of
     this module and of `data.batches` (a change to the tokenization code is a new key; callers add their own)."""
     if not getattr(tokenizer, "is_fast", False):

@@ -31,7 +31,7 @@ from config import hf
 from config.hf import TEMPLATE_VARIABLES, special_texts, turn_end
 from data import batches
 from data.batches import Example
-from data.conversations import DropReport, conversation_tools
+from data.conversations import DropReport, conversation_tools, says_something
 from data.encode import (TOKENIZE_CHUNK, building, cache_key, chat_text, encode_batch, encode_texts, read_cached_arrays,
                          template_error, with_progress, write_cached_arrays)
 
@@ -81,8 +81,7 @@ def empty_turn(messages: list[dict]) -> str | None:
     close its turn at once, where the same turn as a prompt/response pair is dropped as an empty response. None when
     every learned turn has something."""
     for message in messages:
-        said = (message["content"].strip() or message.get("tool_calls")
-                or (message.get("reasoning_content") or "").strip())
+        said = says_something(message) or (message.get("reasoning_content") or "").strip()
         if message["role"] == "assistant" and message.get("weight") != 0 and not said:
             return "an empty assistant turn"
     return None

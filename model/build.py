@@ -121,7 +121,8 @@ def build_policy(config, model_path: Path, tokenizer, *, trainable: bool = True,
         bridge, dtype=config.model.dtype, tp=config.parallel.tp, pp=config.parallel.pp,
         vpp=config.parallel.vpp if config.parallel.vpp > 1 else None, seq_length=config.data.max_seq_len,
         attention=config.model.attention, ep=config.parallel.ep, etp=config.parallel.expert_tensor_parallel_size,
-        moe_dispatcher=config.model.moe_dispatcher, moe_router=rules.moe_router_overrides(config.model, config.peft.method == "lora"),
+        moe_dispatcher=config.model.moe_dispatcher,
+        moe_router=rules.moe_router_overrides(config.model, lora=config.peft.method == "lora"),
         setting=setting,
         transformer_overrides={"calculate_per_token_loss": True, **rules.transformer_overrides(config)})
     hf_config = bridge.hf_pretrained.config.to_dict()

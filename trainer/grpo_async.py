@@ -147,7 +147,7 @@ class RemoteRollouts:
                 if not catch_stop_signals().requested and self.runtime.is_main:
                     log.info("rollout process %d had a stop signal: the trainers stop after this step, and save",
                              self.source - self.link.trainers)
-                catch_stop_signals().requested = True
+                catch_stop_signals().pass_on()
 
     def _push(self, version: int, header: dict) -> None:
         links.push_weights(self.policy, self.link, {"version": version, **header})

@@ -264,6 +264,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 seen.setdefault(key, line)
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node):
+        """A number written with leading zeros is decimal: YAML 1.1 reads `010` as octal 8 (`--train.steps=010` ran 8
+        steps, `--train.seed=0042` seeded 34) and `08` as a string."""
+        text = self.construct_scalar(node).replace("_", "")
+        if DECIMAL_WITH_LEADING_ZEROS.fullmatch(text):
+            return int(text, 10)
+        return super().construct_yaml_int(node)
+
+
+DECIMAL_WITH_LEADING_ZEROS = re.compile(r"[-+]?0[0-9]+")
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
+UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:int", DECIMAL_WITH_LEADING_ZEROS, list("-+0"))
+
 
 def load_yaml(text: str):
     """`text` read as YAML (safe), refusing a key given twice in one mapping."""

@@ -502,3 +502,16 @@ def test_a_users_modules_in_the_starting_directory_do_not_replace_the_projects(t
     check = "import trainer, data.sft, model.build, config.cli; print(data.sft.__file__, model.build.__file__)"
     result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.stdout.split() == [str(REPO / "data" / "sft.py"), str(REPO / "model" / "build.py")], result.stderr[-2000:]
+
+
+def test_a_number_with_leading_zeros_is_decimal(tmp_path):
+    """YAML 1.1 reads `010` as octal: `--train.steps=010` ran 8 steps and `--train.seed=0042` seeded 34, without a word
+    (and `--train.steps=08` was refused as a string); in a config file too."""
+    config, _ = parse_args(SFTConfig, ["--train.steps=010", "--train.seed", "0042", "--ckpt.save_interval=08",
+                                       "--optim.lr=010"], "trainer.sft")
+    assert (config.train.steps, config.train.seed, config.ckpt.save_interval, config.optim.lr) == (10, 42, 8, 10.0)
+    (tmp_path / "run.yaml").write_text("train:\n  steps: 0100\n  global_batch_size: 064\n")
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "run.yaml")], "trainer.sft")
+    assert (config.train.steps, config.train.global_batch_size) == (100, 64)
+    config, _ = parse_args(SFTConfig, ["--train.steps=0x10", "--optim.betas=[0.9, 0.95]"], "trainer.sft")
+    assert (config.train.steps, config.optim.betas) == (16, [0.9, 0.95])  # other forms read as before

@@ -151,8 +151,12 @@ def parse_args(config_class, argv: list[str], program: str):
             raise UserError(f"Unexpected argument `{argument}`: settings are given as `--key=value`. `--help` lists every key.")
         name, has_value, value = argument[2:].partition("=")
         if not has_value:
-            if position + 1 >= len(argv):
-                raise UserError(f"`--{name}` needs a value (`--{name}=VALUE`).")
+            # The next argument a key of its own: `--log.wandb_name $EMPTY --train.steps=100` took the key as the name
+            # and trained the default steps without a word.
+            if position + 1 >= len(argv) or argv[position + 1].startswith("--"):
+                raise UserError(f"`--{name}` needs a value (`--{name}=VALUE`)"
+                                + (f", and the next argument is `{argv[position + 1]}`" if position + 1 < len(argv) else "")
+                                + ". Give one, or drop the key.")
             position += 1
             value = argv[position]
         if name == "config":

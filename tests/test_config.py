@@ -515,3 +515,14 @@ def test_a_number_with_leading_zeros_is_decimal(tmp_path):
     assert (config.train.steps, config.train.global_batch_size) == (100, 64)
     config, _ = parse_args(SFTConfig, ["--train.steps=0x10", "--optim.betas=[0.9, 0.95]"], "trainer.sft")
     assert (config.train.steps, config.optim.betas) == (16, [0.9, 0.95])  # other forms read as before
+
+
+@pytest.mark.parametrize("argv", [["--log.wandb_name", "--train.steps=100"], ["--data.hub_config", "--train.steps", "100"],
+                                  ["--resume-from-checkpoint", "--train.steps=100"], ["--train.steps"]])
+def test_a_key_whose_value_is_missing_is_refused(argv):
+    """`--log.wandb_name $NAME --train.steps=100` with NAME empty took `--train.steps=100` as the run's name and trained
+    the default 600 steps without a word."""
+    with pytest.raises(UserError, match=rf"`{argv[0]}` needs a value"):
+        parse_args(SFTConfig, argv, "trainer.sft")
+    config, _ = parse_args(SFTConfig, ["--optim.lr", "-1e-5", "--optim.betas", "[0.9, 0.95]"], "trainer.sft")
+    assert config.optim.lr == -1e-5  # a negative number is a value (validate refuses this one)

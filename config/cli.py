@@ -109,15 +109,18 @@ def _set(config, key: str, value, keys: dict) -> None:
     setattr(getattr(config, section), name, _coerce(key, value, keys[key].type))
 
 
-def _flatten(mapping: dict, prefix: str = "") -> dict:
-    """YAML nesting -> dotted keys (stopping at mapping-valued fields such as override_* dicts)."""
+def _flatten(mapping: dict, prefix: str = "", source: str = "") -> dict:
+    """YAML nesting -> dotted keys (stopping at mapping-valued fields such as override_* dicts); a key given both
+    nested and dotted (`train: {steps: 5}` and `train.steps: 6`) is refused, as YAML's own repeated keys are."""
     flat = {}
     for name, value in mapping.items():
         dotted = f"{prefix}{name}"
-        if isinstance(value, dict) and dotted.count(".") == 0:
-            flat.update(_flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
+        is_section = isinstance(value, dict) and dotted.count(".") == 0
+        nested = _flatten(value, dotted + ".", source) if is_section else {dotted: value}
+        if twice := sorted(nested.keys() & flat.keys()):
+            raise UserError(f"`{twice[0]}` is given twice in config file `{source}`, once nested under its section and "
+                            f"once as `{twice[0]}:`: the second would replace the first without a word. Keep one of them.")
+        flat.update(nested)
     return flat
 
 
@@ -188,7 +191,7 @@ def parse_args(config_class, argv: list[str], program: str):
                 raise UserError(f"`{name}:` in config file `{config_file}` must be a section: its keys indented below "
                                 f"it (`{name}:` then `  key: value` lines), got {value!r}. Fix it or change `--config`.")
         loaded = {name: value for name, value in loaded.items() if not (name in sections and value is None)}
-        for key, value in _flatten(loaded).items():
+        for key, value in _flatten(loaded, source=config_file).items():
             _set(config, key, value, keys)
     for key, value in pairs:
         _set(config, key, value, keys)

@@ -526,3 +526,14 @@ def test_a_key_whose_value_is_missing_is_refused(argv):
         parse_args(SFTConfig, argv, "trainer.sft")
     config, _ = parse_args(SFTConfig, ["--optim.lr", "-1e-5", "--optim.betas", "[0.9, 0.95]"], "trainer.sft")
     assert config.optim.lr == -1e-5  # a negative number is a value (validate refuses this one)
+
+
+def test_a_key_given_nested_and_dotted_in_one_yaml_file_is_refused(tmp_path):
+    """`train: {steps: 5}` and `train.steps: 6` in one file: the later spelling won without a word (6 here, 5 with the
+    lines swapped); both spellings alone still work."""
+    (tmp_path / "mixed.yaml").write_text("train:\n  steps: 5\ntrain.steps: 6\n")
+    with pytest.raises(UserError, match=r"`train.steps` is given twice in config file `.*mixed.yaml`, once nested"):
+        parse_args(SFTConfig, ["--config", str(tmp_path / "mixed.yaml")], "trainer.sft")
+    (tmp_path / "both.yaml").write_text("train:\n  steps: 5\ntrain.global_batch_size: 32\n")
+    config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "both.yaml")], "trainer.sft")
+    assert (config.train.steps, config.train.global_batch_size) == (5, 32)

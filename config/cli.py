@@ -139,6 +139,11 @@ def help_text(config_class, program: str) -> str:
     return "\n".join(lines)
 
 
+# The arguments that are not keys, refused empty: what an empty value would do, and what to give instead.
+EMPTY_MEANS = {"config": ("read no config file", "a YAML file or a recipe name"),
+               "resume-from-checkpoint": ("start the run afresh", "`latest` or a checkpoint path")}
+
+
 def parse_args(config_class, argv: list[str], program: str):
     """Parse `--config`, `--resume-from-checkpoint` and `--key=value` / `--key value`; returns (config, resume)."""
     keys = flat_keys(config_class)
@@ -162,6 +167,10 @@ def parse_args(config_class, argv: list[str], program: str):
                                 + ". Give one, or drop the key.")
             position += 1
             value = argv[position]
+        if name in EMPTY_MEANS and not value.strip():  # `--config=$UNSET`
+            effect, wanted = EMPTY_MEANS[name]
+            raise UserError(f"`--{name}` is given an empty value{f' ({value!r})' if value else ''}, which would {effect} "
+                            f"without a word. Give `--{name}` {wanted}, or drop it.")
         if name == "config":
             if config_file is not None:
                 raise UserError(f"`--config` is given twice ({config_file} and {value}): the second would replace the "

@@ -537,3 +537,13 @@ def test_a_key_given_nested_and_dotted_in_one_yaml_file_is_refused(tmp_path):
     (tmp_path / "both.yaml").write_text("train:\n  steps: 5\ntrain.global_batch_size: 32\n")
     config, _ = parse_args(SFTConfig, ["--config", str(tmp_path / "both.yaml")], "trainer.sft")
     assert (config.train.steps, config.train.global_batch_size) == (5, 32)
+
+
+@pytest.mark.parametrize("argv", [["--config="], ["--config", ""], ["--resume-from-checkpoint="],
+                                  ["--resume-from-checkpoint", " "]])
+def test_an_empty_config_file_or_resume_target_is_refused(argv):
+    """`--config=$RECIPE` with RECIPE unset ran the loop's defaults, and `--resume-from-checkpoint=$CHECKPOINT` started
+    afresh, both without a word."""
+    name = argv[0].split("=")[0]
+    with pytest.raises(UserError, match=rf"`{name}` is given an empty value"):
+        parse_args(GRPOConfig, argv, "trainer.grpo")

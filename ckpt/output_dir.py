@@ -109,6 +109,10 @@ def _earlier_run_replaced(config, resume: str) -> list[Path]:
     earlier = _earlier_run(config)
     unpointed = resume == LATEST and not (checkpoint_dir(config) / LATEST).is_file()
     if resume and not foreign and not unpointed:
+        if config.train.overwrite_output_dir:  # a requeued job passes both: a resume never deletes its own run
+            log.warning("train.overwrite_output_dir=true deletes nothing here: `--resume-from-checkpoint %s` continues "
+                        "the run in %s. To start afresh, drop `--resume-from-checkpoint` (scripts/run.sh and the Slurm "
+                        "script always pass it: give them a new `--train.out_dir`).", resume, checkpoint_dir(config))
         return []
     if unpointed:  # `latest` names nothing, so this run starts fresh: over a run killed before its first save (whose
         # metrics are its own to replace), or over a finished run whose checkpoints are gone and whose export is not

@@ -428,6 +428,26 @@ def test_outputs_in_a_folder_named_like_a_bundled_set_or_model_are_kept(tmp_path
                              "train.out_dir": "calculator/run"}), "", True)
 
 
+def test_overwrite_with_a_resume_that_continues_says_it_deletes_nothing(tmp_path, caplog):
+    """`--train.overwrite_output_dir=true` beside `--resume-from-checkpoint latest` (scripts/run.sh and the Slurm script
+    always pass the resume) continued the run without a word: a user restarting it got a resume, or nothing when it
+    had finished. The resume still wins (a requeued job passing both must not delete its progress), and says so."""
+    from ckpt.output_dir import check_output_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000002")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with caplog.at_level(logging.WARNING):
+        check_output_dir(make(**{"train.out_dir": str(run)}), "latest", True)
+    assert "deletes nothing" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        check_output_dir(make(**{"train.out_dir": str(run), "train.overwrite_output_dir": True}), "latest", True)
+    assert ("train.overwrite_output_dir=true deletes nothing here: `--resume-from-checkpoint latest` continues the run "
+            f"in {run / 'checkpoints'}. To start afresh, drop `--resume-from-checkpoint`") in caplog.text
+    assert (run / "checkpoints" / "step_00000002").is_dir() and (run / "metrics.jsonl").is_file()
+
+
 def test_recomputing_expert_layers_of_a_dense_model_is_refused(tmp_path):
     """`model.recompute_modules=[moe]` on a dense checkpoint recomputed nothing and saved no memory, without a word."""
     (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 4}')

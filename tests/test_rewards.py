@@ -177,6 +177,11 @@ def test_known_names_and_user_functions():
     ("gsm9k", "`grpo.reward=gsm9k` is not a known reward function; known ones are arithmetic, gsm8k, gsm8k_flexible"),
     ("no_such_module:f", "cannot load `f` from module `no_such_module`"),
     ("data.rewards:nothing", "cannot load `nothing` from module `data.rewards`"),
+    # A user's own `data.py` (or `model.py`) beside the run is shadowed by the trainer's package of that name: said so
+    # (before: "cannot load `my_reward` from module `data`... Put the module on PYTHONPATH", where it was).
+    ("data:my_reward", "`data` is this trainer's own package"),
+    ("model:my_reward", "which has no `my_reward`: a file of yours of that name is shadowed by it. Rename your file "
+                        "(`my_model.py`, say)"),
     # Called as f(completion, reference): a function of one text is refused at start-up, not after a step's rollouts.
     ("data.rewards:has_answer_format", "is called as `has_answer_format(completion, reference)` with two texts"),
 ])

@@ -196,8 +196,8 @@ class IsolatedReward:
     """A `module:function` reward called in worker processes (`tool_runtime.runner`, as tools are), so one that hangs
     or spins cannot hold the run: a call past `timeout` seconds is killed and fails with a TimeoutError (scored 0,
     counted). A batch's calls run side by side on `workers` processes (`grpo.tool_workers`; 0: this rank's share of
-    the cores). Its first GIVE_UP calls (or one per worker, if more) run first: when every one of them timed out the
-    rest fail unrun, so a reward that always hangs costs a few timeouts, not one per completion; otherwise the rest
+    the cores). GIVE_UP calls (or one per worker, if more), spread over the batch, run first: when every one of them timed
+    out the rest fail unrun, so a reward that always hangs costs a few timeouts, not one per completion; otherwise the rest
     run at once. Each worker imports the module itself: module state is per worker, not the trainer's."""
 
     GIVE_UP = 4
@@ -212,13 +212,18 @@ class IsolatedReward:
         """Each call's return value, or the exception it raised (TimeoutError past the timeout)."""
         calls = [tool_runner.Job([(self.spec, self.function, self.spec, pair)], stateful=False, tool_names=[])
                  for pair in zip(completions, references, strict=True)]
-        first = max(self.GIVE_UP, self.runner.workers)
-        outcomes = [job_outcomes[0] for job_outcomes in self.runner.run(calls[:first])]
-        if calls[first:] and all(outcome.kind == "timeout" for outcome in outcomes):
-            unrun = TimeoutError(f"not called: the {len(outcomes)} calls before it all timed out")
-            return [self._returned(outcome) for outcome in outcomes] + [unrun] * (len(calls) - first)
-        outcomes += [job_outcomes[0] for job_outcomes in self.runner.run(calls[first:])] if calls[first:] else []
-        return [self._returned(outcome) for outcome in outcomes]
+        # The first calls are spread over the batch, not its first completions: those are one prompt's group, whose
+        # shared reference may be the one a grader hangs on (a whole rank's batch then failed unrun, scored 0).
+        first = min(max(self.GIVE_UP, self.runner.workers), len(calls))
+        probes = sorted({index * len(calls) // first for index in range(first)}) if calls else []
+        rest = sorted(set(range(len(calls))) - set(probes))
+        returned = dict(zip(probes, (job_outcomes[0] for job_outcomes in self.runner.run([calls[i] for i in probes]))))
+        if rest and all(outcome.kind == "timeout" for outcome in returned.values()):
+            unrun = tool_runner.Outcome("", "timeout", TimeoutError(f"not called: the {len(probes)} calls before it all timed out"))
+            returned |= dict.fromkeys(rest, unrun)
+        elif rest:
+            returned |= dict(zip(rest, (job_outcomes[0] for job_outcomes in self.runner.run([calls[i] for i in rest]))))
+        return [self._returned(returned[index]) for index in range(len(calls))]
 
     @staticmethod
     def _returned(outcome: tool_runner.Outcome):

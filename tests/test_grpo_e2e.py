@@ -2,6 +2,8 @@
 accuracy, and bad inputs (unknown reward, over-long prompts, a raising reward) end clearly or are counted.
 Also the fast checks of the entry point's pure parts: its key set, start-up validation, prompt order and seeds."""
 
+import collections
+import dataclasses
 import json
 import logging
 import os
@@ -796,3 +798,46 @@ def test_the_output_layer_at_the_read_positions_equals_the_full_projection(share
         rowwise, shared = figures["shared_input_positions"]
         assert read_rowwise == read_shared and shared * 3 <= rowwise, (layout, figures)
     assert results["tp2"]["sequence_parallel"] and not results["tp1"]["sequence_parallel"]
+
+
+def test_dynamic_sampling_by_accuracy_says_when_a_reward_without_full_marks_leaves_nothing_to_train(caplog):
+    """A partial-credit reward (0.5 for a good answer: never full marks) under `grpo.dynamic_sampling`: no completion is
+    correct, so the accuracy filter dropped every group and each step trained at advantage 0 (2 steps from the SFT
+    model: loss 0, grad_norm 0, kept_group_rate 0, against grad_norm 1.565 without dynamic sampling) without a word.
+    The step now says so, naming the reward and `grpo.filter_metric`."""
+    from data import rewards
+    from trainer import grpo_math, grpo_metrics
+
+    config = parse_args(GRPOConfig, ["--grpo.dynamic_sampling=true", "--grpo.n_samples=2", "--grpo.format_bonus=0.1",
+                                     "--grpo.reward=user:half_credit"], "trainer.grpo")[0]
+    half_credit = lambda completion, reference: 0.5 * (completion == reference)  # noqa: E731
+
+    def scored_round(completions: list[str]) -> grpo.Round:
+        scores = rewards.score(half_credit, completions, ["#### 4"] * len(completions), config.grpo.format_bonus)
+        shaped = torch.tensor(scores.rewards, dtype=torch.float64)
+        advantages, equal = grpo_math.group_advantages(shaped.view(-1, 2), "mean", True)
+        kept = grpo.kept_groups(shaped, scores.correct, equal, "accuracy")
+        count = len(completions)
+        episodes = [types.SimpleNamespace(counts=collections.Counter(), ids=[], sampled=[]) for _ in range(count)]
+        return grpo.Round(episodes, [False] * count, scores, 0.0, advantages, equal, kept, 0.0, 0.0, 0.0)
+
+    # Group 0's reward varies (0.6 against 0), group 1's only in its format bonus: one group with a reward to train on.
+    rounds = [scored_round(["#### 4", "no", "#### 5", "none"]) for _ in range(config.grpo.max_sampling_rounds)]
+    assert [round_.kept.tolist() for round_ in rounds] == [[False, False]] * len(rounds)  # every group dropped
+    batch = grpo.StepBatch([], torch.zeros(4), 2, 0, rounds, [], None)
+    totals = {**grpo_metrics.rollout_totals(batch), "graded_groups": grpo_metrics.graded_groups(batch, config.grpo)}
+    assert totals["graded_groups"] == len(rounds) and totals["correct"] == 0 and totals["kept_groups"] == 0
+    with caplog.at_level(logging.WARNING):
+        grpo_metrics.say_no_group_kept(3, config.grpo, totals, len(rounds))
+    assert (f"step 3 trained on no group's reward: `grpo.dynamic_sampling` keeps the groups whose accuracy varies "
+            f"(`grpo.filter_metric=accuracy`), and no completion of its {len(rounds)} sampling rounds was correct"
+            ) in caplog.text and "from `grpo.reward=user:half_credit`" in caplog.text
+    # Nothing said where a completion was correct (all wrong or all right is DAPO's drop), where only the shaping
+    # varied, or with the filter on the reward.
+    caplog.clear()
+    shaping_only = [scored_round(["#### 5", "none"])]
+    for step_batch, grpo_config in ((grpo.StepBatch([], torch.zeros(2), 1, 0, shaping_only, [], None), config.grpo),
+                                    (batch, dataclasses.replace(config.grpo, filter_metric="reward"))):
+        totals = {**grpo_metrics.rollout_totals(step_batch), "graded_groups": grpo_metrics.graded_groups(step_batch, grpo_config)}
+        grpo_metrics.say_no_group_kept(3, grpo_config, totals, len(step_batch.rounds))
+    assert "trained on no group's reward" not in caplog.text

@@ -177,6 +177,11 @@ def test_known_names_and_user_functions():
     ("gsm9k", "`grpo.reward=gsm9k` is not a known reward function; known ones are arithmetic, gsm8k, gsm8k_flexible"),
     ("no_such_module:f", "cannot load `f` from module `no_such_module`"),
     ("data.rewards:nothing", "cannot load `nothing` from module `data.rewards`"),
+    # A user's own `data.py` (or `model.py`) beside the run is shadowed by the trainer's package of that name: said so
+    # (before: "cannot load `my_reward` from module `data`... Put the module on PYTHONPATH", where it was).
+    ("data:my_reward", "`data` is this trainer's own package"),
+    ("model:my_reward", "which has no `my_reward`: a file of yours of that name is shadowed by it. Rename your file "
+                        "(`my_model.py`, say)"),
     # Called as f(completion, reference): a function of one text is refused at start-up, not after a step's rollouts.
     ("data.rewards:has_answer_format", "is called as `has_answer_format(completion, reference)` with two texts"),
 ])
@@ -350,3 +355,22 @@ def test_held_out_references_without_an_answer_line_are_said_naming_the_held_out
         f"3 of the first 4 references of `{held_out}` (test) have no GSM8K answer line (`#### N`), which "
         "`grpo.reward=arithmetic` grades against: their completions score 0 under it, and eval_accuracy counts "
         "them wrong whatever the policy answers"]
+
+
+def test_a_reward_hanging_on_one_prompts_group_does_not_fail_the_rest_of_the_batch(tmp_path, monkeypatch):
+    """A grader that hangs on one reference (a symbolic simplifier on a pathological answer) times out on every
+    completion of that prompt's group. The calls run first to see whether the reward always hangs were the batch's
+    first ones, that one group's: all timed out, so the other groups' calls were never made and scored 0 (4 groups of
+    4 on a rank: 16 of 16 failed, the 12 that score 1.0 included; alone on a rank, the run stopped as if the reward
+    always failed). They are spread over the batch now: only the hanging group's 4 fail."""
+    (tmp_path / "hangs_on_one.py").write_text("import time\n\ndef graded(completion, reference):\n"
+                                              "    if reference == '#### 1':\n        time.sleep(600)\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    isolated = rewards.get_reward("hangs_on_one:graded", timeout=1.0, workers=2)
+    try:
+        references = [f"#### {group}" for group in (1, 2, 3, 4) for _ in range(4)]  # 4 prompts x grpo.n_samples=4
+        scores = rewards.score(isolated, ["#### 1"] * 16, references)
+        assert scores.rewards == [0.0] * 4 + [1.0] * 12 and scores.errors == 4
+        assert "did not answer within 1 s (grpo.reward_timeout)" in scores.failures["TimeoutError"]
+    finally:
+        rewards.close(isolated)

@@ -828,3 +828,26 @@ def test_tools_whose_turn_could_outlast_the_collective_timeout_are_refused_at_st
     tools.check_turn_fits_collective_timeout(config, world_size=2)  # 256 episodes a rank: 1280 s
     longer, _ = parse_args(GRPOConfig, [*argv, "--parallel.timeout_minutes=60"], "trainer.grpo")
     tools.check_turn_fits_collective_timeout(longer, world_size=1)
+
+
+def test_an_environment_whose_reward_hangs_on_one_group_fails_that_group_alone(tokenizer):
+    """The reward() calls made first, to see whether every one runs past `grpo.reward_timeout`, were the batch's first
+    episodes: one prompt's group, sharing its row. A reward() that hangs on that group's state failed the whole batch
+    unrun (8 of 8 episodes scored 0 here, the 4 that score 0.5 included). They are spread over the batch now."""
+    class HungWithoutCalls(tool_fixtures.Counter):
+        def reward(self):
+            if self.calls == 0:
+                time.sleep(60)
+            return super().reward()
+
+    import tests.tool_fixtures as fixtures
+
+    fixtures.HungWithoutCalls = HungWithoutCalls
+    try:
+        episodes, _ = run_rollout(tokenizer, [["#### 17"]] * 4 + [[CALL.replace("digits", "add") % "1", "#### 17"]] * 4,
+                                  specs=(), environment="tests.tool_fixtures:HungWithoutCalls", reward_timeout=0.2)
+    finally:
+        del fixtures.HungWithoutCalls
+    assert [episode.environment_failure and episode.environment_failure[0] for episode in episodes] == [
+        "TimeoutError"] * 4 + [None] * 4
+    assert [episode.environment_reward for episode in episodes] == [0.0] * 4 + [0.5] * 4

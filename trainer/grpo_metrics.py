@@ -3,6 +3,8 @@ every completion sampled for it) and the few episodes shown in samples.jsonl."""
 
 import logging
 
+import torch
+
 from model import collectives
 from trainer import metrics, rollout
 from trainer.grpo_sampling import StepBatch
@@ -16,7 +18,7 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     """The step's metrics row: loss, learning rate, gradient norm and throughput first, then the step's rollouts' global
     figures (`rollout_figures`), the step's phases (`phase_figures`), then the update's other figures (KL, entropy, clip
     fraction). Collective."""
-    totals = {**rollout_totals(step_batch), **timer.phases}
+    totals = {**rollout_totals(step_batch), "graded_groups": graded_groups(step_batch, config.grpo), **timer.phases}
     global_totals = dict(zip(totals, collectives.data_parallel_sum(list(totals.values()))))
     row = {"step": step, "loss": update["loss"], "lr": update["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
@@ -27,6 +29,7 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
         say_all_rejected(step, config.grpo, update["rollout_is_ratio_mean"])
     if update["entropy"] is None:
         say_nothing_trained(step, config.grpo, row["truncated_rate"])
+    say_no_group_kept(step, config.grpo, global_totals, len(step_batch.rounds))
     return {**row, **{key: value for key, value in update.items() if key not in ("loss", "lr", "grad_norm")}}
 
 
@@ -51,6 +54,37 @@ def say_nothing_trained(step: int, grpo, truncated_rate: float) -> None:
                 f"{truncated_rate:g}) and `grpo.mask_truncated` leaves those out of the loss. Raise "
                 "`--grpo.max_new_tokens` or set `--grpo.mask_truncated false`." if grpo.mask_truncated and truncated_rate == 1
                 else "no completion has a token the policy sampled left in the loss.")
+
+
+def graded_groups(step_batch: StepBatch, grpo) -> int:
+    """This rank's groups of the step (all rounds) whose reward varies apart from the shaping (format bonus, overlong
+    penalty): the reward function's score with an environment's, and a reward model's, as weighed."""
+    count = 0
+    for sampling_round in step_batch.rounds:
+        bonus = grpo.format_bonus * torch.tensor(sampling_round.scores.in_format, dtype=torch.float64)
+        values = grpo.reward_weight * (torch.tensor(sampling_round.scores.rewards, dtype=torch.float64) - bonus)
+        if sampling_round.model_scores is not None:
+            values = values + grpo.reward_model_weight * sampling_round.model_scores.double()
+        grouped = values.view(len(sampling_round.kept), -1)  # [groups, samples]
+        count += int((grouped.amax(dim=1) != grouped.amin(dim=1)).sum())
+    return count
+
+
+def say_no_group_kept(step: int, grpo, total: dict, rounds: int) -> None:
+    """A step of dynamic sampling by accuracy that kept no group because no completion was correct, while rewards
+    varied: a reward function whose top score is below full marks (partial credit on a 0-0.5 scale) marks nothing
+    correct, so every group was dropped and the step trained at advantage 0 (loss 0, grad_norm 0), every step, with no
+    word but `kept_group_rate=0`. Said each time, with the cause (`total`: the step's global sums)."""
+    if not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy"):
+        return
+    if total["kept_groups"] or total["correct"] or not total["graded_groups"]:
+        return
+    log.warning("step %d trained on no group's reward: `grpo.dynamic_sampling` keeps the groups whose accuracy varies "
+                "(`grpo.filter_metric=accuracy`), and no completion of its %d sampling rounds was correct (a reward of "
+                "1.0 or more, or `(reward, True)`) while the rewards of %d groups varied: every group was dropped and "
+                "trained at advantage 0. A reward function whose top score is below 1.0 marks no completion correct: "
+                "return `(reward, correct)` from `grpo.reward=%s`, give full marks as 1.0, or set "
+                "`--grpo.filter_metric=reward`.", step, rounds, int(total["graded_groups"]), grpo.reward)
 
 
 def samplers(config, runtime) -> int:

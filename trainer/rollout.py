@@ -298,20 +298,24 @@ class Rollout:
     def _finish(self, completions: list[list[int]]) -> list[tuple]:
         """Per episode: its answer (the last turn's text), the environment's (reward, correct, failure), whether its
         last turn still needs counting (cut at the budget rather than ended by an end id), and whether it was skipped.
-        When the batch's first `GIVE_UP_AFTER` reward() calls all ran past `grpo.reward_timeout`, the rest are not
+        `GIVE_UP_AFTER` reward() calls spread over the batch are made first (its first episodes are one prompt's group,
+        whose row may be the one reward() hangs on); when they all ran past `grpo.reward_timeout`, the rest are not
         made (each would wait as long): they fail as those did."""
-        finals, calls, timeouts, not_made, failure = [], 0, 0, 0, None
-        for trajectory, ids in zip(self.trajectories, completions):
-            if not trajectory.tools.has_reward:
-                environment = (0.0, None, None)
-            elif calls >= GIVE_UP_AFTER and timeouts == calls:
-                environment, not_made = (0.0, None, failure), not_made + 1
+        rewarded = [index for index, trajectory in enumerate(self.trajectories) if trajectory.tools.has_reward]
+        first = min(GIVE_UP_AFTER, len(rewarded))
+        probes = sorted({rewarded[number * len(rewarded) // first] for number in range(first)}) if rewarded else []
+        environments, calls, timeouts, not_made, failure = {}, 0, 0, 0, None
+        for index in probes + sorted(set(rewarded) - set(probes)):
+            if calls >= GIVE_UP_AFTER and timeouts == calls:
+                environments[index], not_made = (0.0, None, failure), not_made + 1
             else:
-                environment = trajectory.tools.reward(self.reward_timeout)
-                failure = environment[2]
+                environments[index] = self.trajectories[index].tools.reward(self.reward_timeout)
+                failure = environments[index][2]
                 calls, timeouts = calls + 1, timeouts + (failure is not None and failure[0] == "TimeoutError")
-            finals.append((self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True), environment,
-                           int(not trajectory.ended), trajectory.skipped))
+        finals = []
+        for index, (trajectory, ids) in enumerate(zip(self.trajectories, completions)):
+            finals.append((self.tokenizer.decode(ids[trajectory.consumed :], skip_special_tokens=True),
+                           environments.get(index, (0.0, None, None)), int(not trajectory.ended), trajectory.skipped))
         if not_made:
             log.warning("the environment's first %d reward() calls of a batch each ran past `grpo.reward_timeout` "
                         "(%g s): its other %d were not made, and score 0 as failures", calls, self.reward_timeout, not_made,

@@ -166,7 +166,7 @@ def prepare_start(config, world_size: int, startup):
         preference_set.build_preference_set(config, build.resolve_model_path(config), runtime)
         startup.mark("preference set")
     elif runtime.is_main:
-        preference_set.warn_if_stale(config.data.path, build.resolve_model_path(config))
+        preference_set.warn_if_stale(config.data.path, build.resolve_model_path(config), config)
     return runtime
 
 

@@ -155,6 +155,8 @@ def prepare_start(config, world_size: int, startup):
     if config.starts_from_default_sft():
         sft = default_start.validate(world_size, config.model.path, config.data, "trainer.rm")
         default_start.check_outputs_apart(config, sft, "trainer.rm")
+    else:
+        default_start.say_earlier_start(config.model.path, "trainer.rm")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     checkpoint.check_shared_directories(config)
     startup.mark("process group")

@@ -162,13 +162,20 @@ def undecodable_line(files: list[pathlib.Path]) -> str | None:
 
 
 def parquet_rows(files: list[pathlib.Path]) -> list[dict]:
-    """The rows of Parquet files, read as one table."""
+    """The rows of Parquet files, read as one table. Read through a cache directory of its own, removed after: `datasets`
+    keeps a local file's table in its cache under the file's path and modification time, so a file rewritten in place
+    with its time kept (`touch -r`, `cp -p`, `rsync -t`, or within the file system's time resolution) was read as its
+    old rows, and every cache keyed on the rows (`data.cache`) followed them."""
+    import tempfile
+
     import datasets
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # its "Generating train split" bar for a local file: nothing is downloaded
     try:
-        return datasets.load_dataset("parquet", data_files=[str(file) for file in files], split="train").to_list()
+        with tempfile.TemporaryDirectory(prefix="trainer-parquet-") as cache_dir:
+            return datasets.load_dataset("parquet", data_files=[str(file) for file in files], split="train",
+                                         cache_dir=cache_dir).to_list()
     finally:
         if shown:
             datasets.enable_progress_bars()

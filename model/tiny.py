@@ -123,8 +123,10 @@ QWEN2_0P5B_VOCAB_SIZE = 151936
 
 
 def recipe_hash(model_config: dict = MODEL_CONFIG, vocab_size: int | None = None) -> str:
-    """Return a short hash of everything that determines the built checkpoint."""
-    recipe = {"version": RECIPE_VERSION, "seed": WEIGHT_SEED, "model": model_config, "tokenizer": TOKENIZER_SETTINGS}
+    """Return a short hash of everything that determines the built checkpoint: the tokenizer file's contents too (a
+    retrained `tiny_tokenizer.json` under the same settings, its merges changed, was served the old build's tokenizer)."""
+    recipe = {"version": RECIPE_VERSION, "seed": WEIGHT_SEED, "model": model_config, "tokenizer": TOKENIZER_SETTINGS,
+              "tokenizer_file": hashlib.sha256(TOKENIZER_FILE.read_bytes()).hexdigest()}
     if vocab_size is not None:
         recipe["vocab_size"] = vocab_size
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

@@ -381,6 +381,35 @@ def test_a_run_writing_where_its_default_sft_writes_is_refused(tmp_path, monkeyp
     default_start.check_outputs_apart(config, default_start.validate(2, config.model.path), "GRPO")
 
 
+def test_a_default_start_trained_by_another_sft_is_said(tmp_path, monkeypatch, caplog):
+    """GRPO from `outputs/sft/hf` that exists uses it as it is: one written by an SFT at seed 1234 and 600 steps,
+    with `$TRAINER_DEFAULT_SFT_ARGS` now asking for seed 5 and 50 steps (which a fresh start would train), said only
+    `loading outputs/sft/hf`. The settings it was trained with are now named; the same settings say nothing."""
+    import torch
+
+    from config.cli import parse_args, to_dict
+    from trainer import default_start
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(default_start.ARGS_VARIABLE, raising=False)
+    earlier, _ = parse_args(SFTConfig, [], "trainer.sft")  # what the earlier, default SFT recorded in its checkpoint
+    step = tmp_path / "outputs" / "sft" / "checkpoints" / "step_00000600"
+    step.mkdir(parents=True)
+    torch.save({"step": 600, "config": to_dict(earlier)}, step / "trainer_state.pt")
+    (step.parent / "latest").write_text("step_00000600")
+    (tmp_path / "outputs" / "sft" / "hf").mkdir()
+    (tmp_path / "outputs" / "sft" / "hf" / "config.json").write_text("{}")
+    with caplog.at_level("INFO"):
+        default_start.say_earlier_start("outputs/sft/hf")
+        assert caplog.text == ""
+        monkeypatch.setenv(default_start.ARGS_VARIABLE, "--train.seed=5 --train.steps=50")
+        default_start.say_earlier_start("outputs/sft/hf")
+    assert [record.levelname for record in caplog.records] == ["WARNING"]
+    assert ("GRPO starts from outputs/sft/hf as an earlier SFT wrote it, with settings other than the default SFT's "
+            "now (its recipe and $TRAINER_DEFAULT_SFT_ARGS='--train.seed=5 --train.steps=50'): train.steps=600 "
+            "(now 50), train.seed=1234 (now 5). Delete outputs/sft" in caplog.text), caplog.text
+
+
 def test_outputs_inside_a_data_folder_are_refused(tmp_path):
     """A data folder's loader reads every json/jsonl/parquet file under it: a `train.out_dir` there made the run's
     metrics.jsonl (and its export's JSON files) rows of the next start, a resume included."""

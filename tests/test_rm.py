@@ -723,6 +723,34 @@ def test_an_embedded_set_sampled_from_a_model_since_changed_is_said(tmp_path, mo
     assert caplog.text == ""
 
 
+def test_an_embedded_set_sampled_at_other_settings_is_said(tmp_path, monkeypatch, caplog):
+    """The set's sampling reads `train.seed` (each chunk's seed), `data.max_seq_len` and `model.dtype`: a run at
+    other settings, from the same model, reused the set sampled at the earlier run's without a word (a fresh set at
+    seed 7 is other pairs than the kept one of 1234). It is now warned, naming each setting; a set reused at the same
+    settings is said once as reused."""
+    from trainer import preference_set
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "outputs" / "sft" / "hf"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights")
+    folder = write_pairs(tmp_path / preference_set.DEFAULT_PREFERENCES)
+    built, _ = parse_args(RMConfig, [], "trainer.rm")
+    (folder / preference_set.SOURCE).write_text(json.dumps({**preference_set.model_stamp(model),
+                                                            "sampling": preference_set.sampling_stamp(built)}))
+    with caplog.at_level("INFO"):
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model, built)
+    assert [record.levelname for record in caplog.records] == ["INFO"]
+    assert f"outputs/preferences: the set sampled earlier from {model} (train.seed=1234, " in caplog.text
+    caplog.clear()
+    other, _ = parse_args(RMConfig, ["--train.seed=7"], "trainer.rm")
+    with caplog.at_level("WARNING"):
+        preference_set.warn_if_stale(preference_set.DEFAULT_PREFERENCES, model, other)
+    assert (f"outputs/preferences was sampled from {model} at other settings than this run's: train.seed=1234 (this "
+            "run: 7); the reward model trains on the pairs those settings sampled" in caplog.text), caplog.text
+    assert "data.max_seq_len" not in caplog.text
+
+
 @pytest.mark.distributed
 def test_the_embedded_reward_model_ranks_held_out_pairs_and_grpo_scores_with_it(runs):
     """`torchrun -m trainer.rm` with no arguments, where the default SFT's output is: the preference set is sampled

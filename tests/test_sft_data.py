@@ -943,6 +943,22 @@ def test_local_jsonl_parquet_and_split_folders_load(tmp_path):
     assert load_rows(str(tmp_path), split="test") == test
 
 
+def test_a_parquet_file_rewritten_in_place_is_read_anew(tmp_path):
+    """`datasets` keeps a local Parquet file's table under its path and modification time: the file rewritten with
+    the same size and its time kept (`touch -r`, `cp -p`) was read as its old rows ("#### 3" where it now says
+    "#### 4"), and the tokenized-example cache, keyed on the rows, trained on them."""
+    import os
+
+    parquet = tmp_path / "train.parquet"
+    datasets.Dataset.from_list([{"question": "What is 1 + 2?", "answer": "#### 3"}]).to_parquet(str(parquet))
+    assert load_rows(str(parquet)) == [{"question": "What is 1 + 2?", "answer": "#### 3"}]
+    before = parquet.stat()
+    datasets.Dataset.from_list([{"question": "What is 1 + 2?", "answer": "#### 4"}]).to_parquet(str(parquet))
+    os.utime(parquet, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert parquet.stat().st_size == before.st_size and parquet.stat().st_mtime_ns == before.st_mtime_ns
+    assert load_rows(str(parquet)) == [{"question": "What is 1 + 2?", "answer": "#### 4"}]
+
+
 def test_split_folders_and_dev_files_keep_held_out_rows_out_of_training(tmp_path, caplog):
     """Splits named by a folder (`train/part-0.jsonl`, `test/part-0.jsonl`) or by the hub's layout
     (`data/train-00000-of-00001.parquet`) are read apart, and `dev`/`validation` files are held out: a split folder's

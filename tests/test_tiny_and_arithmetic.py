@@ -1,5 +1,6 @@
 """Unit tests for the arithmetic problem generator and the embedded tiny checkpoint."""
 
+import json
 import pathlib
 import re
 import shutil
@@ -98,6 +99,22 @@ def test_committed_tokenizer_is_the_one_trained_on_the_bundled_text():
     """model/tiny_tokenizer.json is the recipe's result on data.arithmetic's training text (model/ cannot import data/)."""
     trained = tiny.train_tokenizer(training_text(tiny.TOKENIZER_SETTINGS["training_problems"]))
     assert trained.to_str() == tokenizers.Tokenizer.from_file(str(tiny.TOKENIZER_FILE)).to_str()
+
+
+def test_a_retrained_tokenizer_file_is_a_new_build(tmp_path, monkeypatch):
+    """The built tiny model is kept under a hash of its recipe; a regenerated `tiny_tokenizer.json` (same settings,
+    other merges) was served the earlier build, whose tokenizer wrote 14 ids where the file's writes 35."""
+    first = ensure_tiny_checkpoint(tmp_path)
+    spec = json.loads(tiny.TOKENIZER_FILE.read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-200]
+    changed = tmp_path / "retrained.json"
+    changed.write_text(json.dumps(spec))
+    monkeypatch.setattr(tiny, "TOKENIZER_FILE", changed)
+    second = ensure_tiny_checkpoint(tmp_path)
+    text = "Tom has 12 apples and gives 3 away."
+    wanted = tokenizers.Tokenizer.from_file(str(changed)).encode(text).ids
+    assert len(wanted) == 35 and second != first
+    assert tokenizers.Tokenizer.from_file(str(second / "tokenizer.json")).encode(text).ids == wanted
 
 
 def test_auto_tokenizer_matches_trained_tokenizer(checkpoint):

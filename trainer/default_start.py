@@ -59,6 +59,38 @@ def validate(world_size: int, start: str, data=None, program: str = "GRPO"):
     return config
 
 
+def say_earlier_start(start: str, program: str = "GRPO") -> None:
+    """A bundled start that exists is used as it is, whichever SFT wrote it: when its latest checkpoint's settings
+    differ from those the default SFT runs with now (its recipe and `$TRAINER_DEFAULT_SFT_ARGS`: another seed or step
+    count), the run said only `loading outputs/sft/hf`. Name the settings it was trained with instead (a warning when
+    `$TRAINER_DEFAULT_SFT_ARGS` asks for others: they are not applied); nothing when no checkpoint of it is readable."""
+    if start not in BUNDLED_STARTS or not (Path(start) / "config.json").is_file():
+        return
+    import torch
+
+    from ckpt.layout import LATEST, STATE_FILE
+    from ckpt.resume import changed_settings
+
+    try:
+        config, _ = cli.parse_args(SFTConfig, sft_arguments(start), "trainer.sft")
+        folder = checkpoint_dir(config)
+        saved = torch.load(folder / (folder / LATEST).read_text().strip() / STATE_FILE, weights_only=False)["config"]
+        # Where it was written is no setting of the model (a copied or moved run reads the same).
+        changed = {key: values for key, values in changed_settings(saved, cli.to_dict(config)).items()
+                   if key not in ("train.out_dir", "ckpt.dir", "train.overwrite_output_dir")}
+    except Exception:  # noqa: BLE001 - no readable record of the earlier SFT: nothing to compare
+        return
+    if not changed:
+        return
+    asked = os.environ.get(ARGS_VARIABLE, "")
+    (log.warning if asked else log.info)(
+        "%s starts from %s as an earlier SFT wrote it, with settings other than the default SFT's now (its recipe%s): "
+        "%s. Delete %s (or run `torchrun -m trainer.sft` with the settings you want) to train the start again.",
+        program, start, f" and ${ARGS_VARIABLE}={asked!r}" if asked else "",
+        ", ".join(f"{key}={was!r} (now {now!r})" for key, (was, now) in changed.items()),
+        Path(config.train.out_dir))
+
+
 def check_outputs_apart(run, sft, program: str) -> None:
     """Refuse a run (GRPO's, `trainer.rm`'s) writing where the default SFT it starts from writes: that SFT runs first in
     the same processes, after the output checks, and the run then appended its metrics to the SFT's, pruned the SFT's

@@ -97,6 +97,8 @@ def validated_world_size(config) -> int:
     if config.starts_from_default_sft():
         sft = default_start.validate(world_size, config.model.path, config.data)
         default_start.check_outputs_apart(config, sft, "GRPO")
+    else:
+        default_start.say_earlier_start(config.model.path)
     return world_size - config.grpo.rollout_processes
 
 

@@ -39,9 +39,17 @@ def model_stamp(model_path: Path) -> dict:
             "weights": [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
 
 
-def warn_if_stale(path: str, model_path: Path) -> None:
+def sampling_stamp(config) -> dict:
+    """The run's settings the set's sampling reads (the seed of each chunk's sampling, the prompts' room, the dtype the
+    model samples in): a run with others would have sampled another set."""
+    return {"train.seed": config.train.seed, "data.max_seq_len": config.data.max_seq_len,
+            "model.dtype": config.model.dtype}
+
+
+def warn_if_stale(path: str, model_path: Path, config=None) -> None:
     """Warn (a run-wide warning) when the embedded set at `path` was sampled from another model than `model_path` as
-    it is now: it is kept, whoever wrote it, and a reward model would learn the earlier model's pairs without a word."""
+    it is now, or (with `config`) at other settings (`sampling_stamp`) than this run's: it is kept, whoever wrote it,
+    and a reward model would learn the earlier model's pairs without a word. A set reused as it is is said (info)."""
     if path != DEFAULT_PREFERENCES or not (Path(path) / SOURCE).is_file():
         return
     try:
@@ -49,7 +57,20 @@ def warn_if_stale(path: str, model_path: Path) -> None:
     except (OSError, ValueError):
         return
     now = model_stamp(model_path)
-    if not isinstance(sampled_from, dict) or sampled_from == now:  # a record not ours to judge, or the same model
+    if not isinstance(sampled_from, dict):  # a record not ours to judge
+        return
+    sampling = sampled_from.pop("sampling", None)
+    if sampled_from == now:  # the same model: the settings it was sampled at, when recorded, against this run's
+        mine = sampling_stamp(config) if config is not None else None
+        if isinstance(sampling, dict) and mine is not None and sampling != mine:
+            changed = ", ".join(f"{key}={sampling.get(key)!r} (this run: {value!r})" for key, value in mine.items()
+                                if sampling.get(key) != value)
+            log.warning("%s was sampled from %s at other settings than this run's: %s; the reward model trains on "
+                        "the pairs those settings sampled, not on this run's. Delete %s to sample it again at this "
+                        "run's settings, or run at the set's.", path, model_path, changed, path)
+        else:
+            log.info("%s: the set sampled earlier from %s%s is reused (delete it to sample it again)", path, model_path,
+                     f" ({', '.join(f'{key}={value}' for key, value in sampling.items())})" if isinstance(sampling, dict) else "")
         return
     if sampled_from.get("model") != now["model"]:  # the run's `model.path` is another model than the set's
         log.warning("%s was sampled from %s, and this run trains from another model, %s: the reward model learns the "
@@ -138,7 +159,7 @@ def build_preference_set(config, model_path: Path, runtime) -> None:
             staged.mkdir(parents=True)
             for split, rows in written.items():
                 (staged / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-            (staged / SOURCE).write_text(json.dumps(model_stamp(model_path)))
+            (staged / SOURCE).write_text(json.dumps({**model_stamp(model_path), "sampling": sampling_stamp(config)}))
             os.replace(staged, out)
         except OSError as error:
             shutil.rmtree(staged, ignore_errors=True)

@@ -155,6 +155,8 @@ def prepare_start(config, world_size: int, startup):
     if config.starts_from_default_sft():
         sft = default_start.validate(world_size, config.model.path, config.data, "trainer.rm")
         default_start.check_outputs_apart(config, sft, "trainer.rm")
+    else:
+        default_start.say_earlier_start(config.model.path, "trainer.rm")
     runtime = parallel.init_distributed(config.parallel, config.train.seed)
     checkpoint.check_shared_directories(config)
     startup.mark("process group")
@@ -166,7 +168,7 @@ def prepare_start(config, world_size: int, startup):
         preference_set.build_preference_set(config, build.resolve_model_path(config), runtime)
         startup.mark("preference set")
     elif runtime.is_main:
-        preference_set.warn_if_stale(config.data.path, build.resolve_model_path(config))
+        preference_set.warn_if_stale(config.data.path, build.resolve_model_path(config), config)
     return runtime
 
 

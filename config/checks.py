@@ -103,6 +103,7 @@ class TrainingChecks:
             from megatron.core.optimizer import OptimizerConfig
 
             check_override_keys(optim.override_optimizer_config, OptimizerConfig, "optim.override_optimizer_config")
+            self._check_precision_overrides()
             # Its lr and min_lr are the schedule's peak and floor (model.build.warmup_cosine_schedule).
             overrides = optim.override_optimizer_config
             lr, min_lr = overrides.get("lr", optim.lr), overrides.get("min_lr", optim.final_lr)
@@ -138,6 +139,28 @@ class TrainingChecks:
                  f"{why} uses Transformer Engine's FusedAdam, and Transformer Engine is not installed. Install it "
                  "(`uv sync --extra te` on a CUDA machine, or use NVIDIA's NGC PyTorch container), or use "
                  "`--model.dtype=bf16 --optim.use_precision_aware_optimizer=false`.")
+
+    def _check_precision_overrides(self) -> None:
+        """OptimizerConfig's precision fields come from `model.dtype` and `optim.*` (`model.rules.optimizer_config`):
+        through the override a dtype field can only arrive as text, which megatron-core asserts on after the model is
+        built or keeps as a string, and a flag unlike the run's (`fp16: false` in an fp16 model: no loss scale) skips
+        the start-up checks of the key that sets it."""
+        derived = {"fp16": self.model.dtype == "fp16", "bf16": self.model.dtype == "bf16",
+                   "use_precision_aware_optimizer": self.precision_aware}
+        set_by = {"fp16": "model.dtype", "bf16": "model.dtype", "params_dtype": "model.dtype",
+                  "use_precision_aware_optimizer": "optim.use_precision_aware_optimizer",
+                  "main_grads_dtype": "optim.main_grads_dtype", "exp_avg_dtype": "optim.exp_avg_dtype",
+                  "exp_avg_sq_dtype": "optim.exp_avg_sq_dtype", "main_params_dtype": None}
+        for name, value in self.optim.override_optimizer_config.items():
+            if name not in set_by or derived.get(name, not value) == value:
+                continue
+            key = set_by[name]
+            raise UserError(
+                f"`optim.override_optimizer_config` sets `{name}` to {value!r}, a precision setting of megatron-core's "
+                "OptimizerConfig that the run derives from its own keys (the override would skip their checks, or pass "
+                f"megatron-core text where it needs a torch dtype). Remove `{name}` from `optim.override_optimizer_config`"
+                + (f" and set `--{key}` instead." if key else
+                   ": the master weights stay fp32 (`model.dtype=bf16` or fp16 keeps them so)."))
 
     def _validate_state_dtypes(self) -> None:
         """`optim.main_grads_dtype`, `optim.exp_avg_dtype`, `optim.exp_avg_sq_dtype` below fp32 act only with bf16's

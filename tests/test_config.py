@@ -268,6 +268,29 @@ def test_an_override_lr_below_the_schedule_floor_is_refused_at_start_up():
     config.validate(world_size=1)
 
 
+@pytest.mark.parametrize("dtype, override, names", [
+    ("bf16", "{exp_avg_dtype: bf16}", "`--optim.exp_avg_dtype`"),
+    ("fp32", "{params_dtype: fp16}", "`--model.dtype`"),
+    ("fp16", "{fp16: false}", "`--model.dtype`"),
+    ("fp32", "{bf16: true}", "`--model.dtype`"),
+    ("bf16", "{use_precision_aware_optimizer: true}", "`--optim.use_precision_aware_optimizer`"),
+])
+def test_precision_fields_in_the_optimizer_override_are_refused_at_start_up(dtype, override, names):
+    """OptimizerConfig's precision fields are set from `model.dtype` and `optim.*`: through the override, a dtype field
+    arrived as text (`exp_avg_dtype: bf16` failed megatron-core's assertion after the model was built; `params_dtype:
+    fp16` went in as the string 'fp16' without a word), `fp16: false` trained an fp16 model without its loss scale
+    (loss_scale 1, no overflow check), and the flags skipped the start-up checks of the keys that set them. Refused,
+    naming the key to set; a flag that agrees with the run's is accepted."""
+    config, _ = parse_args(SFTConfig, [f"--model.dtype={dtype}", f"--optim.override_optimizer_config={override}"],
+                           "trainer.sft")
+    with pytest.raises(UserError) as error:
+        config.validate(world_size=1)
+    assert "`optim.override_optimizer_config`" in str(error.value) and names in str(error.value)
+    agreeing, _ = parse_args(SFTConfig, ["--model.dtype=bf16", "--optim.override_optimizer_config={bf16: true, fp16: false}"],
+                             "trainer.sft")
+    agreeing.validate(world_size=1)
+
+
 def test_the_config_reference_in_docs_is_current():
     """docs/config.md is generated from both loops' `--help`; a new or changed key must regenerate it."""
     import subprocess

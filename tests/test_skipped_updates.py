@@ -135,3 +135,22 @@ def test_a_non_finite_gradient_norm_stops_every_loop_with_advice_that_fits_its_l
     assert advice in str(stopped.value) and "no checkpoint was saved before it" in str(stopped.value)
     assert checkpointer.waited == 1
     assert (tmp_path / "metrics.jsonl").read_text().count('"step": 2') == 1
+
+
+def test_an_fp16_update_skipped_on_a_loss_that_is_not_a_number_stops_the_run(tmp_path):
+    """fp16: a forward that overflowed gives a NaN loss from finite weights; megatron-core then skips the update
+    (`grad_norm` None) and lowers the scale, and the run went on through every step (weights unchanged at each, the
+    rows NaN), where bf16 stops on the NaN norm and Megatron-LM's loss check stops too. It stops with the loss advice;
+    an update skipped on a finite loss (the scale too high) passes."""
+    from config.errors import AgreedStop
+
+    config = configured(SFTConfig)
+    config.train.out_dir = str(tmp_path)
+    checkpointer = NoCheckpoints(tmp_path / "checkpoints")
+    with metrics.MetricsWriter(config, True, 0) as writer:
+        metrics.stop_if_diverged({"step": 1, "loss": 6.2, "lr": 0.0, "grad_norm": None}, writer, checkpointer)
+        with pytest.raises(AgreedStop) as stopped:
+            metrics.stop_if_diverged({"step": 2, "loss": float("nan"), "lr": 0.0, "grad_norm": None}, writer, checkpointer)
+    assert str(stopped.value).startswith("Training stopped at step 2: its loss is nan")
+    assert "Its loss was already not a number, computed from the finite weights" in str(stopped.value)
+    assert "`model.dtype=bf16`" in str(stopped.value)

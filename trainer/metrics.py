@@ -175,22 +175,30 @@ def stop_if_diverged(row: dict, writer: MetricsWriter, checkpointer) -> None:
     saved: its row is written and the save in flight (the weights before it) published, then one paragraph. In fp32
     and bf16 megatron-core applies such an update (fp16's overflows it skips: `grad_norm` None), so every later step,
     checkpoint and export would carry NaN weights, and rotate the good checkpoints out. The norm is megatron-core's
-    global one, the same on every rank, so every rank stops at the same step (the wait is collective)."""
-    grad_norm = row.get("grad_norm")
-    if grad_norm is None or math.isfinite(grad_norm):
+    global one, the same on every rank, so every rank stops at the same step (the wait is collective). An fp16 update
+    skipped on a loss that is not a number (a forward that overflowed, from finite weights) stops the same way, as
+    Megatron-LM's loss check does: the scale cannot mend a forward, and the run would skip on through every step."""
+    grad_norm, loss = row.get("grad_norm"), row.get("loss")
+    bad_loss = isinstance(loss, float) and not math.isfinite(loss)
+    if grad_norm is None and not bad_loss or grad_norm is not None and math.isfinite(grad_norm):
         return
     writer.write(row)
     checkpointer.wait()  # as `Checkpointer.kept_on_agreed_stop` would, first: the paragraph names what it published
     latest = checkpointer.directory / LATEST
     kept = (f"the last checkpoint, `{checkpointer.directory / latest.read_text().strip()}`, holds the weights before "
             "it" if latest.is_file() else "no checkpoint was saved before it")
-    loss = row.get("loss")
     # The step before left finite weights (its norm was finite), so a loss that is not a number came with the inputs.
     advice = ("Its loss was already not a number, computed from the finite weights the step before left, so the cause "
               "is in what the step fed it (in GRPO a reward model's scores or a teacher's log-probs) or an overflow in "
-              "its forward (in bf16, try `model.dtype=fp32`): mend it" if isinstance(loss, float)
-              and not math.isfinite(loss) else
+              "its forward (in fp16, whose range ends at 65504, try `model.dtype=bf16`; in bf16, `model.dtype=fp32`): "
+              "mend it" if bad_loss else
               "Lower `optim.lr`, lengthen `optim.warmup_steps` or keep `optim.clip_grad` on (1 by default)")
+    if grad_norm is None:
+        raise AgreedStop(
+            f"Training stopped at step {row['step']}: its loss is {loss} (learning rate {row['lr']:.4g}), and fp16's "
+            "loss scale skipped its update (the weights stay as they were), as it would every step whose forward "
+            f"overflows. The step's row is the last in `{writer.out_dir / outputs.METRICS}`, and {kept}. {advice}, "
+            "and start again in a new `train.out_dir`.")
     raise AgreedStop(
         f"Training diverged at step {row['step']}: the gradient norm is {grad_norm} (learning rate {row['lr']:.4g}"
         f"{f', loss {loss:.4g}' if isinstance(loss, float) else ''}), so the weights this step updated are no longer "

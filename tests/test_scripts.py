@@ -1,0 +1,71 @@
+"""scripts/run.sh as a user runs it: which stage gets which argument, and what it does when the SFT stage stops
+early. The script runs in a copy of the repository whose set-up is done and whose torchrun is a stand-in that
+records its arguments (the stages themselves are tested through the entry points elsewhere)."""
+
+import os
+import shutil
+import subprocess
+
+from tests.conftest import REPO
+
+FAKE_TORCHRUN = """#!/bin/bash
+# Records its arguments one a line; as trainer.sft, exports outputs/sft/hf unless FAKE_SFT_STOPS is set (a stop on
+# a signal: exit 0 after saving, no export).
+printf '%s\\n' "$@" "--" >> "$FAKE_CALLS"
+if [[ " $* " == *" trainer.sft "* && -z "${FAKE_SFT_STOPS:-}" ]]; then
+  mkdir -p outputs/sft/hf && echo '{}' > outputs/sft/hf/config.json
+fi
+exit "${FAKE_STATUS:-0}"
+"""
+
+
+def run_script(tmp_path, *arguments, **env):
+    """scripts/run.sh of a copy of the repository with a stand-in torchrun, from another directory; the result and
+    each stage's arguments after `--resume-from-checkpoint latest`, keyed by entry point."""
+    repo = tmp_path / "my repo"
+    (repo / "scripts").mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "scripts" / "run.sh", repo / "scripts" / "run.sh")
+    (repo / "scripts" / "setup.sh").write_text("#!/bin/bash\n")
+    (repo / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
+    for name, text in (("scripts/setup.sh", "#!/bin/bash\n"), (".venv/bin/torchrun", FAKE_TORCHRUN)):
+        (repo / name).write_text(text)
+        (repo / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    shutil.rmtree(repo / "outputs", ignore_errors=True)
+    result = subprocess.run([str(repo / "scripts" / "run.sh"), *arguments], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "FAKE_CALLS": str(calls), **env})
+    stages = {}
+    for call in calls.read_text().split("--\n")[:-1] if calls.exists() else []:
+        words = call.splitlines()
+        stages[words[words.index("-m") + 1]] = words[words.index("latest") + 1:]
+    return result, stages
+
+
+def test_run_script_starts_grpo_from_its_sft_and_gives_grpo_keys_to_grpo_only(tmp_path):
+    # `--model.path` is the SFT's starting model: GRPO went to it too and started from the untrained model, leaving
+    # the SFT's export unused; a `--grpo.*` key stopped the SFT stage with "Unknown config key".
+    result, stages = run_script(tmp_path, "--model.path=/models/base", "--train.steps", "20", "--grpo.n_samples", "4",
+                                "--grpo.kl_coef=0.1")
+    assert result.returncode == 0, result.stderr
+    assert stages == {
+        "trainer.sft": ["--model.path=/models/base", "--train.steps", "20"],
+        "trainer.grpo": ["--model.path=/models/base", "--train.steps", "20", "--grpo.n_samples", "4",
+                         "--grpo.kl_coef=0.1", "--model.path=outputs/sft/hf"]}
+    result, stages = run_script(tmp_path)
+    assert result.returncode == 0 and stages == {"trainer.sft": [], "trainer.grpo": ["--model.path=outputs/sft/hf"]}
+
+
+def test_run_script_stops_after_an_sft_stopped_early_and_passes_failures_on(tmp_path):
+    # An SFT stopped on a signal (exit 0, checkpoint saved, no export): GRPO started and ran the default SFT's own
+    # settings on that checkpoint (`--train.steps=30` stopped at step 4: "saved with train.steps=30 and this run has
+    # train.steps=600", exit 1).
+    result, stages = run_script(tmp_path, "--train.steps=30", FAKE_SFT_STOPS="1")
+    assert result.returncode == 0 and list(stages) == ["trainer.sft"], result.stderr
+    assert "the SFT stopped before its last step" in result.stderr and "with the same arguments" in result.stderr
+    result, stages = run_script(tmp_path, FAKE_STATUS="3")
+    assert result.returncode == 3 and list(stages) == ["trainer.sft"]
+    # One output directory for both stages is refused before anything runs.
+    for arguments in (["--train.out_dir=/tmp/x"], ["--ckpt.dir", "/tmp/x"]):
+        result, stages = run_script(tmp_path, *arguments)
+        assert result.returncode == 2 and stages == {} and result.stderr.startswith("error: scripts/run.sh writes")

@@ -5,6 +5,7 @@ records its arguments (the stages themselves are tested through the entry points
 import os
 import shutil
 import subprocess
+import sys
 
 from tests.conftest import REPO
 
@@ -69,3 +70,43 @@ def test_run_script_stops_after_an_sft_stopped_early_and_passes_failures_on(tmp_
     for arguments in (["--train.out_dir=/tmp/x"], ["--ckpt.dir", "/tmp/x"]):
         result, stages = run_script(tmp_path, *arguments)
         assert result.returncode == 2 and stages == {} and result.stderr.startswith("error: scripts/run.sh writes")
+
+
+def test_setup_script_repairs_a_damaged_environment_and_is_quick_when_synced(tmp_path):
+    """scripts/setup.sh on a project of one locked package (offline, from uv's cache, which set-up filled): a second
+    run does nothing; after the package is removed from .venv it syncs again (it exited 0 at once, the stamp alone
+    matching, and left the environment broken)."""
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", project / "scripts" / "setup.sh")
+    (project / "pyproject.toml").write_text('[project]\nname = "megatron-trainer"\nversion = "0.1.0"\n'
+                                            'requires-python = "==3.12.*"\ndependencies = ["einops==0.8.2"]\n')
+    venv_python = project / ".venv" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", str(project / ".venv")], check=True, timeout=60)
+    shutil.copy(REPO / ".venv" / "bin" / "uv", project / ".venv" / "bin" / "uv")
+    env = {**os.environ, "UV_OFFLINE": "1", "PYTHON312": sys.executable}
+    # The lock: the repository's own einops entry (its wheel is in uv's cache after set-up), and the project.
+    (einops_entry,) = [entry for entry in (REPO / "uv.lock").read_text().split("\n[[package]]\n")
+                       if entry.startswith('name = "einops"\nversion = "0.8.2"\n')]
+    (project / "uv.lock").write_text(
+        'version = 1\nrevision = 5\nrequires-python = "==3.12.*"\n\n[[package]]\n' + einops_entry.strip() + "\n\n"
+        '[[package]]\nname = "megatron-trainer"\nversion = "0.1.0"\nsource = { virtual = "." }\n'
+        'dependencies = [\n    { name = "einops" },\n]\n\n'
+        '[package.metadata]\nrequires-dist = [{ name = "einops", specifier = "==0.8.2" }]\n')
+
+    def setup():
+        result = subprocess.run([str(project / "scripts" / "setup.sh")], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    def einops() -> int:
+        return subprocess.run([str(venv_python), "-c", "import einops"], capture_output=True, timeout=60).returncode
+
+    assert "environment ready" in setup() and einops() == 0
+    assert setup() == ""
+    subprocess.run([str(project / ".venv" / "bin" / "uv"), "pip", "uninstall", "-q", "einops", "--python",
+                    str(venv_python)], cwd=project, env=env, check=True, timeout=60)
+    assert einops() == 1
+    assert "environment ready" in setup() and einops() == 0
+    assert setup() == ""

@@ -2,6 +2,7 @@
 early. The script runs in a copy of the repository whose set-up is done and whose torchrun is a stand-in that
 records its arguments (the stages themselves are tested through the entry points elsewhere)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -110,3 +111,33 @@ def test_setup_script_repairs_a_damaged_environment_and_is_quick_when_synced(tmp
     assert einops() == 1
     assert "environment ready" in setup() and einops() == 0
     assert setup() == ""
+
+
+def test_plot_metrics_writes_the_png_it_names(tmp_path):
+    """scripts/plot_metrics.py's `--out`: a folder takes metrics.png (matplotlib wrote `folder.png` beside it and the
+    script said `wrote folder`), a missing parent is made (a FileNotFoundError traceback), a name not ending in .png is
+    refused (`x.jpg`: a ValueError traceback; `pic`: pic.png written, `pic` named); a file of no rows is refused (an
+    empty picture, "1 run: ")."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 6.0 / step, "lr": 1e-3}) + "\n"
+                                               for step in range(1, 5)))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+
+    def plot(*arguments):
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "plot_metrics.py"), *arguments], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    for out, written in (("folder", "folder/metrics.png"), ("new/dir/x.png", "new/dir/x.png")):
+        result = plot("run", "--out", out)
+        assert result.returncode == 0 and result.stdout.startswith(f"wrote {written} (1 run: training loss, "), result.stderr
+        assert (tmp_path / written).read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "folder.png").exists()
+    for out in ("x.jpg", "pic"):
+        result = plot("run", "--out", out)
+        assert result.returncode == 2 and f"--out {out}: the picture is a PNG" in result.stderr, result.stderr
+        assert not any(tmp_path.glob(f"{out}*"))
+    result = plot("empty")
+    assert result.returncode == 2 and "metrics.jsonl in empty holds no rows" in result.stderr

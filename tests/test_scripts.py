@@ -141,3 +141,33 @@ def test_plot_metrics_writes_the_png_it_names(tmp_path):
         assert not any(tmp_path.glob(f"{out}*"))
     result = plot("empty")
     assert result.returncode == 2 and "metrics.jsonl in empty holds no rows" in result.stderr
+
+
+def test_slurm_script_keeps_a_first_starts_own_checkpoint_to_resume(tmp_path):
+    """scripts/slurm/train.sbatch under stand-ins for srun, scontrol and torchrun (which prints its arguments): a
+    job's `--resume-from-checkpoint X` was followed by the script's `latest`, which the trainer takes (the last one
+    given): the job trained from scratch into its new output directory instead of from X. Its first start now
+    keeps X; a requeued start resumes its own latest checkpoint."""
+    bin_dir, trainer = tmp_path / "bin", tmp_path / "trainer"
+    (trainer / ".venv" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    for path, text in ((bin_dir / "srun", '#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\nexec "$@"\n'),
+                       (bin_dir / "scontrol", '#!/bin/bash\n[ "$1" = show ] && echo 127.0.0.1\nexit 0\n'),
+                       (trainer / ".venv" / "bin" / "torchrun", '#!/bin/bash\necho "torchrun $*"\n')):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_NODELIST": "n1", "TRAINER_DIR": str(trainer)}
+
+    def launch(*arguments, **more):
+        result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), "-m", "trainer.sft", *arguments],
+                                cwd=tmp_path, env={**env, **more}, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith("torchrun ")]
+        return line[line.index("-m trainer.sft") + len("-m trainer.sft "):]
+
+    for given in (["--resume-from-checkpoint=/runs/a/checkpoints/step_00000100"],
+                  ["--resume-from-checkpoint", "/runs/a/checkpoints/step_00000100"]):
+        assert launch(*given) == " ".join(given)
+        assert launch(*given, SLURM_RESTART_COUNT="1") == " ".join(given) + " --resume-from-checkpoint latest"
+    assert launch("--train.steps=5", OUT_DIR="/runs/b c") == "--train.steps=5 --train.out_dir=/runs/b c --resume-from-checkpoint latest"

@@ -19,10 +19,16 @@ find_python312() {
 # The stamp names the set-up's own version too, so a change here re-syncs existing environments; it holds the lock
 # and pyproject.toml (whose package list the editable install records).
 stamp=.venv/.uv-lock-synced-v4
-if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cat uv.lock pyproject.toml | cmp -s - "$stamp"; then
+# uv's check (0.05 s) also catches a damaged environment: a package removed or changed since the last sync.
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cat uv.lock pyproject.toml | cmp -s - "$stamp" && [ -x .venv/bin/uv ] \
+   && UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --check --quiet --python .venv/bin/python >/dev/null 2>&1; then
   exit 0
 fi
 python312=$(find_python312) || {
+  if [ -n "${PYTHON312:-}" ]; then
+    echo "error: PYTHON312=$PYTHON312 is not a Python 3.12 interpreter ($("$PYTHON312" -V 2>&1 || true))," \
+         "and no other was found." >&2
+  fi
   echo "error: Python 3.12 is required (megatron-core 0.19 and Megatron-Bridge 0.6 need it) and none was found." >&2
   echo "Install it (e.g. 'pyenv install 3.12', 'apt install python3.12 python3.12-venv', or 'uv python install 3.12')," >&2
   echo "or point PYTHON312 at its interpreter: PYTHON312=/path/to/python3.12 $0" >&2
@@ -30,7 +36,11 @@ python312=$(find_python312) || {
 }
 echo "setting up .venv with $python312 (first time: a few minutes, mostly downloading torch)" >&2
 start=$(date +%s)
-[ -x .venv/bin/python ] || "$python312" -m venv .venv
+# A .venv of another Python (or whose interpreter is gone) is made anew: uv refuses to sync it.
+if ! .venv/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+  [ -e .venv ] && echo "recreating .venv: its interpreter is not Python 3.12 ($(.venv/bin/python -V 2>&1 || true))" >&2
+  "$python312" -m venv --clear .venv
+fi
 # uv resolves and installs exactly what uv.lock records (it is pinned in the lock itself too).
 # --compile-bytecode writes every module's .pyc now: where PYTHONDONTWRITEBYTECODE is set (as on this project's
 # machines) Python would otherwise compile torch, megatron and transformers from source in every process, which

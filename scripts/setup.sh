@@ -19,9 +19,11 @@ find_python312() {
 # The stamp names the set-up's own version too, so a change here re-syncs existing environments; it holds the lock
 # and pyproject.toml (whose package list the editable install records).
 stamp=.venv/.uv-lock-synced-v4
-# uv's check (0.05 s) also catches a damaged environment: a package removed or changed since the last sync.
+# uv's check (0.05 s) also catches a damaged environment: a package removed or changed since the last sync. Inexact:
+# a package the lock's default set does not list (Transformer Engine or W&B from `uv sync --extra ...`) is no damage,
+# where an exact check re-synced, and so uninstalled it, at every start.
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cat uv.lock pyproject.toml | cmp -s - "$stamp" && [ -x .venv/bin/uv ] \
-   && UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --check --quiet --python .venv/bin/python >/dev/null 2>&1; then
+   && UV_PYTHON_DOWNLOADS=never .venv/bin/uv sync --locked --check --inexact --quiet --python .venv/bin/python >/dev/null 2>&1; then
   exit 0
 fi
 python312=$(find_python312) || {

@@ -106,6 +106,15 @@ def test_setup_script_repairs_a_damaged_environment_and_is_quick_when_synced(tmp
 
     assert "environment ready" in setup() and einops() == 0
     assert setup() == ""
+    # A package the lock does not list (as `uv sync --extra te` installs Transformer Engine) is no damage: an exact
+    # check re-synced at every start and uninstalled it.
+    (site,) = (project / ".venv" / "lib").glob("python3.*/site-packages")
+    (site / "extra_package.py").write_text("")
+    (site / "extra_package-1.0.dist-info").mkdir()
+    for name, text in (("METADATA", "Metadata-Version: 2.1\nName: extra-package\nVersion: 1.0\n"),
+                       ("INSTALLER", "uv\n"), ("RECORD", "extra_package.py,,\n")):
+        (site / "extra_package-1.0.dist-info" / name).write_text(text)
+    assert setup() == "" and (site / "extra_package.py").exists()
     subprocess.run([str(project / ".venv" / "bin" / "uv"), "pip", "uninstall", "-q", "einops", "--python",
                     str(venv_python)], cwd=project, env=env, check=True, timeout=60)
     assert einops() == 1

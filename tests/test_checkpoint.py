@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -744,3 +745,26 @@ def test_tensorboard_holds_each_step_once_after_a_resume_the_restored_row_includ
     run(stopped, 0, [1, 2, 3, 4])  # resumed from the checkpoint of step 3: step 4 is trained again
     run(stopped, 3, [4])
     assert tensorboard_losses(stopped) == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 43.0)]
+
+
+def test_tensorboard_holds_each_step_once_after_a_restart_from_step_0(tmp_path):
+    """A run killed before its first save, run again with `--resume-from-checkpoint latest` (no `latest`: it starts
+    from step 0, the Slurm script's requeue), rewrites metrics.jsonl from scratch; TensorBoard kept the killed run's
+    events beside the new ones, each step twice (steps 1, 2, 3, 1, 2 before)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+    from trainer.metrics import MetricsWriter
+
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", "--log.tensorboard=true", "--train.steps=4"],
+                           "trainer.sft")
+    for steps, offset in (([1, 2, 3], 10.0), ([1, 2], 0.0)):  # killed after step 3, then started again
+        writer = MetricsWriter(config, True, 0)
+        for step in steps:
+            writer.write({"step": step, "loss": offset + step, "lr": 0.1})
+        writer.close(draw=False)
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert [(event.step, event.value) for event in accumulator.Scalars("loss")] == [(1, 1.0), (2, 2.0)]
+    assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1, 2]

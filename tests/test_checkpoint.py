@@ -768,3 +768,22 @@ def test_tensorboard_holds_each_step_once_after_a_restart_from_step_0(tmp_path):
     accumulator.Reload()
     assert [(event.step, event.value) for event in accumulator.Scalars("loss")] == [(1, 1.0), (2, 2.0)]
     assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+
+
+def test_a_resume_drops_the_stopped_runs_samples_past_its_checkpoint_at_once(tmp_path):
+    """samples.jsonl keeps the rows up to the checkpoint's step, as metrics.jsonl does, from the resume's start: it was
+    cut only at the resumed run's first logged step, so a resumed GRPO run that stopped (`train.exit_interval`, a kill)
+    before one left the dead branch's samples of step 6 after metrics.jsonl's last row, step 4."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+    from trainer.metrics import MetricsWriter
+
+    config, _ = parse_args(GRPOConfig, [f"--train.out_dir={tmp_path}", "--train.steps=8"], "trainer.grpo")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 8)))
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": step, "reward": 1.0}) + "\n" for step in (2, 4, 6)))
+    writer = MetricsWriter(config, True, 3)  # resumed from step 3's checkpoint, stopped after step 4 (not logged)
+    writer.write({"step": 4, "loss": 2.0, "lr": 0.1})
+    writer.close(draw=False)
+    steps = lambda name: [row["step"] for row in map(json.loads, (tmp_path / name).read_text().splitlines())]  # noqa: E731
+    assert steps("metrics.jsonl") == [1, 2, 3, 4]
+    assert steps("samples.jsonl") == [2]

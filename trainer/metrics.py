@@ -79,6 +79,9 @@ class MetricsWriter:
             with self._writing(self.out_dir / outputs.METRICS):  # a resume rewrites the rows it keeps
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
+            if (self.out_dir / outputs.SAMPLES).exists():  # a stopped run's samples past the checkpoint go now, as its
+                with self._writing(self.out_dir / outputs.SAMPLES):  # rows do, not at the first logged step
+                    self.samples_file = _continue_file(self.out_dir / outputs.SAMPLES, start_step)
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -744,3 +745,45 @@ def test_tensorboard_holds_each_step_once_after_a_resume_the_restored_row_includ
     run(stopped, 0, [1, 2, 3, 4])  # resumed from the checkpoint of step 3: step 4 is trained again
     run(stopped, 3, [4])
     assert tensorboard_losses(stopped) == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 43.0)]
+
+
+def test_tensorboard_holds_each_step_once_after_a_restart_from_step_0(tmp_path):
+    """A run killed before its first save, run again with `--resume-from-checkpoint latest` (no `latest`: it starts
+    from step 0, the Slurm script's requeue), rewrites metrics.jsonl from scratch; TensorBoard kept the killed run's
+    events beside the new ones, each step twice (steps 1, 2, 3, 1, 2 before)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from config.cli import parse_args
+    from config.loops import SFTConfig
+    from trainer.metrics import MetricsWriter
+
+    config, _ = parse_args(SFTConfig, [f"--train.out_dir={tmp_path}", "--log.tensorboard=true", "--train.steps=4"],
+                           "trainer.sft")
+    for steps, offset in (([1, 2, 3], 10.0), ([1, 2], 0.0)):  # killed after step 3, then started again
+        writer = MetricsWriter(config, True, 0)
+        for step in steps:
+            writer.write({"step": step, "loss": offset + step, "lr": 0.1})
+        writer.close(draw=False)
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert [(event.step, event.value) for event in accumulator.Scalars("loss")] == [(1, 1.0), (2, 2.0)]
+    assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+
+
+def test_a_resume_drops_the_stopped_runs_samples_past_its_checkpoint_at_once(tmp_path):
+    """samples.jsonl keeps the rows up to the checkpoint's step, as metrics.jsonl does, from the resume's start: it was
+    cut only at the resumed run's first logged step, so a resumed GRPO run that stopped (`train.exit_interval`, a kill)
+    before one left the dead branch's samples of step 6 after metrics.jsonl's last row, step 4."""
+    from config.cli import parse_args
+    from config.loops import GRPOConfig
+    from trainer.metrics import MetricsWriter
+
+    config, _ = parse_args(GRPOConfig, [f"--train.out_dir={tmp_path}", "--train.steps=8"], "trainer.grpo")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 8)))
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": step, "reward": 1.0}) + "\n" for step in (2, 4, 6)))
+    writer = MetricsWriter(config, True, 3)  # resumed from step 3's checkpoint, stopped after step 4 (not logged)
+    writer.write({"step": 4, "loss": 2.0, "lr": 0.1})
+    writer.close(draw=False)
+    steps = lambda name: [row["step"] for row in map(json.loads, (tmp_path / name).read_text().splitlines())]  # noqa: E731
+    assert steps("metrics.jsonl") == [1, 2, 3, 4]
+    assert steps("samples.jsonl") == [2]

@@ -79,6 +79,9 @@ class MetricsWriter:
             with self._writing(self.out_dir / outputs.METRICS):  # a resume rewrites the rows it keeps
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 self.file = _continue_file(self.out_dir / outputs.METRICS, start_step)
+            if (self.out_dir / outputs.SAMPLES).exists():  # a stopped run's samples past the checkpoint go now, as its
+                with self._writing(self.out_dir / outputs.SAMPLES):  # rows do, not at the first logged step
+                    self.samples_file = _continue_file(self.out_dir / outputs.SAMPLES, start_step)
             self.progress = tqdm(total=config.train.steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
             if config.log.tensorboard:
@@ -232,9 +235,10 @@ class TensorBoardLogger:
 
         # A resumed run hides what a stopped run logged from its checkpoint's step on (TensorBoard's purge_step), and
         # logs that step again from metrics.jsonl and samples.jsonl, once: a row the checkpoint restored to
-        # metrics.jsonl (a run that died in its final export, after the save) had never reached TensorBoard.
+        # metrics.jsonl (a run that died in its final export, after the save) had never reached TensorBoard. A run that
+        # starts from step 0 over a killed one's events (no `latest` to resume) hides them all, as metrics.jsonl does.
         self.directory = out_dir / outputs.TENSORBOARD
-        self.writer = SummaryWriter(str(self.directory), purge_step=start_step or None)
+        self.writer = SummaryWriter(str(self.directory), purge_step=start_step)
         for row in outputs.read_rows(out_dir / outputs.METRICS) if start_step else []:
             if row.get("step") == start_step:
                 self.scalars(start_step, _scalars(row))

@@ -278,3 +278,31 @@ def test_a_process_waiting_for_another_to_build_the_entry_says_how_long_it_has_w
     lines = [record.getMessage() for record in caplog.records]
     assert lines[0].startswith("waiting for another process that is building the cache entry")
     assert sum(line.startswith("still waiting for another process") for line in lines) >= 2
+
+
+def test_a_prompt_set_smaller_than_a_step_is_said(tmp_path, caplog):
+    """A step's prompts wrap around a set smaller than the step (`step_prompt_indices`): a 1-prompt file at
+    `train.global_batch_size=16`, `grpo.n_samples=2` trained 8 groups of that one prompt every step, and 3 prompts
+    at the same sizes 3, 3 and 2 groups of each, without a word. The start-up now says so; a set of a step's size
+    is not warned of."""
+    from trainer.grpo import load_tokenizer_and_prompts
+
+    assert grpo_sampling.step_prompt_indices(1, 8, 1, 1234) == [0] * 8
+    assert sorted(numpy.bincount(grpo_sampling.step_prompt_indices(3, 8, 1, 0))) == [2, 3, 3]
+    said = {}
+    for count in (1, 8):
+        path = tmp_path / f"train{count}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in (ROWS * 2)[:count]))
+        config = GRPOConfig()
+        config.data.path, config.data.cache = str(path), False
+        config.train.global_batch_size, config.grpo.n_samples = 16, 2
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainer"):
+            _, _, train_prompts, _ = load_tokenizer_and_prompts(config, ensure_tiny_checkpoint(), None, 1)
+        assert len(train_prompts) == count
+        said[count] = [record.getMessage() for record in caplog.records if record.name == "trainer"]
+    assert said[8] == []
+    assert said[1] == [f"`data.path={tmp_path / 'train1.jsonl'}` gives 1 usable prompts, fewer than the 8 each step takes "
+                       "(`train.global_batch_size=16` / `grpo.n_samples=2`): each step samples the same prompts over "
+                       "again, about 8 groups of each, so a step's 8 groups are not 8 prompts. Add prompts, or lower "
+                       "`--train.global_batch_size` to at most 2 completions."]

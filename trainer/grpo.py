@@ -82,7 +82,7 @@ from data import prompts as prompt_data, rewards, tool_text, tools as tool_data
 from model import build, collectives, generate, parallel
 from trainer import default_start, evaluation, grpo_async, metrics, rollout
 from trainer.grpo_metrics import sample_rows, step_row
-from trainer.grpo_sampling import LocalRollouts, PromptSetRecord, RewardFailures
+from trainer.grpo_sampling import LocalRollouts, PromptSetRecord, RewardFailures, repeated_prompts_note
 from trainer.grpo_update import FrozenModels, LossSettings, build_microbatches, check_teacher_tokenizer, update_policy
 
 
@@ -141,6 +141,8 @@ def load_tokenizer_and_prompts(config, model_path, toolset, world_size: int) -> 
                              tools=episode_sampler.schemas or None,
                              cache_dir=process.cache_dir() if config.data.cache else None)
     train_prompts = load(config.data.path, config.data.train_split)
+    if note := repeated_prompts_note(len(train_prompts), config):
+        metrics.log.warning(note)
     rewards.check_references_graded(config.grpo, train_prompts, config.data.path)
     tool_data.check_offered_tools_run(toolset, train_prompts, config.data.path)
     tool_data.check_filter_reads_accuracy(toolset, config.grpo, train_prompts[0].row)

@@ -30,6 +30,19 @@ def step_prompt_indices(num_prompts: int, prompts_per_step: int, step: int, seed
     return indices
 
 
+def repeated_prompts_note(num_prompts: int, config) -> str:
+    """The start-up warning for a prompt set smaller than one step's prompts (`step_prompt_indices` then wraps within
+    the step, so a step's groups repeat prompts: with 1 prompt and 8 a step, one prompt 8 times); empty otherwise."""
+    per_step = config.train.global_batch_size // config.grpo.n_samples
+    if num_prompts >= per_step:
+        return ""
+    return (f"`data.path={config.data.path}` gives {num_prompts} usable prompts, fewer than the {per_step} each step "
+            f"takes (`train.global_batch_size={config.train.global_batch_size}` / `grpo.n_samples={config.grpo.n_samples}`): "
+            f"each step samples the same prompts over again, about {per_step / num_prompts:.3g} groups of each, so a "
+            f"step's {per_step} groups are not {per_step} prompts. Add prompts, or lower `--train.global_batch_size` to "
+            f"at most {num_prompts * config.grpo.n_samples} completions.")
+
+
 @functools.lru_cache(maxsize=2)  # this epoch's and the next (a step may cross into it)
 def epoch_order(num_prompts: int, seed: int) -> numpy.ndarray:
     """A seeded permutation of the prompt indices (read-only), drawn once per epoch rather than at every step: the

@@ -34,7 +34,7 @@ def repeated_prompts_note(num_prompts: int, config) -> str:
     """The start-up warning for a prompt set smaller than one step's prompts (`step_prompt_indices` then wraps within
     the step, so a step's groups repeat prompts: with 1 prompt and 8 a step, one prompt 8 times); empty otherwise."""
     per_step = config.train.global_batch_size // config.grpo.n_samples
-    if num_prompts >= per_step:
+    if not num_prompts or num_prompts >= per_step:  # none: refused where the set is read
         return ""
     return (f"`data.path={config.data.path}` gives {num_prompts} usable prompts, fewer than the {per_step} each step "
             f"takes (`train.global_batch_size={config.train.global_batch_size}` / `grpo.n_samples={config.grpo.n_samples}`): "

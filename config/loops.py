@@ -235,7 +235,7 @@ class GRPOConfig(TrainerConfig):
                      f"`grpo.dynamic_sampling=true` keeps groups whose {grpo.filter_metric} varies, but {why}: every "
                      "group would be dropped, and every step would run all its sampling rounds to train on groups of "
                      "advantage 0. Remove `--grpo.dynamic_sampling`, or change `--grpo.filter_metric` or the reward.")
-        if grpo.dynamic_sampling and grpo.filter_metric == "accuracy" and not grpo.reward_weight and not no_verdict:
+        if grpo.filters_by_accuracy() and not grpo.reward_weight and not no_verdict:
             log.warning("`grpo.dynamic_sampling=true` keeps the groups whose accuracy (the reward function's verdict) "
                         "varies, but `grpo.reward_weight=0` leaves that function out of the trained reward: a group "
                         "whose reward-model score or teacher term varies and whose accuracy does not is dropped. "

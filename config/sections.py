@@ -283,6 +283,10 @@ class GRPOSection:
     tool_workers: int = field(default=0, metadata={"help": "with tools (or a module:function reward), calls run at once on each rank (an episode's calls always one after another, in order); 0: this rank's share of the node's cores (raise it for tools that wait on the network)"})
     tool_isolation: str = field(default="process", metadata={"help": f"with tools, where a plain function's call runs: {' | '.join(TOOL_ISOLATIONS)} (a reused worker process, killed at the timeout, so a hung or CPU-bound tool neither leaks nor holds the trainer's GIL; or a thread of the trainer, cheaper, but one past its timeout runs on). An environment's methods always run in threads"})
 
+    def filters_by_accuracy(self) -> bool:
+        """Whether dynamic sampling keeps the groups whose accuracy varies (`filter_metric=accuracy`)."""
+        return self.dynamic_sampling and self.filter_metric == "accuracy"
+
     def correction(self) -> str:
         """`rollout_correction` with `auto` resolved: the decoupled objective (`tis`) where the rollouts are stale
         (measured on the default task, one update behind: held-out 0.674 without a correction, 0.937 with it), else none."""

@@ -192,6 +192,13 @@ REWARDS: dict[str, RewardFunction] = {"arithmetic": arithmetic, "gsm8k": gsm8k, 
                                       "none": none}
 
 
+def spread(count: int, wanted: int) -> list[int]:
+    """`wanted` of `count` positions (all, if fewer) spread evenly from the first: a batch's calls that decide whether
+    the rest are made. Its first completions are one prompt's group, whose one reference a grader may hang on."""
+    wanted = min(wanted, count)
+    return sorted({index * count // wanted for index in range(wanted)}) if count else []
+
+
 class IsolatedReward:
     """A `module:function` reward called in worker processes (`tool_runtime.runner`, as tools are), so one that hangs
     or spins cannot hold the run: a call past `timeout` seconds is killed and fails with a TimeoutError (scored 0,
@@ -214,8 +221,7 @@ class IsolatedReward:
                  for pair in zip(completions, references, strict=True)]
         # The first calls are spread over the batch, not its first completions: those are one prompt's group, whose
         # shared reference may be the one a grader hangs on (a whole rank's batch then failed unrun, scored 0).
-        first = min(max(self.GIVE_UP, self.runner.workers), len(calls))
-        probes = sorted({index * len(calls) // first for index in range(first)}) if calls else []
+        probes = spread(len(calls), max(self.GIVE_UP, self.runner.workers))
         rest = sorted(set(range(len(calls))) - set(probes))
         returned = dict(zip(probes, (job_outcomes[0] for job_outcomes in self.runner.run([calls[i] for i in probes]))))
         if rest and all(outcome.kind == "timeout" for outcome in returned.values()):

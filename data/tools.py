@@ -155,7 +155,7 @@ def check_filter_reads_accuracy(toolset: "Toolset | None", grpo, row: dict) -> N
     would be dropped: each step would run all `grpo.max_sampling_rounds` and train on fill-ins. The episode starts as
     the run's do (within `grpo.tool_timeout`; one that fails is the run's error, said now) and `reward()` runs on this
     thread within `grpo.reward_timeout`, as in the run."""
-    if toolset is None or not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy" and grpo.reward == "none"):
+    if toolset is None or not (grpo.filters_by_accuracy() and grpo.reward == "none"):
         return
     instance = toolset.episode(row, seed=0, timeout=grpo.tool_timeout)[0].environment
     try:

@@ -17,6 +17,7 @@ from config import console
 from config.cli import parse_args
 from config.errors import UserError
 from config.loops import GRPOConfig
+from config.sections import GRPOSection
 from data import rewards, tool_text, tools
 from tool_runtime import runner as tool_runner, worker as tool_worker
 from data.prompts import prompts_from_conversations
@@ -750,13 +751,13 @@ def test_dapos_filter_reads_an_environments_or_a_graded_rewards_verdict(tokenize
 
 
 def test_dapos_accuracy_filter_with_an_environment_that_gives_no_verdict_is_refused_at_start_up():
-    settings = SimpleNamespace(dynamic_sampling=True, filter_metric="accuracy", reward="none", tool_timeout=0.5,
-                               reward_timeout=0.5)
+    settings = GRPOSection(dynamic_sampling=True, filter_metric="accuracy", reward="none", tool_timeout=0.5,
+                           reward_timeout=0.5)
     with pytest.raises(UserError, match=r"`Plain.reward\(\)` returns float 0.0, not `\(reward, correct\)`.*--grpo.filter_metric=reward"):
         tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"), settings, {})
     tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Ordered"), settings, {})  # it gives one
     tools.check_filter_reads_accuracy(toolset(environment="tests.tool_fixtures:Plain"),
-                                      SimpleNamespace(dynamic_sampling=True, filter_metric="reward", reward="none"), {})
+                                      GRPOSection(dynamic_sampling=True, filter_metric="reward", reward="none"), {})
 
     class Stuck(tool_fixtures.Counter):
         def reset(self, row):

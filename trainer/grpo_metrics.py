@@ -18,7 +18,9 @@ def step_row(step: int, policy, runtime, config, step_batch: StepBatch, update: 
     """The step's metrics row: loss, learning rate, gradient norm and throughput first, then the step's rollouts' global
     figures (`rollout_figures`), the step's phases (`phase_figures`), then the update's other figures (KL, entropy, clip
     fraction). Collective."""
-    totals = {**rollout_totals(step_batch), "graded_groups": graded_groups(step_batch, config.grpo), **timer.phases}
+    # Counted only where `say_no_group_kept` reads it (the same on every rank: the sums stay matched).
+    graded = {"graded_groups": graded_groups(step_batch, config.grpo)} if config.grpo.filters_by_accuracy() else {}
+    totals = {**rollout_totals(step_batch), **graded, **timer.phases}
     global_totals = dict(zip(totals, collectives.data_parallel_sum(list(totals.values()))))
     row = {"step": step, "loss": update["loss"], "lr": update["lr"],
            "grad_norm": update["grad_norm"], "tokens_per_s": global_totals["all_tokens"] / timer.seconds,
@@ -75,7 +77,7 @@ def say_no_group_kept(step: int, grpo, total: dict, rounds: int) -> None:
     varied: a reward function whose top score is below full marks (partial credit on a 0-0.5 scale) marks nothing
     correct, so every group was dropped and the step trained at advantage 0 (loss 0, grad_norm 0), every step, with no
     word but `kept_group_rate=0`. Said each time, with the cause (`total`: the step's global sums)."""
-    if not (grpo.dynamic_sampling and grpo.filter_metric == "accuracy"):
+    if not grpo.filters_by_accuracy():
         return
     if total["kept_groups"] or total["correct"] or not total["graded_groups"]:
         return

@@ -302,8 +302,7 @@ class Rollout:
         whose row may be the one reward() hangs on); when they all ran past `grpo.reward_timeout`, the rest are not
         made (each would wait as long): they fail as those did."""
         rewarded = [index for index, trajectory in enumerate(self.trajectories) if trajectory.tools.has_reward]
-        first = min(GIVE_UP_AFTER, len(rewarded))
-        probes = sorted({rewarded[number * len(rewarded) // first] for number in range(first)}) if rewarded else []
+        probes = [rewarded[position] for position in rewards.spread(len(rewarded), GIVE_UP_AFTER)]
         environments, calls, timeouts, not_made, failure = {}, 0, 0, 0, None
         for index in probes + sorted(set(rewarded) - set(probes)):
             if calls >= GIVE_UP_AFTER and timeouts == calls:
